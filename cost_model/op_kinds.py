@@ -1,0 +1,118 @@
+"""What kind of work an FX node does: compute, a collective issue, a wait, P2P, a view.
+
+This table is the single source of truth for node classification. The cost model uses it
+to decide which resource (compute stream or a communication channel) a node occupies; the
+``annotate`` pass in ``graph_passes`` copies it into ``node.meta["dhelix"]``. It knows
+nothing of passes.
+
+Functional collectives (``torch.ops._c10d_functional``) are split in two nodes::
+
+    t = all_gather_into_tensor(x, group_size, group_name)   # kind "collective": issue
+    y = wait_tensor(t)                                      # kind "wait": completion
+
+The issue node returns a tensor whose contents are undefined until its ``wait_tensor``;
+everything between the two may run while the transfer is in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+NodeKind = Literal["compute", "collective", "wait", "p2p", "view", "other"]
+
+#: Collective issue ops (OpOverloadPacket); the matching wait is ``wait_tensor``.
+COLLECTIVE_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
+    c10d.all_reduce,
+    c10d.all_reduce_,
+    c10d.all_reduce_coalesced,
+    c10d.all_reduce_coalesced_,
+    c10d.all_gather_into_tensor,
+    c10d.all_gather_into_tensor_out,
+    c10d.all_gather_into_tensor_coalesced,
+    c10d.reduce_scatter_tensor,
+    c10d.reduce_scatter_tensor_out,
+    c10d.reduce_scatter_tensor_coalesced,
+    c10d.all_to_all_single,
+    c10d.broadcast,
+)
+
+#: Point-to-point issue ops; they are waited on with ``wait_tensor`` too.
+P2P_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
+    c10d.isend,
+    c10d.irecv,
+    c10d.batch_p2p_ops,
+)
+
+WAIT_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (c10d.wait_tensor,)
+
+#: Ops that never move data: metadata changes and aliasing views. Costed as free.
+VIEW_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
+    aten.view,
+    aten._unsafe_view,
+    aten.reshape,
+    aten.expand,
+    aten.permute,
+    aten.t,
+    aten.transpose,
+    aten.squeeze,
+    aten.unsqueeze,
+    aten.slice,
+    aten.select,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.as_strided,
+    aten.alias,
+    aten.detach,
+    aten.view_as_real,
+    aten.view_as_complex,
+    aten.unflatten,
+    aten.flatten,
+    aten.narrow,
+    aten.sym_size,
+    aten.sym_stride,
+    aten.sym_numel,
+    aten.sym_storage_offset,
+)
+
+
+def _packet(target: object) -> object:
+    """The OpOverloadPacket of an OpOverload; anything else is returned unchanged."""
+    return getattr(target, "overloadpacket", target)
+
+
+_KIND_BY_PACKET: dict[object, NodeKind] = {
+    **{op: "collective" for op in COLLECTIVE_OPS},
+    **{op: "p2p" for op in P2P_OPS},
+    **{op: "wait" for op in WAIT_OPS},
+    **{op: "view" for op in VIEW_OPS},
+}
+
+
+def kind_of(node: torch.fx.Node) -> NodeKind:
+    """Classify one FX node.
+
+    ``placeholder``/``output``/``get_attr`` nodes and Python-level ``operator.getitem``
+    are ``"other"`` (free, no resource). Unknown ``call_function`` targets are
+    ``"compute"``: it is always safe to assume a node occupies the compute stream.
+    """
+    if node.op != "call_function":
+        return "other"
+    target = node.target
+    kind = _KIND_BY_PACKET.get(_packet(target))
+    if kind is not None:
+        return kind
+    if getattr(target, "__module__", None) == "_operator":
+        return "view" if getattr(target, "__name__", "") == "getitem" else "other"
+    return "compute"
+
+
+def is_comm(kind: NodeKind) -> bool:
+    """True for nodes that issue a transfer (collective or P2P)."""
+    return kind in ("collective", "p2p")

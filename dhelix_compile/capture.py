@@ -1,0 +1,99 @@
+"""Capture: AOTAutograd's joint forward-backward graph, partitioned, each partition through our passes.
+
+Data flow for one Dynamo graph::
+
+    Dynamo FX graph ──► AOTAutograd (Inductor's decompositions, joint graph, min-cut partition)
+                          ├─► forward graph   ─► compile_partition(phase="fwd")
+                          ├─► backward graph  ─► compile_partition(phase="bwd")   (at first backward)
+                          └─► inference graph ─► compile_partition(phase="inference")  (no grad)
+
+    compile_partition:  copy ─► graph_passes.run_pipeline ─► codegen.generate
+                        a pass raised?  fallback="inductor": warn, plain Inductor on the untouched graph
+                                        fallback="error":    raise the PassError
+
+The capture itself is Inductor's (``compile_fx``): dhelix graphs differ from plain Inductor's
+only by what our passes do, which keeps "dhelix vs Inductor" comparisons honest.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx
+
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.codegen import generate
+from dhelix_compile.config import DHelixConfig
+from dhelix_compile.dumps import GraphDumper
+from graph_passes import PassContext, PassError, Phase, run_pipeline
+
+log = logging.getLogger("dhelix")
+
+_anonymous_graph_ids = itertools.count()
+
+
+def capture(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: DHelixConfig,
+    *,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """Compile a Dynamo graph with dhelix; returns what ``torch.compile`` expects of a backend."""
+    inner = functools.partial(compile_partition, config=config)
+    return compat.compile_with_aot_autograd(
+        gm, example_inputs, inner, inductor_config_patches=compat.inductor_mode_options(mode)
+    )
+
+
+def compile_partition(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    config: DHelixConfig,
+    **inductor_kwargs: Any,
+) -> Callable[..., Any]:
+    """Run the pass pipeline on one partition and generate its code (see the module docstring)."""
+    phase = _phase_of(inductor_kwargs)
+    name = _graph_name(phase)
+    dumper = GraphDumper(config.dump_dir, name) if config.dump_dir else None
+    ctx = PassContext(graph_name=name, phase=phase, example_inputs=example_inputs, observer=dumper)
+    if dumper is not None:
+        dumper.write_input(gm)
+    try:
+        scheduled = run_pipeline(copy_graph_module(gm), ctx, disabled=config.disable_passes)
+    except PassError as exc:
+        if config.fallback == "error":
+            raise
+        log.warning("%s; falling back to plain Inductor on the untouched graph", exc)
+        if dumper is not None:
+            dumper.write_summary(ctx, fallback=str(exc))
+        return compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
+    if dumper is not None:
+        dumper.write_summary(ctx, codegen=config.codegen)
+    log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
+    return generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy whose graph passes may rewrite freely; node meta is copied shallowly."""
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+
+
+def _phase_of(inductor_kwargs: dict[str, Any]) -> Phase:
+    if inductor_kwargs.get("is_backward"):
+        return "bwd"
+    if inductor_kwargs.get("is_inference"):
+        return "inference"
+    return "fwd"
+
+
+def _graph_name(phase: Phase) -> str:
+    compile_id = compat.current_compile_id()
+    prefix = compile_id.replace("/", "_") if compile_id else f"g{next(_anonymous_graph_ids)}"
+    return f"{prefix}_{phase}"

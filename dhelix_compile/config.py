@@ -1,0 +1,160 @@
+"""dhelix configuration: one frozen dataclass, and the only place environment variables are read.
+
+Precedence, lowest to highest::
+
+    field defaults  <  DHELIX_* environment variables  <  explicit options
+
+``torch.compile(m, backend="dhelix", options={...})`` and ``dhelix_compile.backend(**options)``
+both go through :meth:`DHelixConfig.from_options`, so an option typo or a bad value fails the
+same way everywhere: a :class:`ConfigError` that names the option and lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+Codegen = Literal["inductor", "eager"]
+Fallback = Literal["inductor", "error"]
+CostModelKind = Literal["analytic", "profile"]
+
+
+class ConfigError(ValueError):
+    """An unknown option or an invalid option value."""
+
+
+def _option(default: Any, doc: str, env: str | None = None) -> Any:
+    """A dataclass field carrying its documentation and, optionally, its environment variable."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "env": env})
+
+
+@dataclasses.dataclass(frozen=True)
+class DHelixConfig:
+    """Every knob of the dhelix backend. Build it with :meth:`from_options`; see :meth:`describe`."""
+
+    codegen: Codegen = _option(
+        "inductor",
+        "How the scheduled graphs become code: 'inductor' (compile_fx_inner, the default) or "
+        "'eager' (run the FX graph as is; for debugging and fast tests).",
+        env="DHELIX_CODEGEN",
+    )
+    fallback: Fallback = _option(
+        "inductor",
+        "What happens when a dhelix pass raises: 'inductor' logs a warning naming the pass and "
+        "compiles the untouched graph with plain Inductor; 'error' re-raises (tests use it).",
+        env="DHELIX_FALLBACK",
+    )
+    dump_dir: str | None = _option(
+        None,
+        "Folder for graph dumps (each graph before/after every pass, op-count diffs). "
+        "None disables dumps.",
+        env="DHELIX_DUMP_DIR",
+    )
+    disable_passes: tuple[str, ...] = _option(
+        (),
+        "Names of graph passes to skip (a list, or a comma-separated string).",
+        env="DHELIX_DISABLE_PASSES",
+    )
+    cost_model: CostModelKind = _option(
+        "analytic",
+        "Where op and collective costs come from: 'analytic' (roofline + alpha-beta tables) or "
+        "'profile' (measured on the live device and process group, agreed across ranks, cached).",
+        env="DHELIX_COST_MODEL",
+    )
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None
+    ) -> DHelixConfig:
+        """Defaults, overridden by ``DHELIX_*`` env vars, overridden by ``options``; validated."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            env_name = f.metadata.get("env")
+            if env_name and environ.get(env_name, "") != "":
+                values[f.name] = environ[env_name]
+        options = dict(options or {})
+        _check_known(options)
+        values.update(options)
+        return cls(**{name: _coerce(name, value) for name, value in values.items()}).validate()
+
+    def patch(self, **changes: Any) -> DHelixConfig:
+        """A copy with ``changes`` applied and validated (handy in tests)."""
+        _check_known(changes)
+        coerced = {name: _coerce(name, value) for name, value in changes.items()}
+        return dataclasses.replace(self, **coerced).validate()
+
+    def validate(self) -> DHelixConfig:
+        """Raise :class:`ConfigError` for a value outside a field's ``Literal`` choices; return self."""
+        for f in dataclasses.fields(self):
+            choices = _literal_choices(f.name)
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(
+                    f"dhelix option {f.name}={value!r} is not valid; choose one of "
+                    f"{', '.join(repr(c) for c in choices)}"
+                )
+        if not all(isinstance(p, str) and p for p in self.disable_passes):
+            raise ConfigError(f"dhelix option disable_passes={self.disable_passes!r}: expected pass names")
+        return self
+
+    # ------------------------------------------------------------------ documentation
+
+    @classmethod
+    def describe(cls) -> str:
+        """The options table (markdown): name, default, environment variable, meaning."""
+        rows = ["| option | default | env var | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            choices = _literal_choices(f.name)
+            doc = f.metadata["doc"]
+            if choices:
+                doc += " Choices: " + ", ".join(f"`{c}`" for c in choices) + "."
+            env = f"`{f.metadata['env']}`" if f.metadata.get("env") else ""
+            rows.append(f"| `{f.name}` | `{f.default!r}` | {env} | {doc} |")
+        return "\n".join(rows)
+
+
+def option_names() -> tuple[str, ...]:
+    """Names of every valid option, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(DHelixConfig))
+
+
+def _check_known(options: Mapping[str, Any]) -> None:
+    valid = option_names()
+    for name in options:
+        if name not in valid:
+            close = difflib.get_close_matches(str(name), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"unknown dhelix option {name!r}{hint}; valid options: {', '.join(valid)}"
+            )
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(DHelixConfig)
+
+
+def _literal_choices(name: str) -> tuple[Any, ...]:
+    hint = _field_types()[name]
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn strings from env vars (or loose user input) into the field's type."""
+    if name == "disable_passes":
+        if isinstance(value, str):
+            return tuple(p.strip() for p in value.split(",") if p.strip())
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        raise ConfigError(f"dhelix option disable_passes={value!r}: expected a list or 'a,b' string")
+    if name == "dump_dir" and value is not None:
+        return os.fspath(value)
+    return value

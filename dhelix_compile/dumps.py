@@ -1,0 +1,107 @@
+"""Graph dumps: what each pass did to each compiled graph, as files a person can read.
+
+With ``dump_dir`` set, every compiled partition gets a folder::
+
+    <dump_dir>/[rank<r>/]<graph_name>/
+        00_input.txt                  the graph as AOTAutograd handed it to dhelix
+        01_annotate.before.txt        the graph before the pass
+        01_annotate.after.txt         ... and after it
+        01_annotate.opcount.txt       op-count diff: which ops the pass added or removed
+        ...
+        summary.json                  pass times (s) and the per-pass stats counters
+
+``GraphDumper`` implements ``graph_passes.PassObserver``; the pipeline driver calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.fx
+
+from graph_passes import PassContext
+
+
+def op_counts(gm: torch.fx.GraphModule) -> Counter[str]:
+    """How many ``call_function`` nodes of each target the graph has."""
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def format_op_count_diff(before: Counter[str], after: Counter[str]) -> str:
+    """One line per op whose count changed (``op: before -> after (+d)``), sorted by op."""
+    lines = []
+    for op in sorted(set(before) | set(after)):
+        b, a = before.get(op, 0), after.get(op, 0)
+        if a != b:
+            lines.append(f"{op}: {b} -> {a} ({a - b:+d})")
+    total_b, total_a = sum(before.values()), sum(after.values())
+    lines.append(f"total: {total_b} -> {total_a} ({total_a - total_b:+d})")
+    if len(lines) == 1:
+        lines.insert(0, "no op-count change")
+    return "\n".join(lines) + "\n"
+
+
+def format_graph(gm: torch.fx.GraphModule) -> str:
+    """Readable graph text: the generated Python with shapes, then each node's dhelix meta."""
+    text = gm.print_readable(print_output=False, include_stride=False, include_device=True)
+    tagged = [
+        f"#   {n.name}: {n.meta['dhelix']}" for n in gm.graph.nodes if "dhelix" in n.meta
+    ]
+    if tagged:
+        text += "\n# node.meta['dhelix']:\n" + "\n".join(tagged) + "\n"
+    return text
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "graph"
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    text: str
+    counts: Counter[str]
+
+
+class GraphDumper:
+    """Writes one compiled graph's dumps under ``root`` (see the module docstring)."""
+
+    def __init__(self, dump_dir: str | Path, graph_name: str) -> None:
+        root = Path(dump_dir)
+        if dist.is_available() and dist.is_initialized():
+            root = root / f"rank{dist.get_rank()}"
+        self.folder = root / _safe(graph_name)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.pass_seconds: dict[str, float] = {}
+
+    def write_input(self, gm: torch.fx.GraphModule) -> None:
+        (self.folder / "00_input.txt").write_text(format_graph(gm))
+
+    def snapshot(self, gm: torch.fx.GraphModule) -> _Snapshot:
+        return _Snapshot(format_graph(gm), op_counts(gm))
+
+    def after_pass(
+        self, index: int, name: str, before: Any, gm: torch.fx.GraphModule, seconds: float
+    ) -> None:
+        stem = f"{index + 1:02d}_{_safe(name)}"
+        (self.folder / f"{stem}.before.txt").write_text(before.text)
+        (self.folder / f"{stem}.after.txt").write_text(format_graph(gm))
+        (self.folder / f"{stem}.opcount.txt").write_text(
+            format_op_count_diff(before.counts, op_counts(gm))
+        )
+        self.pass_seconds[name] = seconds
+
+    def write_summary(self, ctx: PassContext, **extra: Any) -> None:
+        summary = {
+            "graph": ctx.graph_name,
+            "phase": ctx.phase,
+            "pass_seconds": self.pass_seconds,
+            "stats": {name: dict(sorted(c.items())) for name, c in sorted(ctx.stats.items())},
+            **extra,
+        }
+        (self.folder / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
