@@ -1,0 +1,121 @@
+"""DHelixConfig: defaults < env vars < options; typos and bad values are clear errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import dhelix_compile
+from dhelix_compile.config import ConfigError, DHelixConfig, option_names
+
+
+def test_defaults() -> None:
+    config = DHelixConfig.from_options({}, environ={})
+    assert config == DHelixConfig()
+    assert config.codegen == "inductor" and config.fallback == "inductor"
+    assert config.dump_dir is None and config.disable_passes == ()
+
+
+def test_env_vars_are_read() -> None:
+    env = {"DHELIX_DUMP_DIR": "/tmp/d", "DHELIX_CODEGEN": "eager", "DHELIX_DISABLE_PASSES": "verify, annotate"}
+    config = DHelixConfig.from_options(None, environ=env)
+    assert config.dump_dir == "/tmp/d"
+    assert config.codegen == "eager"
+    assert config.disable_passes == ("verify", "annotate")
+
+
+def test_options_win_over_env_vars() -> None:
+    env = {"DHELIX_CODEGEN": "eager", "DHELIX_DUMP_DIR": "/tmp/env"}
+    config = DHelixConfig.from_options({"codegen": "inductor", "dump_dir": "/tmp/opt"}, environ=env)
+    assert (config.codegen, config.dump_dir) == ("inductor", "/tmp/opt")
+
+
+def test_empty_env_var_means_unset() -> None:
+    assert DHelixConfig.from_options(None, environ={"DHELIX_CODEGEN": ""}).codegen == "inductor"
+
+
+def test_unknown_option_lists_valid_ones_and_suggests() -> None:
+    with pytest.raises(ConfigError) as info:
+        DHelixConfig.from_options({"dump_dirr": "x"}, environ={})
+    message = str(info.value)
+    assert "'dump_dirr'" in message and "did you mean 'dump_dir'" in message
+    for name in option_names():
+        assert name in message
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("codegen", "triton"), ("fallback", "ignore"), ("cost_model", "magic")],
+)
+def test_bad_literal_value_lists_choices(option: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{option}='{value}' is not valid; choose one of"):
+        DHelixConfig.from_options({option: value}, environ={})
+
+
+def test_bad_env_value_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="codegen='cuda'"):
+        DHelixConfig.from_options(None, environ={"DHELIX_CODEGEN": "cuda"})
+
+
+def test_disable_passes_accepts_list_and_rejects_garbage() -> None:
+    assert DHelixConfig.from_options({"disable_passes": ["verify"]}, environ={}).disable_passes == ("verify",)
+    with pytest.raises(ConfigError, match="disable_passes"):
+        DHelixConfig.from_options({"disable_passes": 3}, environ={})
+
+
+def test_unknown_pass_name_is_rejected_by_the_backend() -> None:
+    with pytest.raises(ConfigError, match=r"unknown dhelix pass\(es\) 'reorderr'; passes: annotate, verify"):
+        dhelix_compile.backend(disable_passes=["reorderr"])
+
+
+def test_config_is_frozen_and_patch_validates() -> None:
+    config = DHelixConfig()
+    with pytest.raises(Exception):
+        config.codegen = "eager"  # type: ignore[misc]
+    assert config.patch(codegen="eager").codegen == "eager"
+    assert config.codegen == "inductor"
+    with pytest.raises(ConfigError):
+        config.patch(codegen="nope")
+    with pytest.raises(ConfigError, match="unknown dhelix option"):
+        config.patch(nope=1)
+
+
+def test_backend_factory_validates_immediately() -> None:
+    with pytest.raises(ConfigError, match="unknown dhelix option 'codegenn'"):
+        dhelix_compile.backend(codegenn="eager")
+    assert callable(dhelix_compile.backend(codegen="eager"))
+
+
+def test_readme_options_table_is_current() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert DHelixConfig.describe() in readme, "regenerate the README table from DHelixConfig.describe()"
+
+
+def test_dhelix_env_vars_are_read_only_in_config_module() -> None:
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for folder in ("dhelix_compile", "graph_passes", "cost_model"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.name == "config.py" and path.parent.name == "dhelix_compile":
+                continue
+            if re.search(r"(environ|getenv).*DHELIX_", path.read_text()):
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == [], f"environment variables read outside dhelix_compile/config.py: {offenders}"
+
+
+def test_option_typo_through_torch_compile_names_the_option() -> None:
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.nn.Linear(2, 2), backend="dhelix", options={"dump_dirr": "x"})
+    with pytest.raises(Exception, match="unknown dhelix option 'dump_dirr' \\(did you mean 'dump_dir'\\?\\)"):
+        compiled(torch.randn(1, 2))
+
+
+def test_non_callable_model_is_rejected_by_torch_compile() -> None:
+    import torch
+
+    with pytest.raises(Exception, match="callable"):
+        torch.compile(5, backend="dhelix")  # type: ignore[arg-type]

@@ -1,0 +1,239 @@
+"""The pass pipeline on hand-built and traced graphs: annotate, verify, the driver, dumps, fallback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+
+import pytest
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import graph_passes.pipeline as pipeline
+from dhelix_compile.testing.toy_models import MLP
+from graph_passes import GraphPass, PassContext, PassError, UnknownPassError, run_pipeline
+from graph_passes.annotate import annotate_pass
+from graph_passes.verify import VerifyError, verify_pass
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _ctx(phase: str = "fwd", **kw) -> PassContext:
+    return PassContext(graph_name="test", phase=phase, **kw)  # type: ignore[arg-type]
+
+
+def _gm(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _all_gather_mm_graph(with_wait: bool = True) -> torch.fx.GraphModule:
+    """x -> all_gather -> [wait] -> mm(., w);  y = relu(w) independent of the collective."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    gathered = g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "0"))
+    if with_wait:
+        gathered = g.call_function(c10d.wait_tensor.default, (gathered,))
+    y = g.call_function(aten.relu.default, (w,))
+    wt = g.call_function(aten.t.default, (y,))
+    out = g.call_function(aten.mm.default, (gathered, wt))
+    g.output((out,))
+    return _gm(g)
+
+
+def test_annotate_kinds_and_pairs_collectives_with_waits() -> None:
+    gm = annotate_pass(_all_gather_mm_graph(), _ctx("bwd", strand=1))
+    meta = {n.name: n.meta["dhelix"] for n in gm.graph.nodes}
+    assert meta["all_gather_into_tensor_default"]["kind"] == "collective"
+    assert meta["wait_tensor_default"]["kind"] == "wait"
+    assert meta["all_gather_into_tensor_default"]["comm_id"] == meta["wait_tensor_default"]["comm_id"] == 0
+    assert meta["relu_default"]["kind"] == "compute" and meta["mm_default"]["kind"] == "compute"
+    assert meta["t_default"]["kind"] == "view"
+    assert meta["x"]["kind"] == "other" and meta["output"]["kind"] == "other"
+    assert all(m["phase"] == "bwd" and m["strand"] == 1 for m in meta.values())
+    assert "comm_id" not in meta["mm_default"]
+
+
+def test_annotate_keeps_existing_strand_and_is_idempotent() -> None:
+    gm = _all_gather_mm_graph()
+    for node in gm.graph.nodes:
+        if node.name == "relu_default":
+            node.meta["dhelix"] = {"strand": 7}
+    ctx = _ctx()
+    annotate_pass(gm, ctx)
+    first = {n.name: dict(n.meta["dhelix"]) for n in gm.graph.nodes}
+    annotate_pass(gm, ctx)
+    assert first == {n.name: n.meta["dhelix"] for n in gm.graph.nodes}
+    assert first["relu_default"]["strand"] == 7 and first["mm_default"]["strand"] == 0
+
+
+def test_coalesced_collective_and_p2p_waits_are_paired_through_getitem() -> None:
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    co = g.call_function(c10d.all_reduce_coalesced.default, ([a, b], "sum", "0"))
+    waits = [
+        g.call_function(c10d.wait_tensor.default, (g.call_function(operator.getitem, (co, i)),))
+        for i in range(2)
+    ]
+    sent = g.call_function(c10d.isend.default, (a, 1, 0, "0"))
+    sent_wait = g.call_function(c10d.wait_tensor.default, (sent,))
+    g.output((*waits, sent_wait))
+    gm = annotate_pass(_gm(g), _ctx())
+    meta = {n.name: n.meta["dhelix"] for n in gm.graph.nodes}
+    assert meta["all_reduce_coalesced_default"]["kind"] == "collective"
+    assert meta["isend_default"]["kind"] == "p2p"
+    assert meta["wait_tensor_default"]["comm_id"] == meta["wait_tensor_default_1"]["comm_id"] == 0
+    assert meta["wait_tensor_default_2"]["comm_id"] == meta["isend_default"]["comm_id"] == 1
+    verify_pass(gm, _ctx())
+
+
+def test_verify_accepts_a_good_graph_and_counts() -> None:
+    ctx = _ctx()
+    verify_pass(_all_gather_mm_graph(), ctx)
+    assert ctx.stats["verify"]["collective issue with wait"] == 1
+
+
+def test_verify_rejects_a_collective_without_wait() -> None:
+    with pytest.raises(VerifyError, match="'all_gather_into_tensor_default'.*has no wait_tensor"):
+        verify_pass(_all_gather_mm_graph(with_wait=False), _ctx())
+
+
+def test_verify_rejects_a_wait_on_a_non_collective() -> None:
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(c10d.wait_tensor.default, (g.call_function(aten.relu.default, (x,)),)),))
+    with pytest.raises(VerifyError, match="completes no collective"):
+        verify_pass(_gm(g), _ctx())
+
+
+def test_verify_rejects_a_read_before_the_wait() -> None:
+    gm = _all_gather_mm_graph()
+    issue = next(n for n in gm.graph.nodes if n.name == "all_gather_into_tensor_default")
+    with gm.graph.inserting_after(issue):
+        early = gm.graph.call_function(aten.relu.default, (issue,))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output.args = ((output.args[0][0], early),)
+    with pytest.raises(VerifyError, match="read by \\['relu_default_1'\\] before its wait_tensor"):
+        verify_pass(gm, _ctx())
+
+
+def test_verify_rejects_a_broken_topological_order() -> None:
+    gm = _all_gather_mm_graph()
+    mm = next(n for n in gm.graph.nodes if n.name == "mm_default")
+    first = next(iter(gm.graph.nodes))
+    first.prepend(mm)  # mm now runs before its inputs exist
+    with pytest.raises(RuntimeError, match="used before it has been defined"):
+        verify_pass(gm, _ctx())
+
+
+def test_annotate_on_a_traced_model_graph() -> None:
+    model = MLP()
+    gm = make_fx(lambda x: model(x))(torch.randn(2, 16))
+    annotate_pass(gm, _ctx())
+    kinds = {n.meta["dhelix"]["kind"] for n in gm.graph.nodes}
+    assert kinds <= {"compute", "view", "other"} and "compute" in kinds
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _add_clone_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        clone = gm.graph.call_function(aten.clone.default, (output.args[0][0],))
+    output.args = ((clone,),)
+    ctx.count("add_clone", "clones added")
+    return gm
+
+
+def _boom_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    raise ValueError("cannot schedule this")
+
+
+def test_driver_runs_in_order_skips_disabled_and_logs_times(caplog) -> None:
+    passes = [
+        GraphPass("annotate", annotate_pass, ""),
+        GraphPass("add_clone", _add_clone_pass, ""),
+        GraphPass("boom", _boom_pass, ""),
+    ]
+    ctx = _ctx()
+    with caplog.at_level(logging.INFO, logger="dhelix"):
+        gm = run_pipeline(_all_gather_mm_graph(), ctx, passes=passes, disabled=["boom"])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"][-1] == aten.clone.default
+    assert ctx.stats["add_clone"]["clones added"] == 1
+    assert "test: pass add_clone" in caplog.text and "ms" in caplog.text
+    assert "test: pass boom disabled" in caplog.text
+    x, w = torch.randn(2, 3), torch.randn(5, 3)
+    gm.graph.eliminate_dead_code()  # the collective has no live peer here; just check codegen
+    assert callable(gm.forward)
+
+
+def test_driver_wraps_pass_errors_with_the_pass_name() -> None:
+    passes = [GraphPass("boom", _boom_pass, "")]
+    with pytest.raises(PassError, match="dhelix pass 'boom' failed on graph 'test': ValueError: cannot schedule"):
+        run_pipeline(_all_gather_mm_graph(), _ctx(), passes=passes)
+
+
+def test_driver_rejects_unknown_disabled_names() -> None:
+    with pytest.raises(UnknownPassError, match="'nope'"):
+        run_pipeline(_all_gather_mm_graph(), _ctx(), disabled=["nope"])
+
+
+# ---------------------------------------------------------------- through torch.compile
+
+
+def _train_once(options: dict) -> torch.Tensor:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend="dhelix", options=options)
+    out = compiled(torch.randn(4, 16))
+    out.sum().backward()
+    return out
+
+
+def test_dumps_every_pass_before_after_and_op_count_diff(tmp_path) -> None:
+    _train_once({"codegen": "eager", "fallback": "error", "dump_dir": str(tmp_path)})
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert any(f.endswith("_fwd") for f in folders) and any(f.endswith("_bwd") for f in folders)
+    for folder in tmp_path.iterdir():
+        names = sorted(p.name for p in folder.iterdir())
+        for stem in ("01_annotate", "02_verify"):
+            assert {f"{stem}.before.txt", f"{stem}.after.txt", f"{stem}.opcount.txt"} <= set(names)
+        assert "00_input.txt" in names
+        after = (folder / "01_annotate.after.txt").read_text()
+        assert "node.meta['dhelix']" in after and "'kind': 'compute'" in after
+        assert "total:" in (folder / "01_annotate.opcount.txt").read_text()
+        summary = json.loads((folder / "summary.json").read_text())
+        assert set(summary["pass_seconds"]) == {"annotate", "verify"}
+        assert summary["stats"]["annotate"]["compute"] > 0
+
+
+def test_disable_passes_option_skips_them(tmp_path) -> None:
+    _train_once({"codegen": "eager", "fallback": "error", "dump_dir": str(tmp_path), "disable_passes": "verify"})
+    for folder in tmp_path.iterdir():
+        assert not (folder / "02_verify.after.txt").exists()
+        assert (folder / "01_annotate.after.txt").exists()
+
+
+@pytest.fixture
+def failing_pipeline(monkeypatch):
+    monkeypatch.setattr(pipeline, "PASSES", (*pipeline.PASSES, GraphPass("boom", _boom_pass, "")))
+
+
+@pytest.mark.inductor
+def test_failing_pass_falls_back_to_plain_inductor_with_a_warning(failing_pipeline, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="dhelix"):
+        out = _train_once({"codegen": "eager"})
+    assert "dhelix pass 'boom' failed" in caplog.text
+    assert "falling back to plain Inductor" in caplog.text
+    torch.manual_seed(0)
+    model = MLP()
+    torch.testing.assert_close(out, model(torch.randn(4, 16)))
+
+
+def test_failing_pass_raises_with_fallback_error(failing_pipeline) -> None:
+    with pytest.raises(Exception, match="dhelix pass 'boom' failed on graph '.*fwd'"):
+        _train_once({"codegen": "eager", "fallback": "error"})

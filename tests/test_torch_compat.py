@@ -1,0 +1,80 @@
+"""The private-torch-API wrappers still behave as dhelix assumes (the first test to break on upgrade)."""
+
+from __future__ import annotations
+
+import torch
+
+from dhelix_compile import _torch_compat as compat
+
+
+def test_compile_with_aot_autograd_hands_us_forward_and_backward_partitions() -> None:
+    seen: list[dict] = []
+
+    def inner(gm, example_inputs, **kwargs):
+        seen.append({"is_backward": bool(kwargs.get("is_backward")), "is_inference": bool(kwargs.get("is_inference"))})
+        assert isinstance(gm, torch.fx.GraphModule)
+        return compat.eager_partition(gm)
+
+    def backend(gm, example_inputs):
+        return compat.compile_with_aot_autograd(gm, example_inputs, inner)
+
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    compiled = torch.compile(model, backend=backend)
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, model(x))
+    with torch.no_grad():
+        compiled(x)
+    assert seen == [
+        {"is_backward": False, "is_inference": False},
+        {"is_backward": True, "is_inference": False},
+        {"is_backward": False, "is_inference": True},
+    ]
+
+
+def test_aot_autograd_cache_never_bypasses_our_inner_compile() -> None:
+    """Compiling the same model twice must call our inner compiler twice (no cache hit)."""
+    calls = []
+
+    def inner(gm, example_inputs, **kwargs):
+        calls.append(kwargs.get("is_backward"))
+        return compat.eager_partition(gm)
+
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.compile(torch.nn.Linear(4, 3), backend=lambda gm, ex: compat.compile_with_aot_autograd(gm, ex, inner))(
+            torch.randn(2, 4)
+        )
+    assert len(calls) == 2
+
+
+def test_eager_partition_is_boxed() -> None:
+    gm = torch.fx.symbolic_trace(lambda a, b: a + b)
+    fn = compat.eager_partition(gm)
+    assert getattr(fn, "_boxed_call", False)
+    torch.testing.assert_close(fn([torch.ones(2), torch.ones(2)]), torch.full((2,), 2.0))
+
+
+def test_mode_options() -> None:
+    assert compat.inductor_mode_options(None) == {}
+    assert compat.inductor_mode_options("default") == {}
+    assert compat.inductor_mode_options("max-autotune").get("max_autotune") is True
+
+
+def test_inductor_config_patch() -> None:
+    before = torch._inductor.config.reorder_for_locality
+    with compat.inductor_config_patch({"reorder_for_locality": not before}):
+        assert torch._inductor.config.reorder_for_locality is (not before)
+    assert torch._inductor.config.reorder_for_locality is before
+    with compat.inductor_config_patch({}):
+        pass
+
+
+def test_compile_id_outside_dynamo_is_none() -> None:
+    assert compat.current_compile_id() is None
+
+
+def test_entry_point_backend_is_listed() -> None:
+    assert "dhelix" in compat.list_dynamo_backends()
