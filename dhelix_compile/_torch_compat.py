@@ -18,8 +18,11 @@ import torch.fx
 from torch._functorch import config as _functorch_config
 from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
 from torch._inductor import config as _inductor_config
+from torch._inductor import ir as _inductor_ir
+from torch._inductor.choices import InductorChoices as _InductorChoices
 from torch._inductor.compile_fx import compile_fx as _compile_fx
 from torch._inductor.compile_fx import compile_fx_inner as _compile_fx_inner
+from torch._inductor.virtualized import V as _V
 
 #: An inner compiler: ``(gm, example_inputs, **inductor_kwargs) -> boxed callable``.
 InnerCompile = Callable[..., Any]
@@ -62,6 +65,58 @@ def inductor_compile_partition(
     return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
 
 
+#: Inductor settings that would move collectives, waits or the compute around them after
+#: dhelix scheduled the graph (torch 2.13; file:line refer to torch/_inductor/):
+#: - reorder_for_peak_memory (on by default, every graph; scheduler.py, memory.py): picks the
+#:   lowest-peak of several topological orders -- it sank backward all-gather issues below compute.
+#: - reorder_for_locality (on by default, inference graphs; post_grad.py): pulls producers next
+#:   to their consumers, moving compute across waits.
+#: - the comm-overlap passes and FX bucketing (off by default): restated so a user's global
+#:   config cannot undo dhelix's schedule behind its back.
+KEEP_ORDER_CONFIG: dict[str, Any] = {
+    "reorder_for_peak_memory": False,
+    "reorder_for_locality": False,
+    "reorder_for_compute_comm_overlap": False,
+    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+    "bucket_all_gathers_fx": "none",
+    "bucket_reduce_scatters_fx": "none",
+    "bucket_all_reduces_fx": "none",
+}
+
+
+class _NoFusionAcrossCollectives(_InductorChoices):
+    """Inductor's fusion heuristics, except that no fused kernel may straddle a collective.
+
+    A fused kernel is emitted at its first member's position and pulls its other members'
+    inputs with it; fusing a kernel before a collective issue or wait with one after it would
+    move compute across the wait (or the issue) and undo the overlap dhelix scheduled.
+    """
+
+    @staticmethod
+    def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+        low = min(node1.min_order, node2.min_order)
+        high = max(node1.max_order, node2.max_order)
+        for other in scheduler.nodes:
+            if isinstance(getattr(other, "node", None), _inductor_ir._CollectiveKernel) and (
+                low < other.min_order < high
+            ):
+                return False
+        return _InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+
+def inductor_compile_partition_keeping_order(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **inductor_kwargs: Any
+) -> Callable[..., Any]:
+    """``compile_fx_inner`` that emits collectives, waits and the kernels between them in ``gm``'s order.
+
+    It turns off Inductor's own reorderings (``KEEP_ORDER_CONFIG``) and refuses fusions across
+    a collective. Pointwise ops that Inductor inlines into their consumer still run with that
+    consumer; matmuls, reductions and other materialized buffers keep their place.
+    """
+    with _inductor_config.patch(KEEP_ORDER_CONFIG), _V.set_choices_handler(_NoFusionAcrossCollectives()):
+        return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
+
+
 def eager_partition(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     """Run the FX graph as is, with AOTAutograd's boxed calling convention."""
     return _make_boxed_func(gm.forward)
@@ -94,3 +149,18 @@ def current_compile_id() -> str | None:
 def list_dynamo_backends() -> list[str]:
     """Names ``torch.compile(backend=...)`` accepts (includes entry-point backends)."""
     return list(torch._dynamo.list_backends())
+
+
+def default_store() -> Any:
+    """The c10d key-value store of the default process group (for out-of-graph agreement)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def group_ranks(group_name: str) -> list[int]:
+    """Global ranks of the process group a functional collective names (``group_name`` arg)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))

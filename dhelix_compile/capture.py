@@ -7,7 +7,8 @@ Data flow for one Dynamo graph::
                           ├─► backward graph  ─► compile_partition(phase="bwd")   (at first backward)
                           └─► inference graph ─► compile_partition(phase="inference")  (no grad)
 
-    compile_partition:  copy ─► graph_passes.run_pipeline ─► codegen.generate
+    compile_partition:  estimator (graphs with collectives) ─► copy ─► graph_passes.run_pipeline
+                        ─► rank-consistency check ─► codegen.generate
                         a pass raised?  fallback="inductor": warn, plain Inductor on the untouched graph
                                         fallback="error":    raise the PassError
 
@@ -27,10 +28,13 @@ from typing import Any
 import torch.fx
 
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.codegen import generate
+from dhelix_compile.codegen import generate, has_communication
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.dumps import GraphDumper
+from dhelix_compile.estimation import build_estimator
 from graph_passes import PassContext, PassError, Phase, run_pipeline
+from graph_passes.reorder import ReorderOptions
 
 log = logging.getLogger("dhelix")
 
@@ -62,7 +66,14 @@ def compile_partition(
     phase = _phase_of(inductor_kwargs)
     name = _graph_name(phase)
     dumper = GraphDumper(config.dump_dir, name) if config.dump_dir else None
-    ctx = PassContext(graph_name=name, phase=phase, example_inputs=example_inputs, observer=dumper)
+    ctx = PassContext(
+        graph_name=name,
+        phase=phase,
+        example_inputs=example_inputs,
+        estimator=build_estimator(config, gm, example_inputs) if has_communication(gm) else None,
+        pass_options=pass_options(config),
+        observer=dumper,
+    )
     if dumper is not None:
         dumper.write_input(gm)
     try:
@@ -74,10 +85,22 @@ def compile_partition(
         if dumper is not None:
             dumper.write_summary(ctx, fallback=str(exc))
         return compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
+    check_rank_consistency(scheduled, name, config.consistency_timeout_s)
     if dumper is not None:
         dumper.write_summary(ctx, codegen=config.codegen)
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
     return generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
+
+
+def pass_options(config: DHelixConfig) -> dict[str, Any]:
+    """Per-pass options objects built from the config, keyed by pass name."""
+    return {
+        "reorder": ReorderOptions(
+            memory_budget_ratio=config.memory_budget_ratio,
+            max_in_flight=config.max_in_flight,
+            max_issue_distance=config.max_issue_distance,
+        )
+    }
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -5,7 +5,10 @@ Contract
     (AOTAutograd's convention: it takes one list of arguments and may clear it).
 
     - ``"inductor"``: ``compile_fx_inner`` on the graph dhelix scheduled, with the keyword
-      arguments ``compile_fx`` passed us (``is_backward``, ``static_input_idxs``, ...).
+      arguments ``compile_fx`` passed us (``is_backward``, ``static_input_idxs``, ...). When the
+      graph holds collectives, Inductor's own reorderings are off and no fusion crosses a
+      collective, so the generated code issues and waits in dhelix's order
+      (``_torch_compat.inductor_compile_partition_keeping_order``).
     - ``"eager"``: the FX graph as is — every aten op runs in the order dhelix chose. For
       debugging and fast tests; numerically it is the reference for the passes.
 """
@@ -17,8 +20,14 @@ from typing import Any
 
 import torch.fx
 
+from cost_model.op_kinds import is_comm, kind_of
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.config import Codegen
+
+
+def has_communication(gm: torch.fx.GraphModule) -> bool:
+    """True if the graph issues any collective or P2P transfer."""
+    return any(is_comm(kind_of(n)) for n in gm.graph.nodes)
 
 
 def generate(
@@ -31,5 +40,7 @@ def generate(
     if codegen == "eager":
         return compat.eager_partition(gm)
     if codegen == "inductor":
+        if has_communication(gm):
+            return compat.inductor_compile_partition_keeping_order(gm, example_inputs, **inductor_kwargs)
         return compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
     raise ValueError(f"unknown dhelix codegen {codegen!r}; choose 'inductor' or 'eager'")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.fx
 
+from cost_model import DEVICES, LINKS
 from dhelix_compile.capture import capture
 from dhelix_compile.config import ConfigError, DHelixConfig
 from graph_passes import UnknownPassError, check_pass_names
@@ -33,6 +34,10 @@ def resolve_config(options: Mapping[str, Any] | DHelixConfig | None) -> DHelixCo
         check_pass_names(config.disable_passes)
     except UnknownPassError as exc:
         raise ConfigError(str(exc)) from None
+    if config.device not in ("auto", "cpu") and config.device.lower() not in DEVICES:
+        raise ConfigError(f"dhelix option device={config.device!r}: choose 'auto' or one of {', '.join(['cpu', *DEVICES])}")
+    if config.link != "auto" and config.link.lower() not in LINKS:
+        raise ConfigError(f"dhelix option link={config.link!r}: choose 'auto' or one of {', '.join(LINKS)}")
     return config
 
 

@@ -66,6 +66,39 @@ class DHelixConfig:
         "'profile' (measured on the live device and process group, agreed across ranks, cached).",
         env="DHELIX_COST_MODEL",
     )
+    device: str = _option(
+        "auto",
+        "Device of the cost model: a name from cost_model.DEVICES (h100_sxm, h200, a100_80gb, "
+        "a800, a40, cpu) or 'auto' (the CUDA device's entry, else this CPU, measured once).",
+        env="DHELIX_DEVICE",
+    )
+    link: str = _option(
+        "auto",
+        "Link collectives use, for the cost model: a name from cost_model.LINKS (nvlink4, ib_ndr, "
+        "eth_100g, loopback, ...) or 'auto' (nvlink4 on CUDA, loopback on CPU).",
+        env="DHELIX_LINK",
+    )
+    cache_dir: str = _option(
+        "~/.cache/dhelix",
+        "Where profiled costs are cached (cost_model='profile').",
+        env="DHELIX_CACHE_DIR",
+    )
+    memory_budget_ratio: float = _option(
+        1.25,
+        "Reordering may raise a graph's predicted peak live bytes to at most this multiple of "
+        "the original order's peak (>= 1).",
+    )
+    max_in_flight: int = _option(
+        2, "At most this many collectives issued and not yet waited on (>= 1)."
+    )
+    max_issue_distance: int = _option(
+        512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."
+    )
+    consistency_timeout_s: float = _option(
+        300.0,
+        "How long a rank waits for the others' collective sequences at compile time before "
+        "failing with an error that names the missing ranks (> 0).",
+    )
 
     # ------------------------------------------------------------------ construction
 
@@ -103,6 +136,10 @@ class DHelixConfig:
                 )
         if not all(isinstance(p, str) and p for p in self.disable_passes):
             raise ConfigError(f"dhelix option disable_passes={self.disable_passes!r}: expected pass names")
+        _check_number("memory_budget_ratio", self.memory_budget_ratio, float, minimum=1.0)
+        _check_number("max_in_flight", self.max_in_flight, int, minimum=1)
+        _check_number("max_issue_distance", self.max_issue_distance, int, minimum=1)
+        _check_number("consistency_timeout_s", self.consistency_timeout_s, float, minimum=1e-3)
         return self
 
     # ------------------------------------------------------------------ documentation
@@ -145,6 +182,13 @@ def _field_types() -> dict[str, Any]:
 def _literal_choices(name: str) -> tuple[Any, ...]:
     hint = _field_types()[name]
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def _check_number(name: str, value: Any, kind: type, *, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ConfigError(f"dhelix option {name}={value!r}: expected {'an integer' if kind is int else 'a number'}")
+    if value < minimum:
+        raise ConfigError(f"dhelix option {name}={value!r}: must be >= {minimum}")
 
 
 def _coerce(name: str, value: Any) -> Any:

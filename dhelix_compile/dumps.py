@@ -102,6 +102,7 @@ class GraphDumper:
             "phase": ctx.phase,
             "pass_seconds": self.pass_seconds,
             "stats": {name: dict(sorted(c.items())) for name, c in sorted(ctx.stats.items())},
+            "records": ctx.records,
             **extra,
         }
         (self.folder / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

@@ -33,6 +33,8 @@ class PassContext:
         estimator: the cost model (a ``cost_model.Estimator``) or ``None``; passes never build one.
         strand: the strand id ``annotate`` assigns to nodes that have none (0 outside helix).
         stats: ``stats[pass_name][reason] += 1`` — what passes did or why they skipped.
+        records: ``records[pass_name][name] = value`` — numbers a pass reports (predictions).
+        pass_options: per-pass options objects, keyed by pass name (e.g. ``ReorderOptions``).
         observer: dump writer, or ``None``.
     """
 
@@ -42,8 +44,14 @@ class PassContext:
     estimator: Any = None
     strand: int = 0
     stats: dict[str, Counter[str]] = dataclasses.field(default_factory=dict)
+    records: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    pass_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     observer: PassObserver | None = None
 
     def count(self, pass_name: str, reason: str, n: int = 1) -> None:
         """Record that ``pass_name`` did (or skipped) something, with a reason."""
         self.stats.setdefault(pass_name, Counter())[reason] += n
+
+    def record(self, pass_name: str, **values: float) -> None:
+        """Record numbers a pass computed (e.g. predicted makespans), for dumps and reports."""
+        self.records.setdefault(pass_name, {}).update(values)

@@ -29,6 +29,7 @@ import torch.fx
 
 from graph_passes.annotate import annotate_pass
 from graph_passes.context import PassContext
+from graph_passes.reorder import reorder_pass
 from graph_passes.verify import verify_pass
 
 log = logging.getLogger("dhelix.passes")
@@ -62,6 +63,7 @@ class UnknownPassError(ValueError):
 #: The pipeline, in order. Add a pass by inserting a ``GraphPass`` at the right position.
 PASSES: tuple[GraphPass, ...] = (
     GraphPass("annotate", annotate_pass, "tag every node with meta['dhelix'] (kind, phase, strand)"),
+    GraphPass("reorder", reorder_pass, "issue collectives early, wait late, within a memory budget"),
     GraphPass("verify", verify_pass, "lint, topological order, every collective has its wait"),
 )
 

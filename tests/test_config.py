@@ -66,7 +66,7 @@ def test_disable_passes_accepts_list_and_rejects_garbage() -> None:
 
 
 def test_unknown_pass_name_is_rejected_by_the_backend() -> None:
-    with pytest.raises(ConfigError, match=r"unknown dhelix pass\(es\) 'reorderr'; passes: annotate, verify"):
+    with pytest.raises(ConfigError, match=r"unknown dhelix pass\(es\) 'reorderr'; passes: annotate, reorder, verify"):
         dhelix_compile.backend(disable_passes=["reorderr"])
 
 

@@ -200,21 +200,21 @@ def test_dumps_every_pass_before_after_and_op_count_diff(tmp_path) -> None:
     assert any(f.endswith("_fwd") for f in folders) and any(f.endswith("_bwd") for f in folders)
     for folder in tmp_path.iterdir():
         names = sorted(p.name for p in folder.iterdir())
-        for stem in ("01_annotate", "02_verify"):
+        for stem in ("01_annotate", "02_reorder", "03_verify"):
             assert {f"{stem}.before.txt", f"{stem}.after.txt", f"{stem}.opcount.txt"} <= set(names)
         assert "00_input.txt" in names
         after = (folder / "01_annotate.after.txt").read_text()
         assert "node.meta['dhelix']" in after and "'kind': 'compute'" in after
         assert "total:" in (folder / "01_annotate.opcount.txt").read_text()
         summary = json.loads((folder / "summary.json").read_text())
-        assert set(summary["pass_seconds"]) == {"annotate", "verify"}
+        assert set(summary["pass_seconds"]) == {"annotate", "reorder", "verify"}
         assert summary["stats"]["annotate"]["compute"] > 0
 
 
 def test_disable_passes_option_skips_them(tmp_path) -> None:
     _train_once({"codegen": "eager", "fallback": "error", "dump_dir": str(tmp_path), "disable_passes": "verify"})
     for folder in tmp_path.iterdir():
-        assert not (folder / "02_verify.after.txt").exists()
+        assert not (folder / "03_verify.after.txt").exists()
         assert (folder / "01_annotate.after.txt").exists()
 
 

@@ -1,0 +1,338 @@
+"""Estimators: the per-node cost interface passes receive, and the analytic model.
+
+Contract
+--------
+An :class:`Estimator` maps one FX node to a :class:`NodeCost`. Passes and the simulator
+only call ``node_cost``; which model stands behind it (analytic, profiled, a table in a
+test) is the caller's choice. An estimator may also expose ``contention_factor``
+(compute slowdown while a transfer is in flight); the simulator reads it with
+``getattr(estimator, "contention_factor", 1.0)``.
+
+:class:`AnalyticEstimator` -- the roofline / alpha-beta model::
+
+    compute node   time = launch_overhead + max(flops / peak_flops[dtype], bytes / mem_bw)
+    issue node     time = collective_time(op, S, group_size, link)   (cost_model.collectives)
+    wait, view, placeholder, output, views by schema, allocations:  time = 0
+
+FLOPs and bytes come from :mod:`cost_model.flops` (``torch.utils.flop_counter``'s formulas
+where it has one). With symbolic shapes every quantity is first a sympy expression of the
+graph's size symbols; ``NodeCost.time_expr`` keeps it and the numbers are its value at the
+symbols' hints. :func:`graph_time_expr` sums the expressions of a whole graph ("how does
+this graph's cost grow with sequence length").
+
+``output_bytes`` is what the node *allocates*: its outputs' dense size, 0 for nodes whose
+output aliases an input (:func:`cost_model.memory.alias_source`). Placeholders report their
+size so liveness can count graph inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import sympy
+import torch
+import torch.fx
+
+from cost_model.collectives import (
+    Algorithm,
+    Backend,
+    collective_bytes_on_wire,
+    collective_time_expr,
+    collective_time_s,
+)
+from cost_model.comm_nodes import describe_comm
+from cost_model.flops import ALLOCATION_OPS, op_bytes, op_flops, output_bytes_expr, output_tensors
+from cost_model.hardware import Device, Link, get_device, get_link
+from cost_model.memory import alias_source, is_schema_view
+from cost_model.op_kinds import NodeKind, is_comm, kind_of
+from cost_model.symbolic import (
+    SizeExpr,
+    evaluate,
+    evaluate_int,
+    free_symbols_sorted,
+    shape_env_of_nodes,
+    size_hints,
+    symbol_hint,
+    to_sympy,
+)
+
+aten = torch.ops.aten
+
+_ZERO = sympy.Integer(0)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Cost of one node.
+
+    Attributes:
+        kind: from :func:`cost_model.op_kinds.kind_of`.
+        time_s: compute time (compute nodes), transfer time (collective / P2P issue
+            nodes), 0 for wait / view / other.
+        flops: floating-point operations (at the size hints).
+        bytes_accessed: device-memory bytes read + written (compute nodes).
+        comm_bytes: bytes this rank sends over its link (issue nodes).
+        output_bytes: bytes the node allocates (0 when its output aliases an input).
+        time_expr: ``time_s`` as a sympy expression of the graph's size symbols.
+        collective: collective name for issue nodes (``"all_gather"``, ``"send"``...).
+        group_size: ranks in the collective's group (issue nodes).
+    """
+
+    kind: NodeKind
+    time_s: float
+    flops: int = 0
+    bytes_accessed: int = 0
+    comm_bytes: int = 0
+    output_bytes: int = 0
+    time_expr: sympy.Expr = _ZERO
+    collective: str | None = None
+    group_size: int | None = None
+
+
+class Estimator(Protocol):
+    """Anything that prices a node. Optionally has ``contention_factor: float``."""
+
+    def node_cost(self, node: torch.fx.Node) -> NodeCost: ...
+
+
+def _allocated_bytes(node: torch.fx.Node) -> SizeExpr:
+    if node.op in ("placeholder", "get_attr"):
+        return output_bytes_expr(node)
+    if node.op != "call_function" or alias_source(node) is not None:
+        return 0
+    return output_bytes_expr(node)
+
+
+def _dtype_of(node: torch.fx.Node) -> torch.dtype | None:
+    for inp in node.all_input_nodes:
+        tensors = output_tensors(inp)
+        if tensors and tensors[0].dtype.is_floating_point:
+            return tensors[0].dtype
+    outs = output_tensors(node)
+    return outs[0].dtype if outs else None
+
+
+class AnalyticEstimator:
+    """Roofline compute + alpha-beta communication (see module docstring).
+
+    Args:
+        device: a :class:`Device` or its registry name (``"h100_sxm"``, ``"cpu"``...).
+        link: the link collectives use (intra-node), object or name.
+        world_size: group size when a collective's node does not say it and its group is
+            unknown to ``torch.distributed``.
+        comm_backend: ``"nccl"`` or ``"gloo"`` (changes the algorithms, see
+            :mod:`cost_model.collectives`).
+        algorithm: ``"ring"``, ``"tree"`` or ``"auto"`` for all-reduce.
+        inter_node_link: link used when a group spans nodes (``group_size >
+            ranks_per_node``); defaults to ``link``.
+        ranks_per_node: ranks sharing the intra-node link; None means one node.
+        contention_factor: overrides ``device.contention_factor``.
+    """
+
+    def __init__(
+        self,
+        device: Device | str,
+        link: Link | str,
+        world_size: int | None = None,
+        comm_backend: Backend = "nccl",
+        *,
+        algorithm: Algorithm = "ring",
+        inter_node_link: Link | str | None = None,
+        ranks_per_node: int | None = None,
+        contention_factor: float | None = None,
+    ) -> None:
+        if comm_backend not in ("nccl", "gloo"):
+            raise ValueError(f"comm_backend must be 'nccl' or 'gloo', got {comm_backend!r}")
+        if algorithm not in ("ring", "tree", "auto"):
+            raise ValueError(f"algorithm must be 'ring', 'tree' or 'auto', got {algorithm!r}")
+        self.device: Device = get_device(device)
+        self.link: Link = get_link(link)
+        self.world_size = world_size
+        self.comm_backend: Backend = comm_backend
+        self.algorithm: Algorithm = algorithm
+        self.inter_node_link: Link = get_link(inter_node_link) if inter_node_link else self.link
+        self.ranks_per_node = ranks_per_node
+        self.contention_factor: float = (
+            self.device.contention_factor if contention_factor is None else contention_factor
+        )
+
+    def link_for(self, group_size: int) -> Link:
+        """The bottleneck link of a group: inter-node once it spans more than one node."""
+        if self.ranks_per_node is not None and group_size > self.ranks_per_node:
+            return self.inter_node_link
+        return self.link
+
+    def node_cost(self, node: torch.fx.Node) -> NodeCost:
+        kind = kind_of(node)
+        alloc = _allocated_bytes(node)
+        if kind == "compute":
+            return self._compute_cost(node, alloc)
+        if is_comm(kind):
+            return self._comm_cost(node, kind, alloc)
+        hints = _hints_for(node, [alloc])
+        return NodeCost(kind=kind, time_s=0.0, output_bytes=evaluate_int(alloc, hints))
+
+    # ------------------------------------------------------------------ compute
+
+    def _compute_cost(self, node: torch.fx.Node, alloc: SizeExpr) -> NodeCost:
+        packet = getattr(node.target, "overloadpacket", node.target)
+        if packet in ALLOCATION_OPS or is_schema_view(node):
+            hints = _hints_for(node, [alloc])
+            return NodeCost(kind="compute", time_s=0.0, output_bytes=evaluate_int(alloc, hints))
+        flops = op_flops(node)
+        nbytes = op_bytes(node)
+        peak = self.device.flops_per_s(_dtype_of(node))
+        bandwidth = self.device.mem_bandwidth_bytes_per_s
+        launch = self.device.launch_overhead_s
+        if isinstance(flops, int) and isinstance(nbytes, int) and isinstance(alloc, int):
+            time_s = launch + max(flops / peak, nbytes / bandwidth)
+            return NodeCost(
+                kind="compute",
+                time_s=time_s,
+                flops=flops,
+                bytes_accessed=nbytes,
+                output_bytes=alloc,
+                time_expr=sympy.Float(time_s),
+            )
+        time_expr = sympy.Float(launch) + sympy.Max(
+            to_sympy(flops) / sympy.Float(peak), to_sympy(nbytes) / sympy.Float(bandwidth)
+        )
+        hints = _hints_for(node, [flops, nbytes, alloc])
+        return NodeCost(
+            kind="compute",
+            time_s=evaluate(time_expr, hints),
+            flops=evaluate_int(flops, hints),
+            bytes_accessed=evaluate_int(nbytes, hints),
+            output_bytes=evaluate_int(alloc, hints),
+            time_expr=time_expr,
+        )
+
+    # ------------------------------------------------------------------ comm
+
+    def _comm_cost(self, node: torch.fx.Node, kind: NodeKind, alloc: SizeExpr) -> NodeCost:
+        call = describe_comm(node, self.world_size)
+        link = self.link_for(call.group_size)
+        wire = collective_bytes_on_wire(
+            call.op, call.nbytes, call.group_size, self.algorithm, self.comm_backend
+        )
+        if isinstance(call.nbytes, int) and isinstance(alloc, int):
+            time_s = collective_time_s(
+                call.op, call.nbytes, call.group_size, link, self.algorithm, self.comm_backend
+            )
+            return NodeCost(
+                kind=kind,
+                time_s=time_s,
+                comm_bytes=int(round(float(wire))),
+                output_bytes=alloc,
+                time_expr=sympy.Float(time_s),
+                collective=call.op,
+                group_size=call.group_size,
+            )
+        time_expr = collective_time_expr(
+            call.op, call.nbytes, call.group_size, link, self.algorithm, self.comm_backend
+        )
+        hints = _hints_for(node, [call.nbytes, alloc])
+        return NodeCost(
+            kind=kind,
+            time_s=evaluate(time_expr, hints),
+            comm_bytes=int(round(evaluate(wire, hints))),
+            output_bytes=evaluate_int(alloc, hints),
+            time_expr=time_expr,
+            collective=call.op,
+            group_size=call.group_size,
+        )
+
+
+def _hints_for(node: torch.fx.Node, exprs: Sequence[object]) -> dict[sympy.Symbol, int]:
+    symbolic = [e for e in exprs if isinstance(e, sympy.Basic) and e.free_symbols]
+    if not symbolic:
+        return {}
+    env = shape_env_of_nodes([node, *node.all_input_nodes])
+    return {sym: symbol_hint(sym, env) for sym in free_symbols_sorted(symbolic)}  # type: ignore[arg-type]
+
+
+class TableEstimator:
+    """Times given per node name or per kind; for tests and hand-made schedules.
+
+    Lookup order for ``time_s``: ``times_s[node.name]``, then ``kind_times_s[kind]``,
+    then ``default_s`` for compute / collective / p2p nodes and 0 for the rest.
+    ``output_bytes``: ``output_bytes[node.name]`` when given, else the node's allocated
+    bytes from ``meta["val"]`` (0 without metadata).
+    """
+
+    def __init__(
+        self,
+        times_s: Mapping[str, float] | None = None,
+        kind_times_s: Mapping[str, float] | None = None,
+        *,
+        default_s: float = 0.0,
+        output_bytes: Mapping[str, int] | None = None,
+        contention_factor: float = 1.0,
+    ) -> None:
+        self.times_s = dict(times_s or {})
+        self.kind_times_s = dict(kind_times_s or {})
+        self.default_s = default_s
+        self.output_bytes = dict(output_bytes or {})
+        self.contention_factor = contention_factor
+
+    def node_cost(self, node: torch.fx.Node) -> NodeCost:
+        kind = kind_of(node)
+        if node.name in self.times_s:
+            time_s = float(self.times_s[node.name])
+        elif kind in self.kind_times_s:
+            time_s = float(self.kind_times_s[kind])
+        elif kind in ("compute", "collective", "p2p"):
+            time_s = self.default_s
+        else:
+            time_s = 0.0
+        if node.name in self.output_bytes:
+            out_bytes = int(self.output_bytes[node.name])
+        else:
+            try:
+                alloc = _allocated_bytes(node)
+                out_bytes = evaluate_int(alloc, _hints_for(node, [alloc]))
+            except (AttributeError, TypeError):
+                out_bytes = 0
+        return NodeCost(
+            kind=kind, time_s=time_s, output_bytes=out_bytes, time_expr=sympy.Float(time_s)
+        )
+
+
+#: Alias: the stub estimator tests hand to passes.
+StubEstimator = TableEstimator
+
+
+def _node_list(nodes: Iterable[torch.fx.Node] | torch.fx.Graph | torch.fx.GraphModule) -> list[torch.fx.Node]:
+    if isinstance(nodes, torch.fx.GraphModule):
+        return list(nodes.graph.nodes)
+    if isinstance(nodes, torch.fx.Graph):
+        return list(nodes.nodes)
+    return list(nodes)
+
+
+def graph_time_expr(
+    nodes: Iterable[torch.fx.Node] | torch.fx.Graph | torch.fx.GraphModule,
+    estimator: Estimator,
+    kinds: Sequence[NodeKind] | Literal["all"] = "all",
+) -> sympy.Expr:
+    """Sum of ``time_expr`` over the nodes (optionally only some kinds): the graph's
+    sequential cost as a sympy expression of its size symbols.
+
+    Substitute hints with :func:`cost_model.symbolic.evaluate` and
+    :func:`cost_model.symbolic.size_hints`, or other values to extrapolate.
+    """
+    total: sympy.Expr = _ZERO
+    for node in _node_list(nodes):
+        cost = estimator.node_cost(node)
+        if kinds == "all" or cost.kind in kinds:
+            total = total + cost.time_expr
+    return total
+
+
+def graph_size_hints(
+    nodes: Iterable[torch.fx.Node] | torch.fx.Graph | torch.fx.GraphModule,
+) -> dict[sympy.Symbol, int]:
+    """The hints of every size symbol of a graph (see :func:`cost_model.symbolic.size_hints`)."""
+    return size_hints(_node_list(nodes))

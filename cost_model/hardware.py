@@ -1,0 +1,442 @@
+"""Hardware tables: compute devices and communication links, each with its source.
+
+Contract
+--------
+* :class:`Device` holds dense (no structured sparsity) peak FLOP/s per dtype, memory
+  bandwidth, a per-kernel launch overhead and the compute slowdown factor while a
+  collective is in flight (``contention_factor``). :class:`Link` holds one direction's
+  bandwidth and the per-hop latency used as alpha in alpha-beta collective models.
+* ``DEVICES`` / ``LINKS`` are ordered registries; ``register_device`` /
+  ``register_link`` add user entries, ``load_hardware_file`` reads them from JSON/TOML.
+  ``get_device`` / ``get_link`` raise :class:`UnknownHardwareError` (a ``KeyError``)
+  naming the valid entries.
+* ``"cpu"`` is not a datasheet entry: :func:`measure_cpu_device` times a small matmul,
+  a memcpy and a tiny kernel on this machine (about a second, once per process) and
+  ``get_device("cpu")`` registers the result on first use.
+
+Units: FLOP/s, bytes/s, seconds. Vendor "TB/s" and "GB/s" are decimal (1e12, 1e9).
+Datasheets quote tensor-core FLOP/s "with sparsity"; the numbers here are the dense
+ones (half of those). ``torch.float32`` is the non-tensor-core FP32 rate because
+PyTorch leaves TF32 matmul off by default (``torch.backends.cuda.matmul.allow_tf32``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+import statistics
+import threading
+import time
+import tomllib
+from types import MappingProxyType
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+TERA: float = 1e12
+GIGA: float = 1e9
+
+#: Default compute slowdown on GPUs while a collective runs concurrently: NCCL kernels
+#: occupy SMs and HBM bandwidth. Published measurements put the GEMM slowdown around
+#: 10% (T3, Pati et al., ASPLOS 2024, section 3 "Compute-communication interference";
+#: DHelix, arXiv 2411.15871, section 2 observes the same order).
+GPU_CONTENTION_FACTOR: float = 1.1
+
+#: Kernel launch + inter-kernel gap on a CUDA stream: "a few microseconds" per launch
+#: (PyTorch blog, "Accelerating PyTorch with CUDA Graphs", 2021,
+#: https://pytorch.org/blog/accelerating-pytorch-with-cuda-graphs/).
+GPU_LAUNCH_OVERHEAD_S: float = 4e-6
+
+
+@dataclass(frozen=True)
+class Device:
+    """A compute device.
+
+    Attributes:
+        name: registry key, e.g. ``"h100_sxm"``.
+        peak_flops_per_s: dense peak FLOP/s per dtype (matmul-class throughput).
+        mem_bandwidth_bytes_per_s: device-memory bandwidth.
+        launch_overhead_s: fixed time added to every compute kernel.
+        source: where the numbers come from (datasheet URL or "measured ...").
+        contention_factor: compute runs this many times slower while a collective is in
+            flight (>= 1.0).
+    """
+
+    name: str
+    peak_flops_per_s: Mapping[torch.dtype, float] = field(hash=False)
+    mem_bandwidth_bytes_per_s: float
+    launch_overhead_s: float
+    source: str
+    contention_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Freeze the table too: a read-only, insertion-ordered view of a private copy.
+        object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
+        if self.mem_bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"Device {self.name!r}: mem_bandwidth_bytes_per_s must be > 0")
+        if not self.peak_flops_per_s or min(self.peak_flops_per_s.values()) <= 0:
+            raise ValueError(f"Device {self.name!r}: peak_flops_per_s needs positive entries")
+        if self.launch_overhead_s < 0:
+            raise ValueError(f"Device {self.name!r}: launch_overhead_s must be >= 0")
+        if self.contention_factor < 1.0:
+            raise ValueError(f"Device {self.name!r}: contention_factor must be >= 1.0")
+
+    def flops_per_s(self, dtype: torch.dtype | None) -> float:
+        """Peak FLOP/s for ``dtype``; falls back to the float32 entry, then the slowest."""
+        table = self.peak_flops_per_s
+        if dtype is not None and dtype in table:
+            return table[dtype]
+        if torch.float32 in table:
+            return table[torch.float32]
+        return min(table.values())
+
+    def replace(self, **changes: Any) -> Device:
+        """A copy with some fields changed (e.g. a calibrated ``contention_factor``)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A communication link, one direction.
+
+    Attributes:
+        name: registry key, e.g. ``"nvlink4"``.
+        bandwidth_bytes_per_s: per-direction bandwidth available to one rank.
+        latency_s: per-step (per-hop) latency, the alpha of alpha-beta models.
+        source: where the numbers come from.
+    """
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"Link {self.name!r}: bandwidth_bytes_per_s must be > 0")
+        if self.latency_s < 0:
+            raise ValueError(f"Link {self.name!r}: latency_s must be >= 0")
+
+
+class UnknownHardwareError(KeyError):
+    """A device or link name that is not registered; the message lists the valid ones."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+# --------------------------------------------------------------------------- devices
+
+_H100_URL = "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM5 datasheet)"
+_H200_URL = "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM datasheet)"
+_A100_URL = (
+    "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 80GB SXM)"
+)
+_A800_URL = "https://www.nvidia.cn/data-center/a800/ (A800 80GB SXM datasheet)"
+_A40_URL = "https://images.nvidia.com/content/Solutions/data-center/a40/nvidia-a40-datasheet.pdf"
+
+_FP8 = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+)
+
+
+def _table(
+    fp64: float, fp32: float, bf16: float, int8: float | None = None, fp8: float | None = None
+) -> dict[torch.dtype, float]:
+    """Peak table in TFLOP/s -> FLOP/s. fp16 runs at the bf16 rate on all these parts."""
+    table: dict[torch.dtype, float] = {
+        torch.float64: fp64 * TERA,
+        torch.float32: fp32 * TERA,
+        torch.bfloat16: bf16 * TERA,
+        torch.float16: bf16 * TERA,
+    }
+    if int8 is not None:
+        table[torch.int8] = int8 * TERA
+    if fp8 is not None:
+        for dtype in _FP8:
+            table[dtype] = fp8 * TERA
+    return table
+
+
+_BUILTIN_DEVICES: tuple[Device, ...] = (
+    # H100 SXM5: FP64 TC 67, FP32 67, BF16/FP16 TC 989.5 dense (1979 sparse),
+    # FP8/INT8 1979 dense, HBM3 3.35 TB/s.
+    Device(
+        name="h100_sxm",
+        peak_flops_per_s=_table(fp64=67.0, fp32=67.0, bf16=989.5, int8=1979.0, fp8=1979.0),
+        mem_bandwidth_bytes_per_s=3.35 * TERA,
+        launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
+        source=_H100_URL,
+        contention_factor=GPU_CONTENTION_FACTOR,
+    ),
+    # H200 SXM: same Hopper die as H100 SXM5 (989.5 dense BF16), HBM3e 4.8 TB/s.
+    Device(
+        name="h200",
+        peak_flops_per_s=_table(fp64=67.0, fp32=67.0, bf16=989.5, int8=1979.0, fp8=1979.0),
+        mem_bandwidth_bytes_per_s=4.8 * TERA,
+        launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
+        source=_H200_URL,
+        contention_factor=GPU_CONTENTION_FACTOR,
+    ),
+    # A100 80GB SXM: FP64 TC 19.5, FP32 19.5, BF16/FP16 TC 312, INT8 624, HBM2e 2039 GB/s.
+    Device(
+        name="a100_80gb",
+        peak_flops_per_s=_table(fp64=19.5, fp32=19.5, bf16=312.0, int8=624.0),
+        mem_bandwidth_bytes_per_s=2039 * GIGA,
+        launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
+        source=_A100_URL,
+        contention_factor=GPU_CONTENTION_FACTOR,
+    ),
+    # A800 80GB SXM: A100 compute and memory; NVLink cut to 400 GB/s (link "nvlink3_a800").
+    Device(
+        name="a800",
+        peak_flops_per_s=_table(fp64=19.5, fp32=19.5, bf16=312.0, int8=624.0),
+        mem_bandwidth_bytes_per_s=2039 * GIGA,
+        launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
+        source=_A800_URL,
+        contention_factor=GPU_CONTENTION_FACTOR,
+    ),
+    # A40: FP64 0.585 (1/64 of FP32), FP32 37.4, BF16/FP16 TC 149.7 dense, INT8 299.3,
+    # GDDR6 696 GB/s.
+    Device(
+        name="a40",
+        peak_flops_per_s=_table(fp64=0.585, fp32=37.4, bf16=149.7, int8=299.3),
+        mem_bandwidth_bytes_per_s=696 * GIGA,
+        launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
+        source=_A40_URL,
+        contention_factor=GPU_CONTENTION_FACTOR,
+    ),
+)
+
+# --------------------------------------------------------------------------- links
+
+#: Per-hop latencies of NCCL's own cost model, Ring/Simple protocol (the one used for
+#: bulk transfers): NVLink 3.4 us, PCI 5.7 us, network 9.6 us.
+#: https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc (``hwLat``).
+_NCCL_TUNING = "NCCL src/graph/tuning.cc hwLat Ring/Simple"
+NVLINK_HOP_LATENCY_S: float = 3.4e-6
+PCI_HOP_LATENCY_S: float = 5.7e-6
+NET_HOP_LATENCY_S: float = 9.6e-6
+#: One-way latency of a small message through the kernel TCP stack (what gloo uses). No
+#: datasheet: an order-of-magnitude figure; profile mode replaces it with a measurement.
+TCP_HOP_LATENCY_S: float = 25e-6
+
+_BUILTIN_LINKS: tuple[Link, ...] = (
+    # A100: 12 NVLink3 links x 25 GB/s per direction = 300 GB/s (600 GB/s bidirectional).
+    Link("nvlink3", 300 * GIGA, NVLINK_HOP_LATENCY_S,
+         f"{_A100_URL}; https://www.nvidia.com/en-us/data-center/nvlink/; {_NCCL_TUNING}"),
+    # A800: NVLink limited to 400 GB/s bidirectional = 200 GB/s per direction.
+    Link("nvlink3_a800", 200 * GIGA, NVLINK_HOP_LATENCY_S, f"{_A800_URL}; {_NCCL_TUNING}"),
+    # H100/H200 SXM: 18 NVLink4 links x 25 GB/s per direction = 450 GB/s (900 bidir).
+    Link("nvlink4", 450 * GIGA, NVLINK_HOP_LATENCY_S,
+         f"{_H100_URL}; https://www.nvidia.com/en-us/data-center/nvlink/; {_NCCL_TUNING}"),
+    # PCIe 4.0 x16: 16 GT/s * 16 lanes * 128/130 encoding / 8 = 31.5 GB/s per direction.
+    Link("pcie4", 31.5 * GIGA, PCI_HOP_LATENCY_S,
+         f"PCI-SIG PCIe 4.0 base spec (16 GT/s, 128b/130b); {_NCCL_TUNING}"),
+    # PCIe 5.0 x16: 32 GT/s -> 63.0 GB/s per direction.
+    Link("pcie5", 63.0 * GIGA, PCI_HOP_LATENCY_S,
+         f"PCI-SIG PCIe 5.0 base spec (32 GT/s, 128b/130b); {_NCCL_TUNING}"),
+    # InfiniBand HDR 200 Gb/s per port (ConnectX-6) = 25 GB/s.
+    Link("ib_hdr", 25 * GIGA, NET_HOP_LATENCY_S,
+         "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-6 HDR 200Gb/s); "
+         + _NCCL_TUNING),
+    # InfiniBand NDR 400 Gb/s per port (ConnectX-7) = 50 GB/s.
+    Link("ib_ndr", 50 * GIGA, NET_HOP_LATENCY_S,
+         "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-7 NDR 400Gb/s); "
+         + _NCCL_TUNING),
+    # Ethernet line rates (IEEE 802.3by 25GBASE, 802.3bj 100GBASE): 3.125 / 12.5 GB/s.
+    Link("eth_25g", 25 / 8 * GIGA, TCP_HOP_LATENCY_S,
+         "IEEE 802.3by 25 Gb/s line rate; latency: TCP order of magnitude (estimate)"),
+    Link("eth_100g", 100 / 8 * GIGA, TCP_HOP_LATENCY_S,
+         "IEEE 802.3bj 100 Gb/s line rate; latency: TCP order of magnitude (estimate)"),
+    # Same-host TCP over lo (gloo between local processes): bounded by memcpy through the
+    # socket buffers; a nominal few GB/s. Estimate; calibrate with profile mode.
+    Link("loopback", 5 * GIGA, 10e-6, "estimate for Linux TCP loopback; use profile mode"),
+)
+
+DEVICES: dict[str, Device] = {d.name: d for d in _BUILTIN_DEVICES}
+LINKS: dict[str, Link] = {link.name: link for link in _BUILTIN_LINKS}
+
+_ALIASES: dict[str, str] = {
+    "h100": "h100_sxm",
+    "h200_sxm": "h200",
+    "a100": "a100_80gb",
+    "a800_80gb": "a800",
+}
+
+
+def register_device(device: Device, *, overwrite: bool = False) -> Device:
+    """Add a device to :data:`DEVICES`; refuses to replace one unless ``overwrite``."""
+    if device.name in DEVICES and not overwrite and DEVICES[device.name] != device:
+        raise ValueError(f"device {device.name!r} already registered (pass overwrite=True)")
+    DEVICES[device.name] = device
+    return device
+
+
+def register_link(link: Link, *, overwrite: bool = False) -> Link:
+    """Add a link to :data:`LINKS`; refuses to replace one unless ``overwrite``."""
+    if link.name in LINKS and not overwrite and LINKS[link.name] != link:
+        raise ValueError(f"link {link.name!r} already registered (pass overwrite=True)")
+    LINKS[link.name] = link
+    return link
+
+
+def get_device(name: str | Device) -> Device:
+    """Look a device up by name (``"cpu"`` is measured on first use)."""
+    if isinstance(name, Device):
+        return name
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in DEVICES and key == "cpu":
+        register_device(measure_cpu_device())
+    if key not in DEVICES:
+        valid = ", ".join(sorted({*DEVICES, "cpu"}))
+        raise UnknownHardwareError(f"unknown device {name!r}; valid devices: {valid}")
+    return DEVICES[key]
+
+
+def get_link(name: str | Link) -> Link:
+    """Look a link up by name."""
+    if isinstance(name, Link):
+        return name
+    key = name.lower()
+    if key not in LINKS:
+        valid = ", ".join(sorted(LINKS))
+        raise UnknownHardwareError(f"unknown link {name!r}; valid links: {valid}")
+    return LINKS[key]
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in hardware file")
+    return dtype
+
+
+def load_hardware_file(path: str | pathlib.Path, *, overwrite: bool = False) -> None:
+    """Register devices and links from a JSON or TOML file.
+
+    Format (JSON shown; TOML uses ``[[devices]]`` / ``[[links]]`` tables)::
+
+        {"devices": [{"name": "my_gpu", "peak_flops_per_s": {"bfloat16": 4e14},
+                      "mem_bandwidth_bytes_per_s": 1.5e12, "launch_overhead_s": 4e-6,
+                      "source": "vendor sheet", "contention_factor": 1.1}],
+         "links":   [{"name": "my_link", "bandwidth_bytes_per_s": 5e10,
+                      "latency_s": 5e-6, "source": "measured"}]}
+    """
+    p = pathlib.Path(path)
+    text = p.read_text()
+    data: dict[str, Any] = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    for entry in data.get("devices", []):
+        peaks = {_dtype_from_name(k): float(v) for k, v in entry["peak_flops_per_s"].items()}
+        register_device(
+            Device(
+                name=entry["name"],
+                peak_flops_per_s=peaks,
+                mem_bandwidth_bytes_per_s=float(entry["mem_bandwidth_bytes_per_s"]),
+                launch_overhead_s=float(entry.get("launch_overhead_s", GPU_LAUNCH_OVERHEAD_S)),
+                source=str(entry.get("source", str(p))),
+                contention_factor=float(entry.get("contention_factor", 1.0)),
+            ),
+            overwrite=overwrite,
+        )
+    for entry in data.get("links", []):
+        register_link(
+            Link(
+                name=entry["name"],
+                bandwidth_bytes_per_s=float(entry["bandwidth_bytes_per_s"]),
+                latency_s=float(entry["latency_s"]),
+                source=str(entry.get("source", str(p))),
+            ),
+            overwrite=overwrite,
+        )
+
+
+# --------------------------------------------------------------------------- cpu
+
+
+def _median_time_s(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+@dataclass
+class _Copier:
+    """Background memcpy loop standing in for gloo's transfer threads."""
+
+    nbytes: int
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        src = torch.empty(self.nbytes // 4, dtype=torch.float32).fill_(1.0)
+        dst = torch.empty_like(src)
+        while not self.stop.is_set():
+            dst.copy_(src)  # releases the GIL
+
+
+@functools.cache
+def measure_cpu_device(name: str = "cpu") -> Device:
+    """Measure this machine's CPU as a :class:`Device` (about a second; cached per process).
+
+    * FLOP/s per dtype: median of a 384x384 matmul (``2*n**3`` FLOPs) for float32,
+      float64 and bfloat16 (float16 uses the bfloat16 number).
+    * memory bandwidth: a 32 MiB ``copy_`` moves 64 MiB (read + write).
+    * launch overhead: a one-element ``add`` (dispatcher + kernel call).
+    * contention factor: the float32 matmul timed while a second thread runs ``copy_``
+      loops, as gloo's transfer threads do during a collective (>= 1.0).
+    """
+    n = 384
+    peaks: dict[torch.dtype, float] = {}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        t = _median_time_s(lambda a=a, b=b: torch.mm(a, b), repeats=5)
+        peaks[dtype] = 2 * n**3 / max(t, 1e-9)
+    peaks[torch.float16] = peaks[torch.bfloat16]
+
+    nbytes = 32 * 2**20
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t_copy = _median_time_s(lambda: dst.copy_(src), repeats=5)
+    bandwidth = 2 * nbytes / max(t_copy, 1e-9)
+
+    x = torch.ones(1)
+    y = torch.ones(1)
+    out = torch.empty(1)
+    t_launch = _median_time_s(lambda: torch.add(x, y, out=out), repeats=200, warmup=20)
+
+    a32 = torch.randn(n, n)
+    t_alone = _median_time_s(lambda: torch.mm(a32, a32), repeats=5)
+    copier = _Copier(nbytes=8 * 2**20)
+    thread = threading.Thread(target=copier.run, daemon=True)
+    thread.start()
+    try:
+        t_busy = _median_time_s(lambda: torch.mm(a32, a32), repeats=5)
+    finally:
+        copier.stop.set()
+        thread.join()
+    contention = max(1.0, t_busy / max(t_alone, 1e-9))
+
+    return Device(
+        name=name,
+        peak_flops_per_s=peaks,
+        mem_bandwidth_bytes_per_s=bandwidth,
+        launch_overhead_s=t_launch,
+        source=(
+            f"measured by cost_model.hardware.measure_cpu_device "
+            f"({torch.get_num_threads()} threads)"
+        ),
+        contention_factor=contention,
+    )

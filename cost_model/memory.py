@@ -1,0 +1,165 @@
+"""Aliasing and liveness: which node owns which bytes, and the peak of live bytes in an order.
+
+Contract
+--------
+* :func:`alias_source` says whether a node's output *shares storage* with one of its
+  inputs: views and metadata ops, ``getitem`` of a multi-output node, ``wait_tensor``
+  (its output is the collective's buffer), and ops whose schema returns an alias of an
+  argument (``add_``, ``*_out`` variants, ``diagonal``...). Such nodes allocate nothing.
+* :func:`storage_root` follows aliases back to the node that allocated the storage.
+* :func:`live_bytes_profile` sweeps an order::
+
+      live = bytes of graph inputs (placeholders, get_attr)     -- live throughout
+      for node i in order:
+          live += bytes allocated by node i                     -- output_bytes of a root
+          peak = max(peak, live)                                -- inputs and outputs coexist
+          free every root whose last use (over all its aliases) is node i
+
+  A root used by the graph output, or by a node outside ``order``, lives to the end;
+  a root nobody uses is freed right after it is allocated.
+
+Bytes per node come from a callback (``NodeCost.output_bytes`` in practice) so this module
+knows nothing of estimators.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from cost_model.op_kinds import kind_of
+
+aten = torch.ops.aten
+
+
+def _schema_alias_arg(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument a node's first return aliases according to its op schema, if any."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return None
+    ret_alias = schema.returns[0].alias_info
+    if ret_alias is None:
+        return None
+    ret_sets = set(ret_alias.before_set)
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not (set(info.before_set) & ret_sets):
+            continue
+        if arg.kwarg_only or i >= len(node.args):
+            value = node.kwargs.get(arg.name)
+        else:
+            value = node.args[i]
+        if isinstance(value, torch.fx.Node):
+            return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.fx.Node):
+            return value[0]
+    return None
+
+
+def alias_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input whose storage ``node``'s output shares, or None if it allocates its own."""
+    if node.op != "call_function":
+        return None
+    kind = kind_of(node)
+    if kind in ("view", "wait") or node.target is operator.getitem:
+        inputs = node.all_input_nodes
+        return inputs[0] if inputs else None
+    return _schema_alias_arg(node)
+
+
+def is_schema_view(node: torch.fx.Node) -> bool:
+    """True for non-mutating ops whose output aliases an input (views not in VIEW_OPS)."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return False
+    return not schema.returns[0].alias_info.is_write
+
+
+def storage_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that allocated the storage ``node``'s output lives in."""
+    seen = 0
+    while True:
+        src = alias_source(node)
+        if src is None:
+            return node
+        node = src
+        seen += 1
+        if seen > 100_000:  # pragma: no cover - a cycle would be a malformed graph
+            raise RuntimeError("alias chain does not terminate")
+
+
+@dataclass(frozen=True)
+class LiveProfile:
+    """Result of :func:`live_bytes_profile`.
+
+    Attributes:
+        live_after_alloc_bytes: live bytes right after each node of the order allocated
+            its output (the moment of that node's peak), aligned with the order.
+        input_bytes: bytes of graph inputs (placeholders/get_attr), live throughout.
+        peak_bytes: the maximum over the order (at least ``input_bytes``).
+    """
+
+    live_after_alloc_bytes: tuple[int, ...]
+    input_bytes: int
+    peak_bytes: int
+
+
+def live_bytes_profile(
+    order: Sequence[torch.fx.Node], output_bytes: Callable[[torch.fx.Node], int]
+) -> LiveProfile:
+    """Live bytes through ``order`` (see module docstring for the rules)."""
+    position = {node: i for i, node in enumerate(order)}
+    end = len(order)
+    roots = {node: storage_root(node) for node in order}
+
+    # Graph inputs: placeholders/get_attr in the order, or read by it.
+    inputs: dict[torch.fx.Node, None] = {}
+    for node in order:
+        if node.op in ("placeholder", "get_attr"):
+            inputs[node] = None
+        for inp in node.all_input_nodes:
+            root = storage_root(inp)
+            if root.op in ("placeholder", "get_attr"):
+                inputs[root] = None
+    input_bytes = sum(output_bytes(n) for n in inputs)
+
+    last_use: dict[torch.fx.Node, int] = {}
+    for node in order:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        root = roots[node]
+        last_use[root] = max(last_use.get(root, -1), position[node])
+        for user in node.users:
+            if user.op == "output" or user not in position:
+                last_use[root] = end
+            else:
+                last_use[root] = max(last_use[root], position[user])
+    frees_at: dict[int, list[torch.fx.Node]] = {}
+    for root, pos in last_use.items():
+        frees_at.setdefault(pos, []).append(root)
+
+    live = input_bytes
+    peak = input_bytes
+    profile: list[int] = []
+    for i, node in enumerate(order):
+        if node.op not in ("placeholder", "get_attr", "output") and roots[node] is node:
+            live += output_bytes(node)
+        profile.append(live)
+        peak = max(peak, live)
+        for root in frees_at.get(i, ()):
+            if root.op not in ("placeholder", "get_attr") and root in position:
+                live -= output_bytes(root)
+    return LiveProfile(tuple(profile), input_bytes, peak)
+
+
+def peak_memory_bytes(
+    order: Sequence[torch.fx.Node], output_bytes: Callable[[torch.fx.Node], int]
+) -> int:
+    """Peak of :func:`live_bytes_profile`."""
+    return live_bytes_profile(order, output_bytes).peak_bytes

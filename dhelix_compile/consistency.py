@@ -1,0 +1,121 @@
+"""Rank consistency: every rank must issue the same collectives in the same order.
+
+If two ranks of a group disagree (different graphs after a rank-dependent branch, or
+different schedules after different cost estimates), the job deadlocks at the first
+mismatched collective. dhelix checks before any code runs:
+
+    for each process group a scheduled graph communicates on:
+        signature = [(op, shapes, dtypes) of each collective on that group, in graph order]
+        publish  dhelix/consistency/<group>/<n>/<rank>  = signature      (c10d store, outside the graph)
+        wait for the other ranks of the group (consistency_timeout_s)
+        first difference -> RankMismatchError naming the collective and both ranks' versions
+        a rank that never publishes -> RankMismatchError naming it (never a hang)
+
+``n`` counts the checks on each group in this process; ranks of one group compile the same
+graphs in the same order, so it matches across them. The check runs only when
+``torch.distributed`` is initialized and the graph holds collectives. P2P transfers
+(``isend``/``irecv``) pair different ops on the two peers and are not compared here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from cost_model.op_kinds import kind_of
+from dhelix_compile import _torch_compat as compat
+
+log = logging.getLogger("dhelix")
+
+_checks_per_group: dict[str, int] = {}
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks of one process group would issue different collectives: the job would deadlock."""
+
+
+def _describe(value: object) -> str:
+    val = getattr(value, "meta", {}).get("val") if isinstance(value, torch.fx.Node) else value
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+    if isinstance(val, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in val) + "]"
+    return repr(val)
+
+
+def _group_name_of(node: torch.fx.Node) -> str | None:
+    """The ``group_name`` argument of a functional collective (always its last positional arg)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == "group_name":
+            value = node.args[index] if index < len(node.args) else node.kwargs.get("group_name")
+            return str(value)
+    return None
+
+
+def collective_signatures(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
+    """Per group name, the collectives of ``gm`` on it, in order, as comparable strings."""
+    per_group: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if kind_of(node) != "collective":
+            continue
+        group = _group_name_of(node)
+        if group is None:
+            continue
+        op = str(node.target).removeprefix("_c10d_functional.")
+        inputs = ", ".join(_describe(a) for a in node.args if isinstance(a, (torch.fx.Node, list, tuple)))
+        per_group.setdefault(group, []).append(f"{op}({inputs}) -> {_describe(node)}")
+    return per_group
+
+
+def check_rank_consistency(gm: torch.fx.GraphModule, graph_name: str, timeout_s: float) -> None:
+    """Compare this graph's collective sequence with every other rank of each of its groups."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    signatures = collective_signatures(gm)
+    if not signatures:
+        return
+    store = compat.default_store()
+    me = dist.get_rank()
+    for group, sequence in signatures.items():
+        count = _checks_per_group.get(group, 0)
+        _checks_per_group[group] = count + 1
+        prefix = f"dhelix/consistency/{group}/{count}"
+        store.set(f"{prefix}/{me}", json.dumps({"graph": graph_name, "collectives": sequence}))
+        ranks = compat.group_ranks(group)
+        others = {r: _wait_for(store, f"{prefix}/{r}", r, group, graph_name, timeout_s) for r in ranks if r != me}
+        for rank, theirs in sorted(others.items()):
+            _compare(sequence, theirs, me, rank, group, graph_name)
+    log.info("%s: collective sequence agrees across ranks (%d group(s))", graph_name, len(signatures))
+
+
+def _wait_for(store: object, key: str, rank: int, group: str, graph_name: str, timeout_s: float) -> dict:
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+    except Exception as exc:  # the store raises on timeout (DistStoreError / RuntimeError)
+        raise RankMismatchError(
+            f"{graph_name}: rank {rank} of process group '{group}' did not publish its collective "
+            f"sequence within {timeout_s:g} s — it is compiling a different graph or is stuck; "
+            f"the job would deadlock at this graph's first collective"
+        ) from exc
+    return json.loads(store.get(key))  # type: ignore[attr-defined]
+
+
+def _compare(mine: Sequence[str], theirs: dict, me: int, rank: int, group: str, graph_name: str) -> None:
+    other = theirs["collectives"]
+    for index in range(max(len(mine), len(other))):
+        a = mine[index] if index < len(mine) else "<none>"
+        b = other[index] if index < len(other) else "<none>"
+        if a != b:
+            raise RankMismatchError(
+                f"{graph_name}: collective #{index} on process group '{group}' differs between ranks "
+                f"(the job would deadlock):\n  rank {me}: {a}\n  rank {rank}: {b}  (its graph: {theirs['graph']})"
+            )

@@ -1,0 +1,101 @@
+"""Which cost model a compile uses: build the estimator passes receive from the config.
+
+    device "auto": the CUDA device's table entry (by name), else this CPU, measured once per
+                   process; on several ranks, rank 0's measurement is shared through the c10d
+                   store so every rank plans with the same numbers (a measured device differs
+                   a little from rank to rank, and different numbers mean different schedules).
+    link "auto":   nvlink4 between GPUs, loopback between CPU processes.
+    cost_model "profile": the analytic estimator as a base, calibrated on the live device and
+                   process group by cost_model.ProfiledEstimator (agreed across ranks, cached).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from cost_model import AnalyticEstimator, Device, Estimator, ProfiledEstimator, get_device, measure_cpu_device
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.config import DHelixConfig
+
+log = logging.getLogger("dhelix")
+
+#: torch.cuda.get_device_name() substrings -> cost_model.DEVICES keys
+_CUDA_NAMES = (("H200", "h200"), ("H100", "h100_sxm"), ("A800", "a800"), ("A100", "a100_80gb"), ("A40", "a40"))
+
+_STORE_KEY = "dhelix/agreed_cpu_device"
+
+
+def _uses_cuda(example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+
+
+def resolve_device(config: DHelixConfig, example_inputs: Sequence[Any]) -> Device:
+    """The cost model's device for this compile (see the module docstring)."""
+    if config.device != "auto":
+        return get_device(config.device)
+    if _uses_cuda(example_inputs):
+        name = torch.cuda.get_device_name()
+        for needle, key in _CUDA_NAMES:
+            if needle in name:
+                return get_device(key)
+        log.warning("no cost-model entry for CUDA device %r; using h100_sxm's numbers", name)
+        return get_device("h100_sxm")
+    return agreed_cpu_device(config.consistency_timeout_s)
+
+
+@functools.cache
+def agreed_cpu_device(timeout_s: float) -> Device:
+    """This CPU, measured; on several ranks, rank 0's measurement (the same on every rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return measure_cpu_device()
+    store = compat.default_store()
+    if dist.get_rank() == 0:
+        device = measure_cpu_device()
+        store.set(_STORE_KEY, json.dumps(_device_to_json(device)))
+        return device
+    store.wait([_STORE_KEY], timedelta(seconds=timeout_s))
+    return _device_from_json(json.loads(store.get(_STORE_KEY)))
+
+
+def _device_to_json(device: Device) -> dict[str, Any]:
+    return {
+        "name": device.name,
+        "peak_flops_per_s": {str(k).removeprefix("torch."): v for k, v in device.peak_flops_per_s.items()},
+        "mem_bandwidth_bytes_per_s": device.mem_bandwidth_bytes_per_s,
+        "launch_overhead_s": device.launch_overhead_s,
+        "source": device.source + " (rank 0's measurement)",
+        "contention_factor": device.contention_factor,
+    }
+
+
+def _device_from_json(data: dict[str, Any]) -> Device:
+    peaks = {getattr(torch, k): float(v) for k, v in data.pop("peak_flops_per_s").items()}
+    return Device(peak_flops_per_s=peaks, **data)
+
+
+def build_estimator(
+    config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+) -> Estimator:
+    """The estimator for one partition: analytic, or profiled (calibrated on ``gm`` now)."""
+    cuda = _uses_cuda(example_inputs)
+    link = config.link if config.link != "auto" else ("nvlink4" if cuda else "loopback")
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    base = AnalyticEstimator(
+        resolve_device(config, example_inputs), link, world_size, comm_backend="nccl" if cuda else "gloo"
+    )
+    if config.cost_model == "analytic":
+        return base
+    profiled = ProfiledEstimator(base, Path(config.cache_dir).expanduser())
+    report = profiled.calibrate(gm)
+    log.info("cost model calibrated: %s", report)
+    return profiled

@@ -1,0 +1,176 @@
+"""reorder: issue each collective as early as its inputs allow, wait as late as its consumers allow.
+
+Contract
+    Input: an annotated graph (``meta["dhelix"]``) and ``ctx.estimator``. Output: the same
+    nodes in a new topological order, or the graph untouched with the reason counted
+    (no collectives / no estimator / no predicted gain / over the memory budget).
+    - Semantics: only the order changes; order-sensitive nodes (mutation, RNG, side effects)
+      keep their relative position (``scheduling.is_order_sensitive``).
+    - Memory: the new order's peak live bytes (``cost_model.memory``) stay within
+      ``memory_budget_ratio`` x the original order's peak.
+    - Determinism: the order is a function of the graph and the estimator's numbers only, so
+      every rank (same graph, same agreed costs) computes the same schedule.
+    - Judged by the simulator: kept only if ``cost_model.simulate`` predicts a shorter makespan.
+
+The algorithm is ``scheduling.list_schedule``; this module is its priority rule.
+
+Priority rule (first that applies), over the ready nodes::
+
+    1. a ready wait that costs nothing now (its transfer is predicted done), is overdue
+       (more than max_issue_distance nodes since its issue) or we are over the memory budget
+    2. a ready collective issue, while fewer than max_in_flight transfers are in flight
+       and its buffer fits the memory budget
+    3. a ready non-wait node; first those that feed the earliest collective downstream
+       (so the next transfer can start sooner), then by original position
+    4. otherwise the wait whose transfer is predicted to finish first
+
+Picture (a backward TP slice: dgrad feeds the reduce-scatter, wgrad is independent)::
+
+    before:  mm_dgrad  mm_wgrad  rs  wait(rs)  add          comm: ........[rs]
+    after:   mm_dgrad  rs  mm_wgrad  wait(rs)  add          comm: ....[rs]      (hidden by mm_wgrad)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch.fx
+
+from cost_model.memory import peak_memory_bytes
+from cost_model.op_kinds import is_comm, kind_of
+from cost_model.simulator import simulate
+from graph_passes.context import PassContext
+from graph_passes.scheduling import Rule, SchedulerState, list_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class ReorderOptions:
+    """Knobs of the reorder pass (``DHelixConfig`` fields of the same names)."""
+
+    memory_budget_ratio: float = 1.25
+    """Peak live bytes of the new order may be at most this times the original order's."""
+    max_in_flight: int = 2
+    """At most this many transfers issued and not yet waited on."""
+    max_issue_distance: int = 512
+    """At most this many nodes between a collective's issue and its wait."""
+
+
+def collective_urgency(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, float]:
+    """For each node, the original position of the earliest collective issue downstream of it.
+
+    ``inf`` for nodes that feed no collective. Lower is more urgent: running the node brings
+    a transfer closer to being issued.
+    """
+    position = {n: i for i, n in enumerate(nodes)}
+    urgency: dict[torch.fx.Node, float] = {}
+    for node in reversed(nodes):
+        best = float(position[node]) if is_comm(kind_of(node)) else math.inf
+        for user in node.users:
+            best = min(best, urgency.get(user, math.inf))
+        urgency[node] = best
+    return urgency
+
+
+def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], budget_bytes: int) -> Rule:
+    """The priority rule of the module docstring, as a function for ``list_schedule``."""
+
+    def rule(ready: Sequence[torch.fx.Node], state: SchedulerState) -> torch.fx.Node:
+        over_budget = state.live_bytes > budget_bytes
+        waits = [n for n in ready if state.costs[n].kind == "wait"]
+        for wait in waits:
+            issue_step = _issue_step(wait, state)
+            if (
+                over_budget
+                or state.transfer_done_s(wait) <= state.compute_clock_s
+                or state.step - issue_step > options.max_issue_distance
+            ):
+                return wait
+        if len(state.in_flight) < options.max_in_flight:
+            issues = [
+                n for n in ready
+                if is_comm(state.costs[n].kind)
+                and state.live_bytes + state.costs[n].output_bytes <= budget_bytes
+            ]
+            if issues:
+                return issues[0]
+        others = [n for n in ready if state.costs[n].kind != "wait" and not is_comm(state.costs[n].kind)]
+        if others:
+            return min(others, key=lambda n: (urgency[n], state.position[n]))
+        if waits:
+            return min(waits, key=lambda n: (state.transfer_done_s(n), state.position[n]))
+        return ready[0]  # only issues, all channels full: issue anyway (nothing else can run)
+
+    return rule
+
+
+def _issue_step(wait: torch.fx.Node, state: SchedulerState) -> int:
+    from graph_passes.annotate import issue_of
+
+    issue = issue_of(wait)
+    flight = state.in_flight.get(issue) if issue is not None else None
+    return state.step if flight is None else flight.issued_at_step
+
+
+def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    """Reorder for overlap; see the module docstring."""
+    options = ctx.pass_options.get("reorder", ReorderOptions())
+    assert isinstance(options, ReorderOptions)
+    graph = gm.graph
+    all_nodes = list(graph.nodes)
+    if not any(is_comm(kind_of(n)) for n in all_nodes):
+        ctx.count("reorder", "skipped: no collectives")
+        return gm
+    if ctx.estimator is None:
+        ctx.count("reorder", "skipped: no estimator")
+        return gm
+    estimator = ctx.estimator
+    body = [n for n in all_nodes if n.op not in ("placeholder", "output")]
+    head = [n for n in all_nodes if n.op == "placeholder"]
+    tail = [n for n in all_nodes if n.op == "output"]
+
+    def output_bytes(node: torch.fx.Node) -> int:
+        return estimator.node_cost(node).output_bytes
+
+    before = simulate(all_nodes, estimator)
+    budget_bytes = int(options.memory_budget_ratio * _peak_of_order(body, estimator))
+    order = list_schedule(body, estimator, overlap_rule(options, collective_urgency(body), budget_bytes))
+    new_nodes = head + order + tail
+    after = simulate(new_nodes, estimator)
+    ctx.record(
+        "reorder",
+        predicted_makespan_before_s=before.makespan_s,
+        predicted_makespan_after_s=after.makespan_s,
+        predicted_exposed_comm_before_s=before.exposed_comm_s,
+        predicted_exposed_comm_after_s=after.exposed_comm_s,
+    )
+    if after.makespan_s >= before.makespan_s:
+        ctx.count("reorder", "kept original order: no predicted gain")
+        return gm
+    peak_before = peak_memory_bytes(all_nodes, output_bytes)
+    peak_after = peak_memory_bytes(new_nodes, output_bytes)
+    if peak_after > options.memory_budget_ratio * peak_before:
+        ctx.count("reorder", "kept original order: over the memory budget")
+        return gm
+    moved = sum(1 for a, b in zip(body, order) if a is not b)
+    previous = head[-1] if head else None
+    for node in order:
+        if previous is None:
+            first = next(iter(graph.nodes))
+            if first is not node:
+                first.prepend(node)
+        else:
+            previous.append(node)
+        previous = node
+    ctx.count("reorder", "nodes moved", moved)
+    ctx.count("reorder", "reordered graphs")
+    return gm
+
+
+def _peak_of_order(body: Sequence[torch.fx.Node], estimator: object) -> int:
+    """Peak live bytes of ``body`` in its current order, as the scheduler counts them."""
+    state = SchedulerState(body, estimator)  # type: ignore[arg-type]
+    for node in body:
+        state.advance(node)
+    return state.peak_bytes

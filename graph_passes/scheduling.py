@@ -1,0 +1,200 @@
+"""The list scheduler: one algorithm; what to run next is a rule passed in.
+
+Contract
+    ``list_schedule(nodes, estimator, rule)`` returns a permutation of ``nodes`` that is a valid
+    topological order of the graph, extended with ordering edges that keep
+    *order-sensitive* nodes where they were (see :func:`is_order_sensitive`): a node that
+    mutates memory, has side effects or draws random numbers is a barrier — everything before
+    it in the original order stays before it, everything after stays after. Deterministic: the
+    ready list is always sorted by original position, and the rule sees nothing else that varies.
+
+Pseudo-code::
+
+    ready = nodes whose inputs (and barrier edges) are satisfied, by original position
+    while ready:
+        node = rule(ready, state)            # the priority rule picks one ready node
+        state.advance(node)                  # clocks, in-flight transfers, live bytes
+        release node's users whose inputs are now all scheduled
+
+``SchedulerState`` keeps an incremental version of the simulator's timeline (one compute
+stream, one FIFO comm channel; ``cost_model.simulator`` has the full model, which passes use
+to judge a finished order) and the live bytes of the order so far (the liveness rules of
+``cost_model.memory``). Rules read it to decide "issue now", "is this transfer done yet?",
+"are we over the memory budget?".
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx
+
+from cost_model.estimator import Estimator
+from cost_model.memory import storage_root
+from cost_model.op_kinds import is_comm, kind_of
+from graph_passes.annotate import issue_of
+
+Rule = Callable[[Sequence[torch.fx.Node], "SchedulerState"], torch.fx.Node]
+
+
+def is_order_sensitive(node: torch.fx.Node) -> bool:
+    """Mutating, side-effecting or random-number-drawing nodes: they never move.
+
+    Reordering two RNG draws changes which random numbers each gets; moving a read across a
+    ``copy_`` into a graph input (AOTAutograd's epilogue for mutated buffers) reads the wrong
+    value. Functional collectives are not order-sensitive: they are pure tensors until waited.
+    Targets that are not aten ops (higher-order ops, Python callables) are treated as
+    order-sensitive, except ``operator.*`` on sizes and tuples.
+    """
+    if node.op != "call_function":
+        return False
+    kind = kind_of(node)
+    if is_comm(kind) or kind == "wait":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+    return getattr(target, "__module__", "") != "_operator"
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A transfer issued and not yet fully waited on."""
+
+    issue: torch.fx.Node
+    done_s: float  # predicted completion on the comm channel
+    issued_at_step: int
+    waits_left: int
+
+
+class SchedulerState:
+    """What rules may read: positions, costs, clocks, transfers in flight, live bytes.
+
+    ``live_bytes`` counts bytes allocated by scheduled nodes and not yet freed (graph inputs
+    and outputs excluded: they are live in every order); ``peak_bytes`` is its maximum so far.
+    """
+
+    def __init__(self, nodes: Sequence[torch.fx.Node], estimator: Estimator) -> None:
+        self.position = {n: i for i, n in enumerate(nodes)}
+        self.costs = {n: estimator.node_cost(n) for n in nodes}
+        self.order: list[torch.fx.Node] = []
+        self.scheduled: set[torch.fx.Node] = set()  # membership only; never iterated
+        self.compute_clock_s = 0.0
+        self.channel_free_s = 0.0
+        self.in_flight: dict[torch.fx.Node, InFlight] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._root = {n: storage_root(n) for n in nodes}
+        self._uses_left: dict[torch.fx.Node, int] = {}
+        self._pinned: set[torch.fx.Node] = set()
+        for node in nodes:
+            root = self._root[node]
+            if root not in self.position or root.op in ("placeholder", "get_attr"):
+                self._pinned.add(root)  # graph inputs (or their views) are live in every order
+            for user in node.users:
+                if user in self.position and user.op != "output":
+                    self._uses_left[root] = self._uses_left.get(root, 0) + 1
+                else:
+                    self._pinned.add(root)
+
+    @property
+    def step(self) -> int:
+        """How many nodes are scheduled."""
+        return len(self.order)
+
+    def transfer_done_s(self, wait: torch.fx.Node) -> float:
+        """Predicted completion of the transfer that ``wait`` completes (0 if not in flight)."""
+        issue = issue_of(wait)
+        flight = self.in_flight.get(issue) if issue is not None else None
+        return 0.0 if flight is None else flight.done_s
+
+    def advance(self, node: torch.fx.Node) -> None:
+        """Schedule ``node`` next: update clocks, transfers in flight and live bytes."""
+        cost = self.costs[node]
+        if is_comm(cost.kind):
+            start_s = max(self.compute_clock_s, self.channel_free_s)
+            self.channel_free_s = start_s + cost.time_s
+            waits = sum(1 for _ in _waits_of(node))
+            self.in_flight[node] = InFlight(node, self.channel_free_s, self.step, waits)
+        elif cost.kind == "wait":
+            issue = issue_of(node)
+            flight = self.in_flight.get(issue) if issue is not None else None
+            if flight is not None:
+                self.compute_clock_s = max(self.compute_clock_s, flight.done_s)
+                flight.waits_left -= 1
+                if flight.waits_left <= 0:
+                    del self.in_flight[issue]
+        else:
+            self.compute_clock_s += cost.time_s
+        self.order.append(node)
+        self.scheduled.add(node)
+        root = self._root[node]
+        if root is node and root not in self._pinned:
+            self.live_bytes += cost.output_bytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            if self._uses_left.get(root, 0) == 0:  # dead on arrival
+                self.live_bytes -= cost.output_bytes
+        for inp in node.all_input_nodes:
+            root = self._root.get(inp)
+            if root is None or root in self._pinned:
+                continue
+            self._uses_left[root] -= 1
+            if self._uses_left[root] == 0:
+                self.live_bytes -= self.costs[root].output_bytes
+
+
+def _waits_of(issue: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``wait_tensor`` nodes completing ``issue`` (through ``getitem`` for list outputs)."""
+    waits = []
+    for user in issue.users:
+        if kind_of(user) == "wait":
+            waits.append(user)
+        else:
+            waits.extend(u for u in user.users if kind_of(u) == "wait")
+    return waits
+
+
+def list_schedule(nodes: Sequence[torch.fx.Node], estimator: Estimator, rule: Rule) -> list[torch.fx.Node]:
+    """Order ``nodes`` by repeatedly asking ``rule`` which ready node runs next."""
+    state = SchedulerState(nodes, estimator)
+    position = state.position
+    preds: dict[torch.fx.Node, set[torch.fx.Node]] = {
+        n: {i for i in n.all_input_nodes if i in position} for n in nodes
+    }
+    _add_barrier_edges(nodes, preds)
+    waiting = {n: len(p) for n, p in preds.items()}
+    succs: dict[torch.fx.Node, list[torch.fx.Node]] = {n: [] for n in nodes}
+    for n in nodes:
+        for p in sorted(preds[n], key=position.__getitem__):
+            succs[p].append(n)
+    ready = [position[n] for n in nodes if waiting[n] == 0]  # kept sorted
+    while ready:
+        chosen = rule([nodes[i] for i in ready], state)
+        ready.remove(position[chosen])
+        state.advance(chosen)
+        for succ in succs[chosen]:
+            waiting[succ] -= 1
+            if waiting[succ] == 0:
+                bisect.insort(ready, position[succ])
+    if len(state.order) != len(nodes):
+        raise RuntimeError("list_schedule: the dependency graph has a cycle")
+    return state.order
+
+
+def _add_barrier_edges(nodes: Sequence[torch.fx.Node], preds: dict[torch.fx.Node, set[torch.fx.Node]]) -> None:
+    """Order-sensitive nodes become barriers: ordered after all earlier nodes, before all later."""
+    last_barrier: torch.fx.Node | None = None
+    since_barrier: list[torch.fx.Node] = []
+    for node in nodes:
+        if is_order_sensitive(node):
+            preds[node].update(since_barrier)
+            if last_barrier is not None:
+                preds[node].add(last_barrier)
+            last_barrier, since_barrier = node, []
+        else:
+            if last_barrier is not None:
+                preds[node].add(last_barrier)
+            since_barrier.append(node)

@@ -1,0 +1,141 @@
+"""Profiled calibration: single process, disk cache, progress bar, and two gloo ranks."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from cost_model import AnalyticEstimator, Device, Link, ProfiledEstimator, simulate
+from cost_model.profile import ProgressBar
+from cost_model.testing import fake_world, run_gloo_world, trace_aten
+
+aten = torch.ops.aten
+
+# Fixed entries so no test pays for measure_cpu_device().
+DEVICE = Device("unit_cpu", {torch.float32: 1e10}, 1e10, 1e-6, "unit test")
+LINK = Link("unit_lo", 1e9, 1e-5, "unit test")
+
+
+def _mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w).sum(0)
+
+
+def test_calibrate_measures_then_hits_the_cache(tmp_path: pathlib.Path) -> None:
+    gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    base = AnalyticEstimator(DEVICE, LINK)
+    est = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False)
+    report = est.calibrate(gm)
+    assert (report.measured, report.cached) == (3, 0)
+    mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
+    cost = est.node_cost(mm)
+    assert cost.time_s == est.measurements[est.signature(mm) or ""] > 0
+    assert cost.flops == base.node_cost(mm).flops  # only the time is replaced
+
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    assert data["version"] == 1 and len(data["entries"]) == 3
+    assert any(k.startswith("aten.mm.default|T([32, 16]") for k in data["entries"])
+
+    again = ProfiledEstimator(base, tmp_path, progress=False)
+    report2 = again.calibrate(gm)
+    assert (report2.measured, report2.cached) == (0, 3)
+    assert again.node_cost(mm).time_s == cost.time_s
+    assert simulate(gm.graph, again).compute_s == pytest.approx(sum(again.measurements.values()))
+
+
+def test_symbolic_graph_shares_signatures_and_scales_expression(tmp_path: pathlib.Path) -> None:
+    args = (torch.randn(32, 16), torch.randn(16, 8))
+    static = trace_aten(_mlp, *args)
+    dynamic = trace_aten(_mlp, *args, dynamic=True)
+    base = AnalyticEstimator(DEVICE, LINK)
+    ProfiledEstimator(base, tmp_path, repeats=1, warmup=0, progress=False).calibrate(static)
+    est = ProfiledEstimator(base, tmp_path, progress=False)
+    assert est.calibrate(dynamic).measured == 0
+    mm = next(n for n in dynamic.graph.nodes if n.target == aten.mm.default)
+    cost = est.node_cost(mm)
+    assert cost.time_expr.free_symbols  # still a function of the sizes
+    from cost_model import evaluate, size_hints
+
+    assert evaluate(cost.time_expr, size_hints(dynamic.graph)) == pytest.approx(cost.time_s)
+
+
+def test_progress_bar_and_fake_group_collectives_skipped(tmp_path: pathlib.Path) -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(4, "calibrate", enabled=True, stream=stream)
+    for i in range(4):
+        bar.step(f"op{i}")
+    bar.close()
+    assert "[" + "#" * 30 + "] 4/4" in stream.getvalue()
+
+    with fake_world(4):
+        gm = trace_aten(lambda x: funcol.all_reduce(x @ x, "sum", dist.group.WORLD),
+                        torch.randn(8, 8))
+        est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, repeats=1,
+                                progress=False)
+        report = est.calibrate(gm)
+    assert report.measured == 1
+    assert report.skipped == {"fake process group": 1}
+
+
+class _RankSkewedEstimator(ProfiledEstimator):
+    """Pretends rank r measured (r + 1) ms for every compute op, to test agreement."""
+
+    def _measure(self, item: Any) -> float:
+        if item.is_collective:
+            return super()._measure(item)
+        return (dist.get_rank() + 1) * 1e-3
+
+
+def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, Any]:
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x @ w, "sum", dist.group.WORLD).relu()
+
+    gm = trace_aten(step, torch.randn(64, 64), torch.randn(64, 64))
+    base = AnalyticEstimator(DEVICE, LINK, comm_backend="gloo")
+    # Separate cache dirs: rank 1 starts with a warm cache for mm, rank 0 cold; since rank 0
+    # misses it, both ranks measure it (the same collectives run on every rank).
+    cache = pathlib.Path(cache_root, f"rank{rank}")
+    real = ProfiledEstimator(base, cache, warmup=1, repeats=3, progress=False, device_name="unit")
+    if rank == 1:
+        mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
+        cache.mkdir(parents=True)
+        real._cache_path("unit").write_text(json.dumps(
+            {"version": 1, "device": "unit", "entries": {real.signature(mm): 1.0}}))
+    report = real.calibrate(gm)
+    skewed = _RankSkewedEstimator(base, pathlib.Path(cache_root, f"skew{rank}"), warmup=0,
+                                  repeats=1, progress=False, measure_contention=False)
+    skewed.calibrate(gm)
+    issue = next(n for n in gm.graph.nodes if str(n.target).startswith("_c10d_functional.all_reduce"))
+    return {
+        "measured": report.measured,
+        "contention": report.contention_factor,
+        "real": real.measurements,
+        "skewed": {k: v for k, v in skewed.measurements.items() if "c10d" not in k},
+        "allreduce_s": real.node_cost(issue).time_s,
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
+    results = run_gloo_world(_gloo_calibrate, 2, str(tmp_path), timeout_s=90)
+    r0, r1 = results
+    assert r0["measured"] == r1["measured"] == 3  # mm, all_reduce, relu
+    assert r0["real"] == r1["real"]  # agreed: identical numbers on every rank
+    assert max(r0["real"].values()) < 1.0  # rank 1's stale 1 s entry was re-measured
+    assert any("_c10d_functional.all_reduce" in k and "group_size=2" in k and "backend=gloo" in k
+               for k in r0["real"])
+    assert r0["allreduce_s"] > 0
+    assert r0["contention"] == r1["contention"] and r0["contention"] >= 1.0
+    # the max over ranks wins: rank 1 "measured" 2 ms
+    assert r0["skewed"] == r1["skewed"] and set(r0["skewed"].values()) == {2e-3}
+    assert not math.isnan(r0["allreduce_s"])

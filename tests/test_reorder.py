@@ -1,0 +1,180 @@
+"""The reorder pass and the list scheduler: hand-built graphs with stub costs, random DAGs."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost_model.estimator import TableEstimator
+from cost_model.op_kinds import is_comm, kind_of
+from graph_passes import PassContext
+from graph_passes.annotate import annotate_pass
+from graph_passes.reorder import ReorderOptions, reorder_pass
+from graph_passes.scheduling import is_order_sensitive
+from graph_passes.verify import verify_pass
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+UNIT = TableEstimator(kind_times_s={"compute": 1.0, "collective": 1.0}, output_bytes={})
+
+
+def _ctx(estimator=UNIT, **options) -> PassContext:
+    ctx = PassContext(graph_name="test", phase="bwd", estimator=estimator)
+    if options:
+        ctx.pass_options["reorder"] = ReorderOptions(**options)
+    return ctx
+
+
+def _names(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _is_subsequence(expected: list[str], actual: list[str]) -> bool:
+    it = iter(actual)
+    return all(name in it for name in expected)
+
+
+def _backward_slice() -> torch.fx.GraphModule:
+    """dgrad -> reduce_scatter -> wait -> add; wgrad independent, originally before the issue."""
+    g = torch.fx.Graph()
+    x, w, grad = g.placeholder("x"), g.placeholder("w"), g.placeholder("grad")
+    dgrad = g.create_node("call_function", aten.mm.default, (grad, w), name="dgrad")
+    xt = g.create_node("call_function", aten.t.default, (x,), name="xt")
+    wgrad = g.create_node("call_function", aten.mm.default, (xt, grad), name="wgrad")
+    rs = g.create_node("call_function", c10d.reduce_scatter_tensor.default, (dgrad, "sum", 2, "0"), name="rs")
+    wait = g.create_node("call_function", c10d.wait_tensor.default, (rs,), name="wait_rs")
+    out = g.create_node("call_function", aten.add.Tensor, (wait, 1), name="out")
+    g.output((out, wgrad))
+    return annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
+
+
+def test_issue_moves_before_independent_compute_and_wait_after_it() -> None:
+    gm = _backward_slice()
+    ctx = _ctx()
+    reorder_pass(gm, ctx)
+    assert _names(gm) == ["dgrad", "rs", "xt", "wgrad", "wait_rs", "out"]
+    record = ctx.records["reorder"]
+    assert record["predicted_makespan_after_s"] < record["predicted_makespan_before_s"]
+    assert record["predicted_exposed_comm_after_s"] == 0.0
+    assert ctx.stats["reorder"]["reordered graphs"] == 1
+    verify_pass(gm, ctx)
+
+
+def test_reorder_is_deterministic() -> None:
+    a, b = _backward_slice(), _backward_slice()
+    reorder_pass(a, _ctx())
+    reorder_pass(b, _ctx())
+    assert _names(a) == _names(b)
+
+
+def test_no_gain_leaves_the_graph_alone_and_counts_why() -> None:
+    gm = _backward_slice()
+    free_comm = TableEstimator(kind_times_s={"compute": 1.0, "collective": 0.0})
+    before = _names(gm)
+    ctx = _ctx(free_comm)
+    reorder_pass(gm, ctx)
+    assert _names(gm) == before
+    assert ctx.stats["reorder"]["kept original order: no predicted gain"] == 1
+
+
+def test_without_collectives_or_estimator_it_skips() -> None:
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(aten.relu.default, (x,)),))
+    ctx = _ctx()
+    reorder_pass(torch.fx.GraphModule(torch.nn.Module(), g), ctx)
+    assert ctx.stats["reorder"]["skipped: no collectives"] == 1
+    ctx = _ctx(None)
+    reorder_pass(_backward_slice(), ctx)
+    assert ctx.stats["reorder"]["skipped: no estimator"] == 1
+
+
+def test_memory_budget_keeps_the_original_order_when_hoisting_would_grow_the_peak() -> None:
+    """Hoisting rs (1000 B) above wgrad (500 B, reduced then freed) would raise the peak."""
+    g = torch.fx.Graph()
+    x, w, grad = g.placeholder("x"), g.placeholder("w"), g.placeholder("grad")
+    dgrad = g.create_node("call_function", aten.mm.default, (grad, w), name="dgrad")
+    wgrad = g.create_node("call_function", aten.mm.default, (x, grad), name="wgrad")
+    total = g.create_node("call_function", aten.sum.default, (wgrad,), name="total")
+    rs = g.create_node("call_function", c10d.reduce_scatter_tensor.default, (dgrad, "sum", 2, "0"), name="rs")
+    wait = g.create_node("call_function", c10d.wait_tensor.default, (rs,), name="wait_rs")
+    out = g.create_node("call_function", aten.add.Tensor, (wait, total), name="out")
+    g.output((out,))
+    sizes = {"dgrad": 10, "wgrad": 500, "total": 10, "rs": 1000, "wait_rs": 0, "out": 10}
+    big = TableEstimator(kind_times_s={"compute": 1.0, "collective": 1.0}, output_bytes=sizes)
+    gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
+    before = _names(gm)
+    ctx = _ctx(big, memory_budget_ratio=1.0)
+    reorder_pass(gm, ctx)
+    assert _names(gm) == before
+    assert ctx.stats["reorder"]["kept original order: over the memory budget"] == 1
+    # with headroom, the same graph is reordered
+    gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), copy.deepcopy(g)), _ctx())
+    ctx = _ctx(big, memory_budget_ratio=2.0)
+    reorder_pass(gm, ctx)
+    assert _names(gm).index("rs") < _names(gm).index("wgrad")
+
+
+def test_order_sensitive_nodes_are_barriers() -> None:
+    g = torch.fx.Graph()
+    x, buf = g.placeholder("x"), g.placeholder("buf")
+    a = g.create_node("call_function", aten.mm.default, (x, x), name="a")
+    r1 = g.create_node("call_function", aten.rand.default, ([4, 4],), {"device": torch.device("cpu")}, name="r1")
+    ag = g.create_node("call_function", c10d.all_gather_into_tensor.default, (a, 2, "0"), name="ag")
+    w = g.create_node("call_function", c10d.wait_tensor.default, (ag,), name="w")
+    b = g.create_node("call_function", aten.mm.default, (x, r1), name="b")
+    r2 = g.create_node("call_function", aten.rand.default, ([4, 4],), {"device": torch.device("cpu")}, name="r2")
+    cp = g.create_node("call_function", aten.copy_.default, (buf, b), name="cp")
+    g.output((w, r2, cp))
+    gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
+    assert [is_order_sensitive(n) for n in gm.graph.nodes if n.op == "call_function"] == [
+        False, True, False, False, False, True, True
+    ]
+    reorder_pass(gm, _ctx())
+    names = _names(gm)
+    assert names.index("a") < names.index("r1") < names.index("b") < names.index("r2") < names.index("cp")
+    assert names.index("ag") > names.index("r1")
+
+
+# ---------------------------------------------------------------- random DAGs
+
+
+@st.composite
+def random_graphs(draw) -> torch.fx.GraphModule:
+    """Random DAGs of matmul-like compute with collectives (issue + wait) sprinkled in."""
+    g = torch.fx.Graph()
+    values = [g.placeholder(f"in{i}") for i in range(draw(st.integers(1, 3)))]
+    for i in range(draw(st.integers(1, 25))):
+        a = values[draw(st.integers(0, len(values) - 1))]
+        if draw(st.integers(0, 3)) == 0:
+            issue = g.create_node("call_function", c10d.all_reduce.default, (a, "sum", "0"), name=f"ar{i}")
+            values.append(g.create_node("call_function", c10d.wait_tensor.default, (issue,), name=f"wait{i}"))
+        else:
+            b = values[draw(st.integers(0, len(values) - 1))]
+            values.append(g.create_node("call_function", aten.add.Tensor, (a, b), name=f"c{i}"))
+    g.output(tuple(values[-3:]))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    return annotate_pass(gm, _ctx())
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_graphs(), st.floats(0.1, 5.0), st.integers(1, 3), st.integers(1, 10))
+def test_random_dags_stay_valid_and_never_get_slower(gm, comm_s, max_in_flight, distance) -> None:
+    estimator = TableEstimator(kind_times_s={"compute": 1.0, "collective": comm_s})
+    original = copy.deepcopy(gm)
+    ctx = _ctx(estimator, max_in_flight=max_in_flight, max_issue_distance=distance)
+    reorder_pass(gm, ctx)
+    gm.graph.lint()
+    verify_pass(gm, ctx)
+    assert sorted(_names(gm)) == sorted(_names(original))
+    issues = [n.name for n in original.graph.nodes if is_comm(kind_of(n))]
+    new_issues = [n.name for n in gm.graph.nodes if is_comm(kind_of(n))]
+    assert sorted(issues) == sorted(new_issues)
+    record = ctx.records.get("reorder")
+    if record and ctx.stats["reorder"]["reordered graphs"]:
+        assert record["predicted_makespan_after_s"] < record["predicted_makespan_before_s"]
