@@ -34,7 +34,7 @@ PERFORMANCE.md::
     broadcast       ring (pipelined chain) steps n-1   wire S
     send / recv     steps 1                       wire S
 
-plus a fixed ``NCCL_BASE_LATENCY_S`` per collective (``baseLat`` Ring/Simple).
+plus a fixed ``NCCL_BASE_LATENCY_S`` per NCCL operation, P2P included (``baseLat`` Ring/Simple).
 
 gloo (``backend="gloo"``), from the algorithms ProcessGroupGloo calls::
 
@@ -45,7 +45,8 @@ gloo (``backend="gloo"``), from the algorithms ProcessGroupGloo calls::
                                                                steps 2(n-1)   wire 2(n-1)/n * S
                     -- about twice the bytes of NCCL's reduce-scatter
     all_to_all      pairwise (gloo/alltoall.cc)                steps n-1      wire (n-1)/n * S
-    broadcast       binomial tree (gloo/broadcast.cc)          steps ceil(log2 n)  wire ceil(log2 n) * S
+    broadcast       binomial tree (gloo/broadcast.cc)          steps ceil(log2 n)
+                                                               wire ceil(log2 n) * S
     send / recv     steps 1                                    wire S
 
 ``algorithm="tree"`` only changes all-reduce on NCCL (the only collective NCCL runs on a

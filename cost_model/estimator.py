@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import sympy
 import torch
@@ -91,6 +91,7 @@ class NodeCost:
     group_size: int | None = None
 
 
+@runtime_checkable
 class Estimator(Protocol):
     """Anything that prices a node. Optionally has ``contention_factor: float``."""
 
@@ -250,7 +251,8 @@ def _hints_for(node: torch.fx.Node, exprs: Sequence[object]) -> dict[sympy.Symbo
     if not symbolic:
         return {}
     env = shape_env_of_nodes([node, *node.all_input_nodes])
-    return {sym: symbol_hint(sym, env) for sym in free_symbols_sorted(symbolic)}  # type: ignore[arg-type]
+    symbols = free_symbols_sorted(symbolic)  # type: ignore[arg-type]
+    return {sym: symbol_hint(sym, env) for sym in symbols}
 
 
 class TableEstimator:
@@ -304,7 +306,9 @@ class TableEstimator:
 StubEstimator = TableEstimator
 
 
-def _node_list(nodes: Iterable[torch.fx.Node] | torch.fx.Graph | torch.fx.GraphModule) -> list[torch.fx.Node]:
+def _node_list(
+    nodes: Iterable[torch.fx.Node] | torch.fx.Graph | torch.fx.GraphModule,
+) -> list[torch.fx.Node]:
     if isinstance(nodes, torch.fx.GraphModule):
         return list(nodes.graph.nodes)
     if isinstance(nodes, torch.fx.Graph):

@@ -31,7 +31,6 @@ evaluated at the size hints instead and the result is a constant.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,35 +119,46 @@ def _val(node_or_value: Any) -> Any:
     return node_or_value
 
 
-def _meta_to_shape(value: Any) -> Any:
-    """Replace tensors (and FX nodes holding them) by sympy shape tuples, recursively."""
-    value = _val(value)
-    if isinstance(value, torch.Tensor):
-        return shape_exprs(value)
-    if _is_tensor_meta(value):
-        return tuple(_size(s) for s in value.shape)
-    if isinstance(value, torch.SymInt):
-        return size_expr(value)
-    if isinstance(value, list):
-        return [_meta_to_shape(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_meta_to_shape(v) for v in value)
-    return value
-
-
 def _is_tensor_meta(value: Any) -> bool:
     return type(value).__name__ == "TensorMetadata"
 
 
-def _size(s: Any) -> SizeExpr:
-    return size_expr(s)
+def _shape_of(value: Any) -> tuple[SizeExpr, ...]:
+    """Shape of a FakeTensor or TensorMetadata as :data:`SizeExpr` (never guards)."""
+    if isinstance(value, torch.Tensor):
+        return shape_exprs(value)
+    return tuple(size_expr(s) for s in value.shape)
 
 
-def _wrap_raw(value: Any) -> Any:
-    if isinstance(value, tuple) and all(isinstance(s, (int, sympy.Basic)) for s in value):
-        return _ShapeOnly(value)
+def _shapes(value: Any, raw: bool) -> Any:
+    """Replace tensors (and FX nodes holding them) in a nest of args by their shapes.
+
+    ``raw`` formulas (``register_flop_formula(..., get_raw=True)``) read ``t.shape``
+    themselves, so tensors become :class:`_ShapeOnly`; the others get shape tuples.
+    """
+    value = _val(value)
+    if isinstance(value, torch.Tensor) or _is_tensor_meta(value):
+        shape = _shape_of(value)
+        return _ShapeOnly(shape) if raw else shape
+    if isinstance(value, torch.SymInt):
+        return size_expr(value)
     if isinstance(value, list):
-        return [_wrap_raw(v) for v in value]
+        return [_shapes(v, raw) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_shapes(v, raw) for v in value)
+    return value
+
+
+def _at_hints(value: Any, hints: dict[sympy.Symbol, int]) -> Any:
+    """:func:`_shapes` output with every symbolic size replaced by its hint."""
+    if isinstance(value, sympy.Basic):
+        return evaluate_int(value, hints)
+    if isinstance(value, _ShapeOnly):
+        return _ShapeOnly(tuple(_at_hints(s, hints) for s in value.shape))
+    if isinstance(value, list):
+        return [_at_hints(v, hints) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_at_hints(v, hints) for v in value)
     return value
 
 
@@ -165,8 +175,8 @@ def _numel(value: Any) -> SizeExpr:
     if isinstance(value, torch.Tensor):
         return numel_expr(value)
     total: SizeExpr = 1
-    for s in value.shape:
-        total = total * _size(s)
+    for s in _shape_of(value):
+        total = total * s
     return total
 
 
@@ -204,38 +214,6 @@ def _max(values: Sequence[SizeExpr]) -> SizeExpr:
     return sympy.Max(*values)
 
 
-def _registry_flops(node: torch.fx.Node, formula: Callable[..., Any]) -> SizeExpr:
-    raw = not hasattr(formula, "__wrapped__")
-    args = _meta_to_shape(node.args)
-    kwargs = {k: _meta_to_shape(v) for k, v in node.kwargs.items()}
-    out = _meta_to_shape(node)
-    if raw:
-        args = _wrap_raw(list(args))
-        kwargs = {k: _wrap_raw(v) for k, v in kwargs.items()}
-        out = _wrap_raw(out)
-    return formula(*args, out_val=out, **kwargs)
-
-
-def op_flops(node: torch.fx.Node) -> SizeExpr:
-    """FLOPs of one compute node (see module docstring). Non-compute nodes: 0."""
-    if kind_of(node) != "compute":
-        return 0
-    packet = _packet(node.target)
-    formula = flop_counter.flop_registry.get(packet)
-    try:
-        if formula is not None:
-            return _simplify(_registry_flops(node, formula))
-        extra = EXTRA_FLOP_FORMULAS.get(packet)
-        if extra is not None:
-            return _simplify(extra(_meta_to_shape(node.args), _meta_to_shape(node)))
-    except (TypeError, AssertionError, ValueError, IndexError):
-        return _flops_at_hints(node, formula, EXTRA_FLOP_FORMULAS.get(packet))
-    if packet in GATHER_OPS or packet in ALLOCATION_OPS:
-        return 0
-    sizes = [_numel(t) for t in (*input_tensors(node), *output_tensors(node))]
-    return _max(sizes)
-
-
 def _simplify(value: Any) -> SizeExpr:
     if isinstance(value, sympy.Basic):
         value = sympy.expand(value)
@@ -243,38 +221,55 @@ def _simplify(value: Any) -> SizeExpr:
     return int(value)
 
 
-def _flops_at_hints(
-    node: torch.fx.Node,
-    formula: Callable[..., Any] | None,
-    extra: Callable[[Sequence[Any], Any], SizeExpr] | None,
-) -> SizeExpr:
-    """Evaluate a formula that needs concrete sizes at the graph's size hints."""
-    hints = size_hints([node, *node.all_input_nodes])
+def _formula_flops(node: torch.fx.Node, hints: dict[sympy.Symbol, int] | None) -> SizeExpr | None:
+    """FLOPs from the registry or :data:`EXTRA_FLOP_FORMULAS` (None if neither has the op).
 
-    def concrete(value: Any) -> Any:
-        if isinstance(value, sympy.Basic):
-            return evaluate_int(value, hints)
-        if isinstance(value, _ShapeOnly):
-            return _ShapeOnly(tuple(concrete(s) for s in value.shape))
-        if isinstance(value, list):
-            return [concrete(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(concrete(v) for v in value)
-        if isinstance(value, dict):
-            return {k: concrete(v) for k, v in value.items()}
-        return value
-
-    args = concrete(_meta_to_shape(node.args))
-    kwargs = concrete({k: _meta_to_shape(v) for k, v in node.kwargs.items()})
-    out = concrete(_meta_to_shape(node))
+    With ``hints``, sizes are made concrete first.
+    """
+    packet = _packet(node.target)
+    formula = flop_counter.flop_registry.get(packet)
+    extra = EXTRA_FLOP_FORMULAS.get(packet)
+    if formula is None and extra is None:
+        return None
+    raw = formula is not None and not hasattr(formula, "__wrapped__")  # not shape_wrapper'd
+    args = _shapes(node.args, raw)
+    kwargs = {k: _shapes(v, raw) for k, v in node.kwargs.items()}
+    out = _shapes(node, raw)
+    if hints is not None:
+        args, out = _at_hints(args, hints), _at_hints(out, hints)
+        kwargs = {k: _at_hints(v, hints) for k, v in kwargs.items()}
     if formula is not None:
-        if not hasattr(formula, "__wrapped__"):
-            args = _wrap_raw(list(args))
-            kwargs = {k: _wrap_raw(v) for k, v in kwargs.items()}
-            out = _wrap_raw(out)
-        return int(formula(*args, out_val=out, **kwargs))
+        return _simplify(formula(*args, out_val=out, **kwargs))
     assert extra is not None
-    return int(extra(args, out))
+    return _simplify(extra(args, out))
+
+
+_FORMULA_ERRORS = (TypeError, AssertionError, ValueError, IndexError, AttributeError)
+
+
+def op_flops(node: torch.fx.Node) -> SizeExpr:
+    """FLOPs of one compute node (see module docstring). Non-compute nodes: 0.
+
+    A formula that cannot take symbolic sizes is evaluated at the size hints; one that
+    fails even there (e.g. a nested-tensor layout it does not expect) falls back to the
+    elementwise rule rather than failing the caller.
+    """
+    if kind_of(node) != "compute":
+        return 0
+    try:
+        flops = _formula_flops(node, None)
+    except _FORMULA_ERRORS:
+        try:
+            flops = _formula_flops(node, size_hints([node, *node.all_input_nodes]))
+        except _FORMULA_ERRORS:
+            flops = None
+    if flops is not None:
+        return flops
+    packet = _packet(node.target)
+    if packet in GATHER_OPS or packet in ALLOCATION_OPS:
+        return 0
+    sizes = [_numel(t) for t in (*input_tensors(node), *output_tensors(node))]
+    return _max(sizes)
 
 
 def op_bytes(node: torch.fx.Node) -> SizeExpr:
@@ -297,16 +292,11 @@ def output_bytes_expr(node: torch.fx.Node) -> SizeExpr:
     return _sum([_nbytes(t) for t in output_tensors(node)])
 
 
-def is_getitem(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
-
-
 __all__ = [
     "ALLOCATION_OPS",
     "EXTRA_FLOP_FORMULAS",
     "GATHER_OPS",
     "input_tensors",
-    "is_getitem",
     "op_bytes",
     "op_flops",
     "output_bytes_expr",

@@ -43,9 +43,9 @@ TERA: float = 1e12
 GIGA: float = 1e9
 
 #: Default compute slowdown on GPUs while a collective runs concurrently: NCCL kernels
-#: occupy SMs and HBM bandwidth. Published measurements put the GEMM slowdown around
-#: 10% (T3, Pati et al., ASPLOS 2024, section 3 "Compute-communication interference";
-#: DHelix, arXiv 2411.15871, section 2 observes the same order).
+#: occupy SMs and HBM bandwidth. Overlap studies report GEMM slowdowns of the order of
+#: 10% (e.g. T3, Pati et al., ASPLOS 2024, arXiv 2401.16677; DHelix, arXiv 2411.15871).
+#: A default only: profile mode measures the real factor on the live group.
 GPU_CONTENTION_FACTOR: float = 1.1
 
 #: Kernel launch + inter-kernel gap on a CUDA stream: "a few microseconds" per launch

@@ -245,7 +245,7 @@ class ProfiledEstimator:
         self.measure_contention = measure_contention
         self.measurements: dict[str, float] = {}
         self.measured_contention_factor: float | None = None
-        self._signature_cache: dict[torch.fx.Node, tuple[int, str | None]] = {}
+        self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
 
     # ------------------------------------------------------------------ estimator API
 
@@ -275,12 +275,12 @@ class ProfiledEstimator:
         kind = kind_of(node)
         if kind not in ("compute", "collective"):
             return None
+        val = node.meta.get("val")
         hit = self._signature_cache.get(node)
-        val_id = id(node.meta.get("val"))
-        if hit is not None and hit[0] == val_id:
+        if hit is not None and hit[0] is val:  # same metadata object: same signature
             return hit[1]
         sig = self._compute_signature(node, kind)
-        self._signature_cache[node] = (val_id, sig)
+        self._signature_cache[node] = (val, sig)
         return sig
 
     def _compute_signature(self, node: torch.fx.Node, kind: str) -> str | None:
@@ -290,6 +290,8 @@ class ProfiledEstimator:
             group = self.process_group
             if group is None:
                 group = _resolve_group(args.get("group_name"))
+            if group is None:
+                return None  # no live group: never measured
             call = describe_comm(node, _group_size(group))
             parts = [
                 f"{k}={_arg_sig(v, hints)}"
@@ -485,7 +487,9 @@ class ProfiledEstimator:
                         made[value] = _materialize(val, hints)
                     elif isinstance(val, (list, tuple)):
                         made[value] = type(val)(
-                            _materialize(v, hints) if isinstance(v, torch.Tensor) else concretize(v, hints)
+                            _materialize(v, hints)
+                            if isinstance(v, torch.Tensor)
+                            else concretize(v, hints)
                             for v in val
                         )
                     else:
@@ -514,23 +518,34 @@ class ProfiledEstimator:
     def _measure_contention(
         self, items: Sequence[_Item], times: Sequence[float], group: Any, cache: dict[str, float]
     ) -> float | None:
-        """Slowdown of the slowest measured compute op while an all_reduce is in flight."""
+        """Slowdown of the slowest measured compute op while an all_reduce is in flight.
+
+        The op is repeated to span about one transfer of the graph's largest collective,
+        timed alone and with an async all_reduce of that size (1 MiB..64 MiB) in flight.
+        """
         if group is None or _backend_name(group) == "fake" or _group_size(group) in (None, 1):
             return None
         compute = [(t, it.sig, it) for it, t in zip(items, times, strict=True)
                    if not it.is_collective and t != _FAILED]
-        comm_bytes = [
-            _comm_nbytes(it.node) for it, t in zip(items, times, strict=True)
+        comms = [
+            (_comm_nbytes(it.node), t) for it, t in zip(items, times, strict=True)
             if it.is_collective and t != _FAILED
         ]
-        if not compute or not comm_bytes:
+        if not compute or not comms:
             return None
-        _, sig, item = max(compute, key=lambda c: (c[0], c[1]))
-        nbytes = int(min(max(max(comm_bytes), 1 << 20), 64 << 20))
-        key = f"contention|{sig}|bytes={nbytes}|backend={_backend_name(group)}|size={_group_size(group)}"
-        if key in cache:
-            local = cache[key]
-            factor = _agree_max([local], group)[0]
+        t_compute, sig, item = max(compute, key=lambda c: (c[0], c[1]))
+        largest_bytes, t_comm = max(comms)
+        nbytes = int(min(max(largest_bytes, 1 << 20), 64 << 20))
+        # Repeat the op so that it spans the transfer (capped at ~20 ms per sample).
+        iters = int(min(1000, max(1, math.ceil(min(t_comm, 0.02) / max(t_compute, 1e-7)))))
+        key = (
+            f"contention|{sig}|bytes={nbytes}|iters={iters}"
+            f"|backend={_backend_name(group)}|size={_group_size(group)}"
+        )
+        # Every rank must take the same branch: measure unless the key is cached everywhere.
+        if not _agree_max([0.0 if key in cache else 1.0], group)[0]:
+            factor = _agree_max([cache[key]], group)[0]
+            cache[key] = factor
             return factor
         import torch.distributed as dist
 
@@ -545,7 +560,8 @@ class ProfiledEstimator:
 
         def compute_once() -> None:
             if args is not None:
-                node.target(*args, **kwargs)
+                for _ in range(iters):
+                    node.target(*args, **kwargs)
                 _synchronize(device)
 
         alone: list[float] = []
@@ -600,7 +616,9 @@ class ProfiledEstimator:
 # ---------------------------------------------------------------------- helpers
 
 
-def _nodes(gm: torch.fx.GraphModule | torch.fx.Graph | Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+def _nodes(
+    gm: torch.fx.GraphModule | torch.fx.Graph | Sequence[torch.fx.Node],
+) -> list[torch.fx.Node]:
     if isinstance(gm, torch.fx.GraphModule):
         return list(gm.graph.nodes)
     if isinstance(gm, torch.fx.Graph):
@@ -657,7 +675,9 @@ def _comm_nbytes(node: torch.fx.Node) -> int:
     return int(evaluate(nbytes, size_hints([node, *node.all_input_nodes])))
 
 
-def _median_run_s(fn: Callable[[], object], warmup: int, repeats: int, device: torch.device) -> float:
+def _median_run_s(
+    fn: Callable[[], object], warmup: int, repeats: int, device: torch.device
+) -> float:
     for _ in range(warmup):
         fn()
     _synchronize(device)

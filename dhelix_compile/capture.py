@@ -87,9 +87,18 @@ def compile_partition(
         return compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
     check_rank_consistency(scheduled, name, config.consistency_timeout_s)
     if dumper is not None:
-        dumper.write_summary(ctx, codegen=config.codegen)
+        dumper.write_summary(ctx, codegen=config.codegen, comm_order=comm_order(scheduled))
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
     return generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
+
+
+def comm_order(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's collective issues and waits in order, e.g. ``["all_gather_into_tensor", "wait_tensor"]``."""
+    return [
+        getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        for n in gm.graph.nodes
+        if n.meta.get("dhelix", {}).get("kind") in ("collective", "p2p", "wait")
+    ]
 
 
 def pass_options(config: DHelixConfig) -> dict[str, Any]:

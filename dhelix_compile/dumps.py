@@ -68,14 +68,28 @@ class _Snapshot:
     counts: Counter[str]
 
 
+#: Folders this process has written, so a graph compiled again under the same name (after
+#: ``torch._dynamo.reset()``, which restarts compile ids) gets its own folder.
+_folders_used: set[Path] = set()
+
+
+def _fresh_folder(root: Path, name: str) -> Path:
+    folder, n = root / name, 1
+    while folder in _folders_used:
+        n += 1
+        folder = root / f"{name}.{n}"
+    _folders_used.add(folder)
+    return folder
+
+
 class GraphDumper:
     """Writes one compiled graph's dumps under ``root`` (see the module docstring)."""
 
     def __init__(self, dump_dir: str | Path, graph_name: str) -> None:
-        root = Path(dump_dir)
+        root = Path(dump_dir).resolve()
         if dist.is_available() and dist.is_initialized():
             root = root / f"rank{dist.get_rank()}"
-        self.folder = root / _safe(graph_name)
+        self.folder = _fresh_folder(root, _safe(graph_name))
         self.folder.mkdir(parents=True, exist_ok=True)
         self.pass_seconds: dict[str, float] = {}
 

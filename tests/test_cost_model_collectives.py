@@ -55,7 +55,8 @@ def test_gloo_broadcast_is_binomial_tree() -> None:
 def test_tree_all_reduce_terms() -> None:
     assert alpha_beta_terms("all_reduce", 16, "tree", "nccl") == (8, 2)
     # tree only applies to NCCL all-reduce; gloo keeps the ring
-    assert alpha_beta_terms("all_reduce", 16, "tree", "gloo") == (30, alpha_beta_terms("all_reduce", 16, "ring", "gloo")[1])
+    gloo_ring = alpha_beta_terms("all_reduce", 16, "ring", "gloo")
+    assert alpha_beta_terms("all_reduce", 16, "tree", "gloo") == gloo_ring == (30, 2 * 15 / 16)
 
 
 def test_ring_time_formula_exact() -> None:

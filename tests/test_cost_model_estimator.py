@@ -91,7 +91,8 @@ def test_dtype_selects_peak() -> None:
     [
         (aten.bmm.default, [(4, 8, 16), (4, 16, 32)], (4, 8, 32), 2 * 4 * 8 * 16 * 32),
         (aten.addmm.default, [(32,), (8, 16), (16, 32)], (8, 32), 2 * 8 * 16 * 32),
-        (aten.baddbmm.default, [(4, 8, 32), (4, 8, 16), (4, 16, 32)], (4, 8, 32), 2 * 4 * 8 * 16 * 32),
+        (aten.baddbmm.default, [(4, 8, 32), (4, 8, 16), (4, 16, 32)], (4, 8, 32),
+         2 * 4 * 8 * 16 * 32),
         (aten.linear.default, [(2, 8, 16), (32, 16)], (2, 8, 32), 2 * 2 * 8 * 16 * 32),
     ],
 )
@@ -173,7 +174,8 @@ def test_symbolic_cost_grows_with_sequence_length() -> None:
     hints = graph_size_hints(gm)
     assert hints[seq] == 24
     total = graph_time_expr(gm, est)
-    assert evaluate(total, hints) == pytest.approx(sum(est.node_cost(n).time_s for n in gm.graph.nodes))
+    node_sum = sum(est.node_cost(n).time_s for n in gm.graph.nodes)
+    assert evaluate(total, hints) == pytest.approx(node_sum)
     # extrapolate: a 64x longer sequence makes the compute-bound bmm 4096x the FLOPs
     longer = dict(hints) | {seq: 24 * 64}
     assert evaluate(flops_expr, longer) == 4096 * cost.flops
@@ -245,3 +247,57 @@ def test_table_estimator() -> None:
     placeholder = next(iter(g.nodes))
     assert est.node_cost(placeholder).output_bytes == 4 * 8 * 4
     assert TableEstimator(kind_times_s={"compute": 2.0}).node_cost(mm).time_s == 2.0
+
+
+def test_all_to_all_broadcast_coalesced_and_p2p(world4: object) -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a2a = funcol.all_to_all_single(x, None, None, dist.group.WORLD)
+        bc = funcol.broadcast(x, 0, dist.group.WORLD)
+        co = funcol.all_reduce_coalesced([x, x * 2], "sum", dist.group.WORLD)
+        return (a2a, bc, *co)
+
+    gm = trace_aten(f, torch.randn(8, 16))
+    est = AnalyticEstimator(DEVICE, LINK)
+    costs = {str(n.target): est.node_cost(n) for n in gm.graph.nodes}
+    s = 8 * 16 * 4
+    a2a = costs["_c10d_functional.all_to_all_single.default"]
+    assert (a2a.collective, a2a.comm_bytes) == ("all_to_all", 3 * s // 4)
+    bc = costs["_c10d_functional.broadcast.default"]
+    assert (bc.collective, bc.comm_bytes) == ("broadcast", s)
+    co = costs["_c10d_functional.all_reduce_coalesced.default"]
+    assert (co.collective, co.comm_bytes) == ("all_reduce", 2 * (3 * (2 * s) // 4))
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = _fake(1024)
+    send = g.call_function(c10d.isend.default, (x, 1, 0, "0"))
+    send.meta["val"] = _fake(1024)
+    g.output(send)
+    cost = est.node_cost(send)
+    assert (cost.kind, cost.collective, cost.comm_bytes) == ("p2p", "send", 4096)
+    assert cost.time_s == pytest.approx(8.4e-6 + 1e-5 + 4096 / 1e10)  # base + alpha + S/B
+
+
+def test_symbolic_formula_that_compares_sizes_is_evaluated_at_hints() -> None:
+    def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return aten._scaled_dot_product_efficient_attention(q, k, v, None, False)[0]
+
+    kv = torch.randn(2, 2, 16, 8)
+    gm = trace_aten(gqa, torch.randn(2, 8, 16, 8), kv, kv, dynamic=True)
+    node = next(n for n in gm.graph.nodes
+                if n.target == aten._scaled_dot_product_efficient_attention.default)
+    assert op_flops(node) == 2 * (2 * 2 * 8 * 16 * 16 * 8)
+
+
+def test_inplace_and_schema_views_allocate_nothing() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y.add_(1)
+        return y.diagonal()
+
+    gm = trace_aten(f, torch.randn(6, 6))
+    est = AnalyticEstimator(DEVICE, LINK)
+    by_target = {str(n.target): est.node_cost(n) for n in gm.graph.nodes}
+    assert by_target["aten.clone.default"].output_bytes == 144
+    assert by_target["aten.diagonal.default"].output_bytes == 0
+    assert by_target["aten.diagonal.default"].time_s == 0.0

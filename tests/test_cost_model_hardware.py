@@ -97,7 +97,9 @@ def test_load_hardware_file(tmp_path: pathlib.Path) -> None:
         "links": [{"name": "file_link", "bandwidth_bytes_per_s": 5e10, "latency_s": 5e-6}],
     }))
     toml = tmp_path / "hw.toml"
-    toml.write_text('[[links]]\nname = "toml_link"\nbandwidth_bytes_per_s = 1e9\nlatency_s = 1e-6\n')
+    toml.write_text(
+        '[[links]]\nname = "toml_link"\nbandwidth_bytes_per_s = 1e9\nlatency_s = 1e-6\n'
+    )
     try:
         load_hardware_file(path)
         load_hardware_file(toml)

@@ -46,7 +46,9 @@ class _Builder:
         )
 
     def wait(self, name: str, issue: torch.fx.Node) -> torch.fx.Node:
-        return self.graph.create_node("call_function", c10d.wait_tensor.default, (issue,), name=name)
+        return self.graph.create_node(
+            "call_function", c10d.wait_tensor.default, (issue,), name=name
+        )
 
     def finish(self, *outs: torch.fx.Node) -> list[torch.fx.Node]:
         self.graph.output(tuple(outs))
@@ -122,7 +124,8 @@ def test_strand_and_chrome_trace() -> None:
     res = simulate(order, TableEstimator({"c": 1.0}))
     assert res.events[0].strand == 1
     trace = res.to_chrome_trace()
-    assert any(ev.get("name") == "c" and ev["dur"] == pytest.approx(1e6) for ev in trace["traceEvents"])
+    spans = [ev for ev in trace["traceEvents"] if ev["ph"] == "X"]
+    assert [(ev["name"], ev["dur"]) for ev in spans] == [("c", pytest.approx(1e6))]
 
 
 # ----------------------------------------------------------------------------- memory
@@ -199,7 +202,9 @@ def _random_graph(draw: st.DrawFn) -> tuple[list[torch.fx.Node], dict[str, float
     return order, times
 
 
-def _random_topo_order(nodes: Sequence[torch.fx.Node], keys: Sequence[float]) -> list[torch.fx.Node]:
+def _random_topo_order(
+    nodes: Sequence[torch.fx.Node], keys: Sequence[float]
+) -> list[torch.fx.Node]:
     """Kahn's algorithm choosing the ready node with the smallest key."""
     prio = {n: keys[i % len(keys)] if keys else 0.0 for i, n in enumerate(nodes)}
     index = {n: i for i, n in enumerate(nodes)}
