@@ -164,3 +164,42 @@ def group_ranks(group_name: str) -> list[int]:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+
+
+#: Inductor's own communication/computation overlap scheduler (torch>=2.10), the baseline
+#: dhelix is compared with. On CPU it needs an analytical compute estimator: the default one
+#: benchmarks on a GPU.
+INDUCTOR_OVERLAP_CONFIG: dict[str, Any] = {
+    "aten_distributed_optimizations.enable_overlap_scheduling": True,
+    "aten_distributed_optimizations.compute_estimator": "analytical",
+}
+
+
+@contextlib.contextmanager
+def cpu_roofline_for_inductor(tflops: float, dram_gbps: float) -> Iterator[None]:
+    """Make Inductor's roofline estimator usable without a GPU (it asks triton for GPU specs).
+
+    ``torch.utils._runtime_estimation`` reads peak TFLOP/s and DRAM GB/s of "the GPU"; on a
+    CPU-only build that import fails. While the context is active it gets ``tflops`` and
+    ``dram_gbps`` (use this machine's measured numbers) instead.
+    """
+    import torch.utils._runtime_estimation as runtime_estimation
+
+    saved = runtime_estimation.get_device_tflops, runtime_estimation.get_gpu_dram_gbps
+    runtime_estimation.get_device_tflops = lambda dtype=None: tflops  # type: ignore[assignment]
+    runtime_estimation.get_gpu_dram_gbps = lambda: dram_gbps  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        runtime_estimation.get_device_tflops, runtime_estimation.get_gpu_dram_gbps = saved
+
+
+def real_process_group_initialized() -> bool:
+    """``torch.distributed`` is initialized with a backend that talks to other processes.
+
+    The "fake" backend (tests, compute-only benchmarks) sends nothing, and its store holds
+    nothing another rank wrote: cross-rank agreement must be skipped there.
+    """
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"

@@ -78,7 +78,7 @@ def collective_signatures(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
 
 def check_rank_consistency(gm: torch.fx.GraphModule, graph_name: str, timeout_s: float) -> None:
     """Compare this graph's collective sequence with every other rank of each of its groups."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not compat.real_process_group_initialized():
         return
     signatures = collective_signatures(gm)
     if not signatures:

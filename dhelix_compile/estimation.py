@@ -56,7 +56,7 @@ def resolve_device(config: DHelixConfig, example_inputs: Sequence[Any]) -> Devic
 @functools.cache
 def agreed_cpu_device(timeout_s: float) -> Device:
     """This CPU, measured; on several ranks, rank 0's measurement (the same on every rank)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not compat.real_process_group_initialized():
         return measure_cpu_device()
     store = compat.default_store()
     if dist.get_rank() == 0:

@@ -11,6 +11,8 @@ Contract
     - Determinism: the order is a function of the graph and the estimator's numbers only, so
       every rank (same graph, same agreed costs) computes the same schedule.
     - Judged by the simulator: kept only if ``cost_model.simulate`` predicts a shorter makespan.
+      ``ctx.records["reorder"]`` holds the predictions before/after and
+      ``predicted_makespan_s`` of the order the pass returns.
 
 The algorithm is ``scheduling.list_schedule``; this module is its priority rule.
 
@@ -145,6 +147,7 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
         predicted_exposed_comm_before_s=before.exposed_comm_s,
         predicted_exposed_comm_after_s=after.exposed_comm_s,
     )
+    ctx.record("reorder", predicted_makespan_s=before.makespan_s)
     if after.makespan_s >= before.makespan_s:
         ctx.count("reorder", "kept original order: no predicted gain")
         return gm
@@ -153,6 +156,7 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     if peak_after > options.memory_budget_ratio * peak_before:
         ctx.count("reorder", "kept original order: over the memory budget")
         return gm
+    ctx.record("reorder", predicted_makespan_s=after.makespan_s)
     moved = sum(1 for a, b in zip(body, order) if a is not b)
     previous = head[-1] if head else None
     for node in order:

@@ -1,0 +1,39 @@
+"""The variants a benchmark compares, each a way to run the same parallel model.
+
+    eager             the DTensor-parallel model as written
+    inductor          torch.compile(backend="inductor")
+    inductor_overlap  Inductor with its own overlap scheduler (aten_distributed_optimizations);
+                      on CPU with an analytical estimator fed this machine's measured numbers
+    dhelix            torch.compile(backend="dhelix"): single strand, reordered, Inductor codegen
+    dhelix_eager      dhelix's schedule run op by op (codegen="eager"): what the cost model
+                      predicts, for predicted-vs-measured checks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dhelix_compile import _torch_compat as compat
+
+VARIANTS: tuple[str, ...] = ("eager", "inductor", "inductor_overlap", "dhelix", "dhelix_eager")
+
+
+def compile_variant(
+    name: str, module: torch.nn.Module, dhelix_options: Mapping[str, Any] | None = None
+) -> Callable[..., Any]:
+    """``module`` prepared as variant ``name`` (compilation happens at its first call)."""
+    options = dict(dhelix_options or {})
+    if name == "eager":
+        return module
+    if name == "inductor":
+        return torch.compile(module, backend="inductor")
+    if name == "inductor_overlap":
+        return torch.compile(module, backend="inductor", options=dict(compat.INDUCTOR_OVERLAP_CONFIG))
+    if name == "dhelix":
+        return torch.compile(module, backend="dhelix", options=options)
+    if name == "dhelix_eager":
+        return torch.compile(module, backend="dhelix", options={**options, "codegen": "eager"})
+    raise ValueError(f"unknown benchmark variant {name!r}; choose from {', '.join(VARIANTS)}")

@@ -1,0 +1,226 @@
+"""One rank of a benchmark run: ``python -m dhelix_compile.bench.worker --out F.json ...``.
+
+Launched (by ``dhelix_compile.bench.link.launch_ranks``) with RANK / WORLD_SIZE / MASTER_ADDR
+/ MASTER_PORT in the environment. Two modes:
+
+    --mode link      gloo over the real (possibly rate-limited) link: every variant's step time,
+                     interleaved, each step started together on all ranks (barrier); then T_comm,
+                     the step's collectives replayed back to back with no compute.
+    --mode compute   the "fake" process group (collectives return at once, nothing is sent):
+                     the same variants' step times are T_compute, the step without communication.
+
+A step is one forward and backward of the TP+SP Llama-style reference model on one batch.
+A step's time is the slowest rank's. Rank 0 writes the JSON; every rank exits 0 on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dhelix_compile.bench.measure import record_collectives, replay_collectives, time_interleaved
+from dhelix_compile.bench.variants import VARIANTS, compile_variant
+from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
+from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
+
+#: Model sizes by name: (dim, n_heads, n_layers, ffn_hidden, vocab, seq_len, batch)
+MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "tiny": (64, 4, 2, 128, 128, 32, 2),
+    "small": (256, 8, 4, 768, 512, 128, 4),
+    "medium": (512, 8, 4, 1536, 1024, 256, 4),
+    "large": (1024, 16, 4, 2816, 2048, 256, 4),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file rank 0 writes")
+    parser.add_argument("--mode", choices=["link", "compute"], default="link")
+    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small")
+    parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
+    parser.add_argument("--variants", default="eager,inductor,inductor_overlap,dhelix")
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--dhelix-options", default="{}", help="JSON dict of dhelix options")
+    parser.add_argument("--time-limit-s", type=float, default=300.0, help="stop repeating after this")
+    return parser.parse_args(argv)
+
+
+def model_config(size: str) -> tuple[ModelConfig, int, int]:
+    dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[size]
+    return ModelConfig(dim=dim, n_heads=heads, n_layers=layers, ffn_hidden=ffn, vocab_size=vocab, max_seq_len=seq), seq, batch
+
+
+def init_process_group(mode: str) -> tuple[int, int]:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "compute":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return rank, world_size
+
+
+def _gather_max(values: list[float], mode: str) -> list[float]:
+    """Per-sample maximum over ranks (a step ends when its slowest rank ends)."""
+    if mode == "compute":  # fake group: nothing to gather; each rank reports its own
+        return values
+    gathered: list[list[float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return [max(samples) for samples in zip(*gathered)]  # type: ignore[arg-type]
+
+
+def _agree(ok: bool, mode: str) -> bool:
+    if mode == "compute":
+        return ok
+    flags: list[bool | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    return all(flags)
+
+
+def _predicted_step_s(dump_dir: Path, rank: int) -> float | None:
+    """Sum of the reorder pass's predicted makespans of this rank's graphs (fwd + bwd)."""
+    total, found = 0.0, False
+    for summary in sorted((dump_dir / f"rank{rank}").glob("*/summary.json")):
+        record = json.loads(summary.read_text()).get("records", {}).get("reorder", {})
+        if "predicted_makespan_s" in record:
+            total += record["predicted_makespan_s"]
+            found = True
+    return total if found else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rank, world_size = init_process_group(args.mode)
+    torch.set_num_threads(args.threads)
+    config, seq, batch = model_config(args.model)
+    config.validate(world_size)
+    mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    parallelize = parallelize_tp_sp if args.parallel == "tp_sp" else parallelize_tp
+    dump_dir = Path(tempfile.mkdtemp(prefix="dhelix_bench_"))
+    dhelix_options = {"dump_dir": str(dump_dir), **json.loads(args.dhelix_options)}
+    barrier = dist.barrier if args.mode == "link" else None
+
+    def make() -> torch.nn.Module:
+        return parallelize(Transformer(config), mesh)
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets)
+
+    steps: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name in [v for v in args.variants.split(",") if v]:
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        module = make()
+        compiled = compile_variant(name, module, dhelix_options)
+
+        def step(module: torch.nn.Module = module, compiled: Any = compiled) -> None:
+            module.zero_grad(set_to_none=True)
+            loss_of(compiled(tokens)).backward()
+
+        ok = True
+        try:
+            with _overlap_scheduler_on_cpu(name):
+                for _ in range(args.warmup):
+                    if barrier:
+                        barrier()
+                    step()
+        except Exception:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
+            errors[name] = traceback.format_exc(limit=3)
+            ok = False
+        if _agree(ok, args.mode):
+            steps[name] = step
+        else:
+            errors.setdefault(name, "failed on another rank")
+
+    repeats = _repeats_within(args.time_limit_s, steps, args.repeats, barrier)
+    times = time_interleaved(steps, repeats, barrier)
+    result: dict[str, Any] = {
+        "mode": args.mode,
+        "model": args.model,
+        "parallel": args.parallel,
+        "model_config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
+        "batch": batch,
+        "seq_len": seq,
+        "world_size": world_size,
+        "threads": args.threads,
+        "repeats": repeats,
+        "step_s": {name: _gather_max(samples, args.mode) for name, samples in times.items()},
+        "errors": errors,
+    }
+    if args.mode == "link":
+        comm = replay_collectives(record_collectives(make(), (tokens,), loss_of))
+        comm()  # warm-up
+        result["t_comm_s"] = _gather_max(time_interleaved({"comm": comm}, repeats, barrier)["comm"], args.mode)
+        predicted = _predicted_step_s(dump_dir, rank)
+        gathered: list[float | None] = [None] * world_size
+        dist.all_gather_object(gathered, predicted)
+        result["predicted_step_s"] = gathered
+    dist.barrier() if args.mode == "link" else None
+    return result if rank == 0 else {}
+
+
+def _repeats_within(limit_s: float, steps: dict[str, Any], wanted: int, barrier: Any) -> int:
+    """As many repeats as fit the time limit (judged by one probe round), at least 3."""
+    start = time.perf_counter()
+    time_interleaved(steps, 1, barrier)
+    round_s = max(time.perf_counter() - start, 1e-6)
+    fit = int(limit_s / round_s)
+    agreed = [0] * (dist.get_world_size() if dist.get_backend() != "fake" else 1)
+    if dist.get_backend() != "fake":
+        dist.all_gather_object(agreed, fit)
+        fit = min(agreed)
+    return max(3, min(wanted, fit))
+
+
+class _overlap_scheduler_on_cpu:
+    """Inductor's overlap scheduler needs GPU specs; give it this CPU's measured numbers."""
+
+    def __init__(self, variant: str) -> None:
+        self.active = variant == "inductor_overlap"
+        self._context: Any = None
+
+    def __enter__(self) -> None:
+        if self.active:
+            from cost_model import measure_cpu_device
+            from dhelix_compile import _torch_compat as compat
+
+            device = measure_cpu_device()
+            self._context = compat.cpu_roofline_for_inductor(
+                tflops=device.flops_per_s(torch.float32) / 1e12,
+                dram_gbps=device.mem_bandwidth_bytes_per_s / 1e9,
+            )
+            self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    if result:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
