@@ -1,0 +1,65 @@
+"""Rank consistency: ranks that would issue different collectives get a clear error, not a hang."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from dhelix_compile.consistency import collective_signatures
+from dhelix_compile.testing.multirank import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def _all_reduce_twice(x: torch.Tensor) -> torch.Tensor:
+    y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+    return funcol.all_reduce(y * 2, "sum", dist.group.WORLD)
+
+
+def _compile_and_run(rank: int, world_size: int, sizes: list[int | None], timeout_s: float) -> str:
+    import dhelix_compile
+
+    size = sizes[rank]
+    if size is None:  # this rank never compiles the graph
+        return "skipped"
+    backend = dhelix_compile.backend(codegen="eager", fallback="error", consistency_timeout_s=timeout_s)
+    compiled = torch.compile(_all_reduce_twice, backend=backend)
+    try:
+        out = compiled(torch.ones(size))
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return str(exc)
+    torch.testing.assert_close(out, torch.full((size,), 2.0 * world_size**2))
+    return "ok"
+
+
+def test_same_collectives_pass() -> None:
+    assert run_on_ranks(_compile_and_run, 2, [8, 8], 30.0, timeout_s=120) == ["ok", "ok"]
+
+
+def test_different_shapes_name_the_first_diverging_collective() -> None:
+    results = run_on_ranks(_compile_and_run, 2, [8, 16], 30.0, timeout_s=120)
+    for message in results:
+        assert "collective #0 on process group" in message, message
+        assert "rank 0: all_reduce.default(float32[8])" in message
+        assert "rank 1: all_reduce.default(float32[16])" in message
+
+
+def test_a_rank_that_never_compiles_is_named_within_the_timeout() -> None:
+    results = run_on_ranks(_compile_and_run, 2, [8, None], 3.0, timeout_s=120)
+    assert results[1] == "skipped"
+    assert "rank 1 of process group" in results[0] and "did not publish" in results[0], results[0]
+
+
+def test_signatures_group_collectives_by_process_group() -> None:
+    from cost_model.testing import fake_world, trace_aten
+
+    with fake_world(4) as group:
+        gm = trace_aten(lambda x: funcol.all_reduce(funcol.all_gather_tensor(x, 0, group), "sum", group), torch.ones(2, 3))
+        signatures = collective_signatures(gm)
+    (sequence,) = signatures.values()
+    assert sequence == [
+        "all_gather_into_tensor.default(float32[2, 3]) -> float32[8, 3]",
+        "all_reduce.default(float32[8, 3]) -> float32[8, 3]",
+    ]
