@@ -3,16 +3,27 @@
     model = torch.compile(model, backend="dhelix")                       # no import needed
     model = torch.compile(model, backend="dhelix", options={"dump_dir": "dhelix_dump"})
     model = torch.compile(model, backend=dhelix_compile.backend(codegen="eager"))
+
+The backend entry points import Inductor and AOTAutograd; they load on first use, so that
+``import dhelix_compile.testing`` (every spawned test rank does it) stays cheap.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from dhelix_compile.compiler import backend, dhelix_backend
 from dhelix_compile.config import ConfigError, DHelixConfig
 
 logging.getLogger("dhelix").addHandler(logging.NullHandler())
 
 __all__ = ["ConfigError", "DHelixConfig", "backend", "dhelix_backend"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("backend", "dhelix_backend"):
+        from dhelix_compile import compiler
+
+        return getattr(compiler, name)
+    raise AttributeError(f"module 'dhelix_compile' has no attribute {name!r}")

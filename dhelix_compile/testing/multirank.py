@@ -12,24 +12,31 @@ Contract
 * Each worker calls ``torch.set_num_threads(1)`` (``num_threads=`` overrides it) so that N ranks
   on a small machine do not oversubscribe its cores.
 * The result list is ordered by rank.
-* Any failure raises ``MultiRankError`` naming every rank that did not return, why (exception
-  with its remote traceback, crash with its exit code, did not finish), and for ranks that were
-  still running their Python stacks (dumped with ``faulthandler`` just before they were killed).
-  ``MultiRankTimeout`` (a subclass) is raised when some rank had not finished after
-  ``timeout_s``. After a first failure the other ranks get ``grace_s`` to finish (they are
-  usually blocked in a collective that the failed rank will never join) and are then killed.
-* The call never hangs past ``timeout_s`` (plus a few seconds to dump stacks and reap), and it
-  leaves no child process behind: every worker is its own process group leader, and the whole
-  group is SIGKILLed and reaped on every exit path (success, failure, timeout, KeyboardInterrupt).
+* Any failure raises ``MultiRankError`` naming every rank that did not return and why: an
+  exception (with the remote traceback), a crash (with the exit code), or "did not finish"
+  (with the Python stacks of all its threads, dumped by ``faulthandler`` just before the kill).
+  ``first_failure`` is the rank that failed first by the workers' own clocks: when one rank
+  raises, gloo typically makes its peers raise "Connection closed by peer" moments later, and
+  the first failure is the cause. ``MultiRankTimeout`` (a subclass) is raised when no rank failed
+  but some had not finished after ``timeout_s``. After a first failure the other ranks get
+  ``grace_s`` to finish, then are killed.
+* The call never hangs past ``timeout_s`` (plus about a second to dump stacks and reap), and it
+  leaves no child process behind: every worker is its own process-group leader, and its group
+  is SIGKILLed and reaped on every exit path (success, failure, timeout, KeyboardInterrupt).
+* ``timeout_s`` counts from the first spawn, so it includes process start-up (importing torch
+  and the package, several seconds per rank on a small machine).
 
 Rendezvous
 ----------
-The rendezvous store is a ``TCPStore`` server that this (parent) process binds to port 0, so the
-OS picks a free port and keeps it bound for the whole run; workers connect to it as clients and
-call ``init_process_group("gloo", store=..., rank=..., world_size=...)``. This removes the
-"find a free port, close it, hope nobody takes it before rank 0 binds it" race of
-``init_method="tcp://127.0.0.1:<port>"`` altogether, so no EADDRINUSE retry is needed. gloo's own
-pairwise connections bind ephemeral ports themselves.
+The rendezvous store is a ``TCPStore`` server that this (parent) process binds to port 0: the OS
+picks a free port and it stays bound for the whole run; workers connect to it as clients and
+call ``init_process_group("gloo", store=..., rank=..., world_size=...)``. This removes the "find
+a free port, close it, hope nobody takes it before rank 0 binds it" race of
+``init_method="tcp://127.0.0.1:<port>"`` altogether, so no EADDRINUSE retry is needed. gloo's
+own pairwise connections bind ephemeral ports themselves.
+
+Results travel over one one-way pipe per rank; the parent waits on the pipes and the process
+sentinels together (``multiprocessing.connection.wait``), so a crash is noticed at once.
 """
 
 from __future__ import annotations
@@ -38,14 +45,16 @@ import dataclasses
 import datetime
 import faulthandler
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
-import queue as queue_mod
 import signal
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -61,11 +70,10 @@ __all__ = [
 T = TypeVar("T")
 
 HOST = "127.0.0.1"
-_POLL_S = 0.05
-# A worker that exited may still have its message in the queue's pipe; wait this long for it.
-_EXIT_FLUSH_S = 2.0
 # Time given to faulthandler to write the stacks of ranks about to be killed.
 _STACK_DUMP_S = 1.0
+# How long to wait for the exit code of a worker whose process has ended.
+_REAP_S = 10.0
 
 FailureKind = Literal["exception", "crashed", "not_finished"]
 
@@ -76,10 +84,12 @@ class RankFailure:
 
     rank: int
     kind: FailureKind
-    """``exception``: ``fn`` (or setup) raised; ``crashed``: the process died without reporting;
-    ``not_finished``: still running at the timeout, or after another rank failed."""
+    """``exception``: ``fn`` (or the process-group setup) raised; ``crashed``: the process died
+    without reporting; ``not_finished``: still running at the timeout or after ``grace_s``."""
     detail: str
     """The remote traceback, the exit code, or why the rank was stopped."""
+    failed_at: float = float("inf")
+    """``time.time()`` when it failed (worker clock for exceptions, parent clock for crashes)."""
     stack: str = ""
     """Python stacks of all threads of a rank that was still running, dumped before the kill."""
 
@@ -94,11 +104,7 @@ class MultiRankError(RuntimeError):
     """One or more ranks failed; ``failures`` says which and why (ordered by rank)."""
 
     def __init__(
-        self,
-        summary: str,
-        failures: list[RankFailure],
-        world_size: int,
-        pids: list[int],
+        self, summary: str, failures: list[RankFailure], world_size: int, pids: list[int]
     ) -> None:
         self.failures: tuple[RankFailure, ...] = tuple(sorted(failures, key=lambda f: f.rank))
         self.world_size = world_size
@@ -108,7 +114,7 @@ class MultiRankError(RuntimeError):
 
     @property
     def failed_ranks(self) -> list[int]:
-        """Ranks that raised or crashed (the cause), not those stopped because of them."""
+        """Ranks that raised or crashed."""
         return [f.rank for f in self.failures if f.kind != "not_finished"]
 
     @property
@@ -116,9 +122,15 @@ class MultiRankError(RuntimeError):
         """Ranks that were still running when they were stopped."""
         return [f.rank for f in self.failures if f.kind == "not_finished"]
 
+    @property
+    def first_failure(self) -> RankFailure | None:
+        """The earliest exception or crash (ties: lowest rank): usually the cause."""
+        failed = [f for f in self.failures if f.kind != "not_finished"]
+        return min(failed, key=lambda f: (f.failed_at, f.rank)) if failed else None
+
 
 class MultiRankTimeout(MultiRankError):
-    """Some rank had not finished after ``timeout_s``; ``unfinished_ranks`` names them."""
+    """No rank failed, but ``unfinished_ranks`` had not finished after ``timeout_s``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,27 +152,34 @@ def _worker_main(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    results: Any,
+    conn: Connection,
 ) -> None:
     """Entry point of one rank (runs in the spawned child)."""
     os.setpgrp()  # own process group: the parent can kill this rank and anything it forks
-    stack_file = open(_stack_path(spec.stack_dir, rank), "w")  # noqa: SIM115 (kept for life)
+    stack_file = open(_stack_path(spec.stack_dir, rank), "w")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     torch.set_num_threads(spec.num_threads)
     try:
         timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
-        store = dist.TCPStore(HOST, spec.port, spec.world_size, False, timeout=timeout)
+        store = dist.TCPStore(
+            host_name=HOST,
+            port=spec.port,
+            world_size=spec.world_size,
+            is_master=False,
+            timeout=timeout,
+        )
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=spec.world_size, timeout=timeout
         )
         payload = pickle.dumps(fn(rank, spec.world_size, *args, **kwargs))
     except BaseException:  # noqa: BLE001 (reported to the parent, which raises)
-        results.put((rank, "exception", traceback.format_exc()))
+        # Report before tearing down: peers notice the teardown and fail right after.
+        conn.send(("exception", traceback.format_exc(), time.time()))
         _destroy_quietly()
         return
     _destroy_quietly()
-    results.put((rank, "ok", payload))
+    conn.send(("ok", payload, time.time()))
 
 
 def _destroy_quietly() -> None:
@@ -197,7 +216,7 @@ def run_on_ranks(
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
-        MultiRankTimeout: some rank did not finish within ``timeout_s``.
+        MultiRankTimeout: no rank failed, but some did not finish within ``timeout_s``.
         MultiRankError: some rank raised or crashed.
     """
     if world_size < 1:
@@ -205,14 +224,16 @@ def run_on_ranks(
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     ctx = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(
-        HOST,
-        0,
-        world_size,
-        True,
+    store = dist.TCPStore(  # the rendezvous server, on a free port the OS picks (port 0)
+        host_name=HOST,
+        port=0,
+        world_size=world_size,
+        is_master=True,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
+    procs: list[BaseProcess] = []
+    readers: list[Connection] = []
     with tempfile.TemporaryDirectory(prefix="dhelix_multirank_") as stack_dir:
         spec = _WorkerSpec(
             world_size=world_size,
@@ -221,114 +242,127 @@ def run_on_ranks(
             num_threads=num_threads,
             stack_dir=stack_dir,
         )
-        results_q = ctx.Queue()
-        procs: list[multiprocessing.process.BaseProcess] = []
         try:
             for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                readers.append(reader)
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(spec, rank, fn, args, kwargs, results_q),
+                    args=(spec, rank, fn, args, kwargs, writer),
                     name=f"dhelix-rank{rank}",
                     daemon=True,
                 )
-                proc.start()
+                try:
+                    proc.start()
+                finally:
+                    writer.close()  # the child has its own copy; ours would hide its EOF
                 procs.append(proc)
-            return _Supervisor(procs, results_q, spec, timeout_s, grace_s).run()
+            return _Supervisor(procs, readers, spec, timeout_s, grace_s).run()
         finally:
             _kill_and_reap(procs)
-            results_q.close()
-            results_q.join_thread()
+            for reader in readers:
+                reader.close()
             del store
 
 
 class _Supervisor:
-    """Waits for the ranks' messages, detects crashes, timeouts and failures; builds the error."""
+    """Waits for the ranks' messages and exits, enforces the deadlines, builds the error."""
 
     def __init__(
         self,
-        procs: list[multiprocessing.process.BaseProcess],
-        results_q: Any,
+        procs: list[BaseProcess],
+        readers: list[Connection],
         spec: _WorkerSpec,
         timeout_s: float,
         grace_s: float,
     ) -> None:
         self.procs = procs
-        self.results_q = results_q
+        self.readers = readers
         self.spec = spec
         self.timeout_s = timeout_s
         self.grace_s = grace_s
         self.values: dict[int, Any] = {}
         self.failures: dict[int, RankFailure] = {}
-        self.exited_at: dict[int, float] = {}
-        self.first_failure_at: float | None = None
 
-    def _done(self) -> bool:
-        return len(self.values) + len(self.failures) == len(self.procs)
-
-    def _receive(self, timeout: float) -> None:
-        try:
-            rank, status, payload = self.results_q.get(timeout=timeout)
-        except queue_mod.Empty:
-            return
-        if status == "ok":
-            self.values[rank] = pickle.loads(payload)
-        else:
-            self.failures[rank] = RankFailure(rank, "exception", payload)
-
-    def _check_crashed(self, now: float) -> None:
-        for rank, proc in enumerate(self.procs):
-            if rank in self.values or rank in self.failures or proc.exitcode is None:
-                continue
-            first_seen = self.exited_at.setdefault(rank, now)
-            if now - first_seen > _EXIT_FLUSH_S:
-                self.failures[rank] = RankFailure(
-                    rank, "crashed", f"process exited with code {proc.exitcode} without a result"
-                )
-
-    def run(self) -> list[Any]:
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        stop_at = deadline
-        timed_out = False
-        while not self._done():
-            now = time.monotonic()
-            if now >= stop_at:
-                timed_out = not self.failures
-                break
-            self._receive(timeout=min(_POLL_S, stop_at - now))
-            self._check_crashed(time.monotonic())
-            if self.failures and self.first_failure_at is None:
-                self.first_failure_at = time.monotonic()
-                stop_at = min(deadline, self.first_failure_at + self.grace_s)
-        if self._done() and not self.failures:
-            return [self.values[r] for r in range(len(self.procs))]
-        self._stop_unfinished(timed_out)
-        elapsed = time.monotonic() - start
-        pids = [p.pid or -1 for p in self.procs]
-        ws = len(self.procs)
-        if timed_out:
-            raise MultiRankTimeout(
-                f"run_on_ranks: ranks {self._unfinished()} of {ws} did not finish within "
-                f"timeout_s={self.timeout_s:g} (stopped after {elapsed:.1f}s)",
-                list(self.failures.values()),
-                ws,
-                pids,
-            )
-        causes = sorted(r for r, f in self.failures.items() if f.kind != "not_finished")
-        raise MultiRankError(
-            f"run_on_ranks: rank(s) {causes} of {ws} failed (after {elapsed:.1f}s)",
-            list(self.failures.values()),
-            ws,
-            pids,
-        )
-
-    def _unfinished(self) -> list[int]:
+    def _pending(self) -> list[int]:
         return [
             r for r in range(len(self.procs)) if r not in self.values and r not in self.failures
         ]
 
-    def _stop_unfinished(self, timed_out: bool) -> None:
-        unfinished = self._unfinished()
+    def _receive(self, rank: int) -> None:
+        """Take rank's message, or record a crash if its process ended without one."""
+        reader = self.readers[rank]
+        try:
+            if reader.poll():
+                status, payload, at = reader.recv()
+                if status != "ok":
+                    self.failures[rank] = RankFailure(rank, "exception", payload, at)
+                    return
+                try:
+                    self.values[rank] = pickle.loads(payload)
+                except Exception:  # noqa: BLE001 (e.g. a class the parent cannot import)
+                    detail = "its result could not be unpickled here:\n" + traceback.format_exc()
+                    self.failures[rank] = RankFailure(rank, "exception", detail, at)
+                return
+        except (EOFError, OSError):
+            pass
+        proc = self.procs[rank]
+        proc.join(_REAP_S)
+        self.failures[rank] = RankFailure(
+            rank,
+            "crashed",
+            f"process exited with code {proc.exitcode} without a result",
+            time.time(),
+        )
+
+    def run(self) -> list[Any]:
+        start = time.monotonic()
+        stop_at = start + self.timeout_s
+        grace_started = False
+        while pending := self._pending():
+            now = time.monotonic()
+            if now >= stop_at:
+                break
+            waitables: dict[Any, int] = {}
+            for rank in pending:
+                waitables[self.readers[rank]] = rank
+                waitables[self.procs[rank].sentinel] = rank
+            ready = multiprocessing.connection.wait(list(waitables), timeout=stop_at - now)
+            for rank in sorted({waitables[obj] for obj in ready}):
+                self._receive(rank)
+            if self.failures and not grace_started:
+                grace_started = True
+                stop_at = min(stop_at, time.monotonic() + self.grace_s)
+        if not self._pending() and not self.failures:
+            return [self.values[r] for r in range(len(self.procs))]
+        unfinished = self._pending()
+        timed_out = not self.failures
+        self._stop(unfinished, timed_out)
+        elapsed = time.monotonic() - start
+        pids = [p.pid if p.pid is not None else -1 for p in self.procs]
+        ws = len(self.procs)
+        failures = list(self.failures.values())
+        if timed_out:
+            raise MultiRankTimeout(
+                f"run_on_ranks: rank(s) {unfinished} of {ws} did not finish within "
+                f"timeout_s={self.timeout_s:g} (stopped after {elapsed:.1f}s)",
+                failures,
+                ws,
+                pids,
+            )
+        err = MultiRankError("", failures, ws, pids)
+        first = err.first_failure
+        assert first is not None
+        others = [r for r in err.failed_ranks if r != first.rank]
+        summary = f"run_on_ranks: rank {first.rank} of {ws} failed first ({first.kind})"
+        if others:
+            summary += f"; then rank(s) {others} failed"
+        if unfinished:
+            summary += f"; rank(s) {unfinished} were killed after grace_s={self.grace_s:g}"
+        raise MultiRankError(f"{summary} (after {elapsed:.1f}s)", failures, ws, pids)
+
+    def _stop(self, unfinished: list[int], timed_out: bool) -> None:
+        """Dump the stacks of still-running ranks and record them (the kill comes later)."""
         if not unfinished:
             return
         for rank in unfinished:
@@ -339,20 +373,12 @@ class _Supervisor:
                 except ProcessLookupError:
                     pass
         time.sleep(_STACK_DUMP_S)
-        # A rank may have finished in the meantime; take its message rather than misreport it.
-        while True:
-            try:
-                rank, status, payload = self.results_q.get_nowait()
-            except queue_mod.Empty:
-                break
-            if rank in unfinished and status != "ok":
-                self.failures[rank] = RankFailure(rank, "exception", payload)
         reason = (
-            f"still running at timeout_s={self.timeout_s:g}"
+            f"still running at timeout_s={self.timeout_s:g}; killed"
             if timed_out
             else f"still running {self.grace_s:g}s after another rank failed; killed"
         )
-        for rank in self._unfinished():
+        for rank in unfinished:
             self.failures[rank] = RankFailure(
                 rank, "not_finished", reason, stack=_read_stack(self.spec.stack_dir, rank)
             )
@@ -366,19 +392,19 @@ def _read_stack(stack_dir: str, rank: int) -> str:
         return ""
 
 
-def _kill_and_reap(procs: list[multiprocessing.process.BaseProcess]) -> None:
+def _kill_and_reap(procs: list[BaseProcess]) -> None:
     """SIGKILL each worker's process group (the worker and anything it forked), then reap."""
     for proc in procs:
         if proc.pid is None:
             continue
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # the group whose leader is our worker
         except (ProcessLookupError, PermissionError):
             pass
     for proc in procs:
         if proc.pid is None:
             continue
-        proc.join(timeout=10.0)
-        if proc.exitcode is None:  # not in its own group yet (killed before setpgrp ran)
+        proc.join(_REAP_S)
+        if proc.exitcode is None:  # killed before os.setpgrp() ran: not a group leader yet
             proc.kill()
-            proc.join(timeout=10.0)
+            proc.join(_REAP_S)

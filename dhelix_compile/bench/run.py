@@ -1,0 +1,147 @@
+"""The side-by-side benchmark: every variant in one run, beside the physical limit.
+
+    python -m dhelix_compile.bench.run --model small --rate 1gbit --out bench.json
+
+1. ``--mode compute`` workers on the fake process group: each variant's step with no
+   communication -> ``T_compute`` (per variant; the top-level number is Inductor's, the
+   codegen dhelix uses).
+2. ``--mode link`` workers on gloo over a rate-limited veth link between two network
+   namespaces (``bench.link``; loopback when that is impossible, and the output says so):
+   every variant interleaved, then the step's collectives alone -> ``T_comm``.
+3. Summary per variant: median and spread of the step time, and the share of hideable
+   communication it hid::
+
+       T_seq  = T_compute + T_comm                 (nothing overlapped)
+       limit  = max(T_compute, T_comm)             (perfect overlap)
+       hidden = (T_seq - T_step) / (T_seq - limit)
+
+Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``hidden_share``; top level
+``t_compute_s``, ``t_comm_s``, ``limit_s``, ``link``) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dhelix_compile.bench.link import LaunchResult, LinkSpec, launch_ranks
+
+
+def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable, "-m", "dhelix_compile.bench.worker",
+        "--out", str(out), "--mode", mode, "--model", args.model, "--parallel", args.parallel,
+        "--variants", args.variants, "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+        "--threads", str(args.threads), "--dhelix-options", args.dhelix_options,
+        "--time-limit-s", str(args.time_limit_s),
+    ]
+
+
+def _launch(out: Path, mode: str, link: LinkSpec, args: argparse.Namespace) -> tuple[dict[str, Any], LaunchResult]:
+    result = launch_ranks(_worker_argv(out, mode, args), 2, link, timeout_s=args.timeout_s)
+    if any(result.returncodes) or not out.exists():
+        tails = "\n".join(f"--- rank {r} ---\n{err[-3000:]}" for r, err in enumerate(result.stderr))
+        raise RuntimeError(f"benchmark workers ({mode}) failed: return codes {result.returncodes}\n{tails}")
+    return json.loads(out.read_text()), result
+
+
+def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) -> dict[str, Any]:
+    """The JSON summary of one benchmark (see the module docstring)."""
+    t_comm = statistics.median(link_run["t_comm_s"])
+    compute = {name: statistics.median(samples) for name, samples in compute_run["step_s"].items()}
+    t_compute = compute.get("inductor", min(compute.values()))
+    variants: dict[str, Any] = {}
+    for name, samples in link_run["step_s"].items():
+        own_compute = compute.get(name, t_compute)
+        median = statistics.median(samples)
+        variants[name] = {
+            "step_s_median": median,
+            "step_s_all": samples,
+            "step_s_min": min(samples),
+            "step_s_max": max(samples),
+            "t_compute_s": own_compute,
+            "hidden_share": hidden_share(median, own_compute, t_comm),
+        }
+    return {
+        "link": link,
+        "model": link_run["model"],
+        "parallel": link_run["parallel"],
+        "world_size": link_run["world_size"],
+        "repeats": link_run["repeats"],
+        "t_compute_s": t_compute,
+        "t_comm_s": t_comm,
+        "limit_s": max(t_compute, t_comm),
+        "variants": variants,
+        "predicted_step_s": link_run.get("predicted_step_s"),
+        "errors": {**compute_run.get("errors", {}), **link_run.get("errors", {})},
+    }
+
+
+def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
+    """Share of the hideable communication a step hid: 1 = perfect overlap, 0 = none."""
+    hideable = t_compute_s + t_comm_s - max(t_compute_s, t_comm_s)
+    return (t_compute_s + t_comm_s - step_s) / hideable if hideable > 0 else 0.0
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The summary as a markdown table, ratios beside seconds."""
+    limit = summary["limit_s"]
+    base = summary["variants"].get("inductor", {}).get("step_s_median")
+    lines = [
+        f"link: {summary['link']}; model {summary['model']} ({summary['parallel']}), "
+        f"{summary['world_size']} ranks, {summary['repeats']} interleaved repeats",
+        "",
+        f"T_compute = {summary['t_compute_s'] * 1e3:.1f} ms, T_comm = {summary['t_comm_s'] * 1e3:.1f} ms, "
+        f"limit max(T_compute, T_comm) = {limit * 1e3:.1f} ms, "
+        f"sequential T_compute + T_comm = {(summary['t_compute_s'] + summary['t_comm_s']) * 1e3:.1f} ms",
+        "",
+        "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | step / limit | hidden share |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in summary["variants"].items():
+        speedup = f"{base / v['step_s_median']:.2f}x" if base else "-"
+        lines.append(
+            f"| {name} | {v['step_s_median'] * 1e3:.1f} | {v['step_s_min'] * 1e3:.1f}-{v['step_s_max'] * 1e3:.1f} "
+            f"| {speedup} | {v['step_s_median'] / limit:.2f} | {v['hidden_share']:.0%} |"
+        )
+    if summary.get("errors"):
+        lines += ["", "variants that failed: " + ", ".join(sorted(summary["errors"]))]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
+    parser.add_argument("--variants", default="eager,inductor,inductor_overlap,dhelix")
+    parser.add_argument("--rate", default="1gbit", help="tc tbf rate of the link; 'none' for plain loopback")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dhelix-options", default="{}")
+    parser.add_argument("--time-limit-s", type=float, default=240.0, help="per mode, for the timed repeats")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per launch, then the ranks are killed")
+    parser.add_argument("--out", default=None, help="write the JSON summary here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rate = None if args.rate.lower() == "none" else args.rate
+    with tempfile.TemporaryDirectory(prefix="dhelix_bench_") as tmp:
+        compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
+        link_run, launched = _launch(Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args)
+    summary = summarize(link_run, compute_run, launched.link)
+    print(markdown(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Tests of ``dhelix_compile.testing.multirank.run_on_ranks``: results, errors, hangs, cleanup.
+
+The rank functions are module-level so that spawned workers can import them by name.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dhelix_compile.testing.multirank import MultiRankError, MultiRankTimeout, run_on_ranks
+
+# ---- rank functions ---------------------------------------------------------------------------
+
+
+def _sum_of_ranks(rank: int, world_size: int, offset: int, *, scale: float) -> dict[str, object]:
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "value": scale * (rank + offset),
+        "sum_of_ranks": total.item(),
+        "tensor": torch.full((2,), float(rank)),
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _inner_helper_that_raises(rank: int) -> None:
+    raise ValueError(f"boom from rank {rank}")
+
+
+def _one_rank_raises_others_wait(rank: int, world_size: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        _inner_helper_that_raises(rank)
+    dist.barrier()  # never completes: bad_rank never joins
+    return rank
+
+
+def _rank0_blocks_in_collective_rank1_sleeps(rank: int, world_size: int) -> None:
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins (and never exits)
+    else:
+        time.sleep(3600)
+
+
+def _crash_unpicklable_and_stuck(rank: int, world_size: int) -> object:
+    if rank == 1:
+        os._exit(7)
+    if rank == 2:
+        return lambda: None  # not picklable
+    if rank == 3:
+        time.sleep(3600)  # unaware of the others' failures: killed after grace_s
+    return rank
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _assert_reaped(pids: list[int] | tuple[int, ...]) -> None:
+    """Every worker is gone: reaped (no zombie) and not running."""
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} still exists"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("dhelix-rank")]
+
+
+def _zombie_children() -> list[int]:
+    zombies = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            zombies.append(int(entry))
+    return zombies
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_results_are_collected_in_rank_order(world_size: int) -> None:
+    results = run_on_ranks(_sum_of_ranks, world_size, 10, scale=0.5, timeout_s=90)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    expected_sum = float(sum(range(world_size)))
+    for rank, r in enumerate(results):
+        assert r["world_size"] == world_size
+        assert r["value"] == 0.5 * (rank + 10)
+        assert r["sum_of_ranks"] == expected_sum
+        assert r["threads"] == 1
+        torch.testing.assert_close(r["tensor"], torch.full((2,), float(rank)))
+    assert len({r["pid"] for r in results}) == world_size
+    _assert_reaped([r["pid"] for r in results])
+    assert _zombie_children() == []
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_exception_names_the_rank_and_its_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(MultiRankError) as info:
+        run_on_ranks(_one_rank_raises_others_wait, 4, 2, timeout_s=90, grace_s=2.0)
+    err = info.value
+    assert not isinstance(err, MultiRankTimeout)
+    # The peers blocked in the barrier either fail too (gloo: "Connection closed by peer") or
+    # are killed after grace_s; either way rank 2 is named as the first failure.
+    assert err.first_failure is not None and err.first_failure.rank == 2
+    assert sorted(err.failed_ranks + err.unfinished_ranks) == [0, 1, 2, 3]
+    text = str(err)
+    assert text.startswith("run_on_ranks: rank 2 of 4 failed first (exception)")
+    assert "ValueError: boom from rank 2" in text
+    assert "_inner_helper_that_raises" in text  # the remote traceback, not just the message
+    assert time.monotonic() - start < 60
+    _assert_reaped(err.pids)
+    assert _zombie_children() == []
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_hang_fails_with_timeout_naming_unfinished_ranks() -> None:
+    timeout_s = 20.0  # includes spawning the workers and importing torch (several seconds)
+    start = time.monotonic()
+    with pytest.raises(MultiRankTimeout) as info:
+        run_on_ranks(_rank0_blocks_in_collective_rank1_sleeps, 2, timeout_s=timeout_s)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.unfinished_ranks == [0, 1]
+    assert err.failed_ranks == []
+    assert "did not finish within timeout_s=20" in str(err)
+    assert timeout_s <= elapsed < timeout_s + 15
+    stacks = {f.rank: f.stack for f in err.failures}
+    assert "all_reduce" in stacks[0]
+    assert "_rank0_blocks_in_collective_rank1_sleeps" in stacks[1]
+    _assert_reaped(err.pids)
+    assert _zombie_children() == []
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_crash_unpicklable_result_and_stuck_rank_are_reported() -> None:
+    with pytest.raises(MultiRankError) as info:
+        run_on_ranks(_crash_unpicklable_and_stuck, 4, timeout_s=90, grace_s=2.0)
+    err = info.value
+    assert not isinstance(err, MultiRankTimeout)
+    by_rank = {f.rank: f for f in err.failures}
+    assert sorted(by_rank) == [1, 2, 3]  # rank 0 returned
+    assert by_rank[1].kind == "crashed"
+    assert "exited with code 7" in by_rank[1].detail
+    assert by_rank[2].kind == "exception"
+    assert "pickle" in by_rank[2].detail.lower()
+    assert by_rank[3].kind == "not_finished"
+    assert "after another rank failed" in by_rank[3].detail
+    assert "_crash_unpicklable_and_stuck" in by_rank[3].stack
+    _assert_reaped(err.pids)
+    assert _zombie_children() == []
+
+
+def test_unpicklable_function_fails_fast_without_leaving_workers() -> None:
+    with pytest.raises(Exception, match="pickle|Can't get|local object"):
+        run_on_ranks(lambda rank, world_size: rank, 2, timeout_s=30)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("dhelix-rank")]
+    assert _zombie_children() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"world_size": 0}, "world_size"), ({"world_size": 2, "timeout_s": 0}, "timeout_s")],
+)
+def test_invalid_arguments(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        run_on_ranks(_sum_of_ranks, **kwargs)  # type: ignore[arg-type]
