@@ -35,6 +35,7 @@ import sympy
 import torch
 import torch.fx
 
+from cost_model.nodes import node_list
 from cost_model.collectives import (
     Algorithm,
     Backend,
@@ -306,15 +307,6 @@ class TableEstimator:
 StubEstimator = TableEstimator
 
 
-def _node_list(
-    nodes: Iterable[torch.fx.Node] | torch.fx.Graph | torch.fx.GraphModule,
-) -> list[torch.fx.Node]:
-    if isinstance(nodes, torch.fx.GraphModule):
-        return list(nodes.graph.nodes)
-    if isinstance(nodes, torch.fx.Graph):
-        return list(nodes.nodes)
-    return list(nodes)
-
 
 def graph_time_expr(
     nodes: Iterable[torch.fx.Node] | torch.fx.Graph | torch.fx.GraphModule,
@@ -328,7 +320,7 @@ def graph_time_expr(
     :func:`cost_model.symbolic.size_hints`, or other values to extrapolate.
     """
     total: sympy.Expr = _ZERO
-    for node in _node_list(nodes):
+    for node in node_list(nodes):
         cost = estimator.node_cost(node)
         if kinds == "all" or cost.kind in kinds:
             total = total + cost.time_expr
@@ -339,4 +331,4 @@ def graph_size_hints(
     nodes: Iterable[torch.fx.Node] | torch.fx.Graph | torch.fx.GraphModule,
 ) -> dict[sympy.Symbol, int]:
     """The hints of every size symbol of a graph (see :func:`cost_model.symbolic.size_hints`)."""
-    return size_hints(_node_list(nodes))
+    return size_hints(node_list(nodes))

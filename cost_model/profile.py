@@ -50,6 +50,7 @@ import sympy
 import torch
 import torch.fx
 
+from cost_model.nodes import node_list
 from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size
 from cost_model.estimator import Estimator, NodeCost
 from cost_model.memory import is_schema_view
@@ -283,13 +284,17 @@ class ProfiledEstimator:
         self._signature_cache[node] = (val, sig)
         return sig
 
+    def _group_of(self, node: torch.fx.Node) -> Any:
+        """The live process group a collective node runs on (``process_group`` wins)."""
+        if self.process_group is not None:
+            return self.process_group
+        return _resolve_group(bound_args(node).get("group_name"))
+
     def _compute_signature(self, node: torch.fx.Node, kind: str) -> str | None:
         hints = size_hints([node, *node.all_input_nodes])
         if kind == "collective":
             args = bound_args(node)
-            group = self.process_group
-            if group is None:
-                group = _resolve_group(args.get("group_name"))
+            group = self._group_of(node)
             if group is None:
                 return None  # no live group: never measured
             call = describe_comm(node, _group_size(group))
@@ -313,7 +318,7 @@ class ProfiledEstimator:
     ) -> CalibrationReport:
         """Measure the graph's ops and collectives; see the module docstring."""
         t_start = time.perf_counter()
-        nodes = _nodes(gm)
+        nodes = node_list(gm)
         device = _device_of_nodes(nodes)
         key = self.device_name or device_key(device)
         cache = self._load_cache(key)
@@ -397,10 +402,7 @@ class ProfiledEstimator:
                 return "no tensor metadata"
             return None
         if kind == "collective":
-            args = bound_args(node)
-            group = self.process_group
-            if group is None:
-                group = _resolve_group(args.get("group_name"))
+            group = self._group_of(node)
             if group is None:
                 return "no process group"
             if _backend_name(group) == "fake":
@@ -615,15 +617,6 @@ class ProfiledEstimator:
 
 # ---------------------------------------------------------------------- helpers
 
-
-def _nodes(
-    gm: torch.fx.GraphModule | torch.fx.Graph | Sequence[torch.fx.Node],
-) -> list[torch.fx.Node]:
-    if isinstance(gm, torch.fx.GraphModule):
-        return list(gm.graph.nodes)
-    if isinstance(gm, torch.fx.Graph):
-        return list(gm.nodes)
-    return list(gm)
 
 
 def _resolve_group(group_name: Any) -> Any:

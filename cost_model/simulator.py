@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
+from cost_model.nodes import node_list
 from cost_model.estimator import Estimator, NodeCost
 from cost_model.memory import live_bytes_profile
 from cost_model.op_kinds import is_comm
@@ -180,13 +181,6 @@ class _BusyIntervals:
         return t
 
 
-def _order(nodes: Iterable[torch.fx.Node] | torch.fx.Graph) -> list[torch.fx.Node]:
-    if isinstance(nodes, torch.fx.GraphModule):
-        return list(nodes.graph.nodes)
-    if isinstance(nodes, torch.fx.Graph):
-        return list(nodes.nodes)
-    return list(nodes)
-
 
 def simulate(
     nodes: Sequence[torch.fx.Node] | torch.fx.Graph,
@@ -205,7 +199,7 @@ def simulate(
     )
     if factor < 1.0:
         raise ValueError(f"contention_factor must be >= 1.0, got {factor}")
-    order = _order(nodes)
+    order = node_list(nodes)
     costs: dict[torch.fx.Node, NodeCost] = {node: estimator.node_cost(node) for node in order}
 
     ready: dict[torch.fx.Node, float] = {}

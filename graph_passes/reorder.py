@@ -82,11 +82,12 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
         over_budget = state.live_bytes > budget_bytes
         waits = [n for n in ready if state.costs[n].kind == "wait"]
         for wait in waits:
-            issue_step = _issue_step(wait, state)
+            flight = state.flight_of(wait)
             if (
                 over_budget
-                or state.transfer_done_s(wait) <= state.compute_clock_s
-                or state.step - issue_step > options.max_issue_distance
+                or flight is None
+                or flight.done_s <= state.compute_clock_s
+                or state.step - flight.issued_at_step > options.max_issue_distance
             ):
                 return wait
         if len(state.in_flight) < options.max_in_flight:
@@ -105,14 +106,6 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
         return ready[0]  # only issues, all channels full: issue anyway (nothing else can run)
 
     return rule
-
-
-def _issue_step(wait: torch.fx.Node, state: SchedulerState) -> int:
-    from graph_passes.annotate import issue_of
-
-    issue = issue_of(wait)
-    flight = state.in_flight.get(issue) if issue is not None else None
-    return state.step if flight is None else flight.issued_at_step
 
 
 def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

@@ -105,10 +105,14 @@ class SchedulerState:
         """How many nodes are scheduled."""
         return len(self.order)
 
+    def flight_of(self, wait: torch.fx.Node) -> InFlight | None:
+        """The in-flight transfer that ``wait`` completes, if it is in flight."""
+        issue = issue_of(wait)
+        return self.in_flight.get(issue) if issue is not None else None
+
     def transfer_done_s(self, wait: torch.fx.Node) -> float:
         """Predicted completion of the transfer that ``wait`` completes (0 if not in flight)."""
-        issue = issue_of(wait)
-        flight = self.in_flight.get(issue) if issue is not None else None
+        flight = self.flight_of(wait)
         return 0.0 if flight is None else flight.done_s
 
     def advance(self, node: torch.fx.Node) -> None:
@@ -117,16 +121,14 @@ class SchedulerState:
         if is_comm(cost.kind):
             start_s = max(self.compute_clock_s, self.channel_free_s)
             self.channel_free_s = start_s + cost.time_s
-            waits = sum(1 for _ in _waits_of(node))
-            self.in_flight[node] = InFlight(node, self.channel_free_s, self.step, waits)
+            self.in_flight[node] = InFlight(node, self.channel_free_s, self.step, len(_waits_of(node)))
         elif cost.kind == "wait":
-            issue = issue_of(node)
-            flight = self.in_flight.get(issue) if issue is not None else None
+            flight = self.flight_of(node)
             if flight is not None:
                 self.compute_clock_s = max(self.compute_clock_s, flight.done_s)
                 flight.waits_left -= 1
                 if flight.waits_left <= 0:
-                    del self.in_flight[issue]
+                    del self.in_flight[flight.issue]
         else:
             self.compute_clock_s += cost.time_s
         self.order.append(node)

@@ -165,9 +165,6 @@ def test_driver_runs_in_order_skips_disabled_and_logs_times(caplog) -> None:
     assert ctx.stats["add_clone"]["clones added"] == 1
     assert "test: pass add_clone" in caplog.text and "ms" in caplog.text
     assert "test: pass boom disabled" in caplog.text
-    x, w = torch.randn(2, 3), torch.randn(5, 3)
-    gm.graph.eliminate_dead_code()  # the collective has no live peer here; just check codegen
-    assert callable(gm.forward)
 
 
 def test_driver_wraps_pass_errors_with_the_pass_name() -> None:
