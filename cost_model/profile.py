@@ -163,6 +163,13 @@ def _arg_sig(value: Any, hints: dict[sympy.Symbol, int]) -> str:
     return repr(concretize(value, hints))
 
 
+def _scalar_free_sig(value: Any, hints: dict[sympy.Symbol, int]) -> str:
+    """``_arg_sig``, except a bare int/float argument is written as its type."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return type(value).__name__
+    return _arg_sig(value, hints)
+
+
 def _device_of_nodes(nodes: Iterable[torch.fx.Node]) -> torch.device:
     for node in nodes:
         for t in tensors_in(node.meta.get("val")):
@@ -307,9 +314,14 @@ class ProfiledEstimator:
                 f"{node.target}|{';'.join(parts)}|group_size={call.group_size}"
                 f"|backend={_backend_name(group)}"
             )
-        args_sig = ",".join(_arg_sig(a, hints) for a in node.args)
-        kwargs_sig = ",".join(f"{k}={_arg_sig(v, hints)}" for k, v in sorted(node.kwargs.items()))
-        return f"{node.target}|{args_sig}|{kwargs_sig}"
+        # Top-level Python scalars (offsets, fill values) vary by rank but not cost: they are
+        # written by type, so every rank of an SPMD graph has the same signatures. The output
+        # keeps apart ops whose scalar (a dim) changes the result's shape.
+        args_sig = ",".join(_scalar_free_sig(a, hints) for a in node.args)
+        kwargs_sig = ",".join(f"{k}={_scalar_free_sig(v, hints)}" for k, v in sorted(node.kwargs.items()))
+        out = node.meta.get("val")
+        out_sig = _tensor_sig(out, hints) if isinstance(out, torch.Tensor) else ""
+        return f"{node.target}|{args_sig}|{kwargs_sig}|->{out_sig}"
 
     # ------------------------------------------------------------------ calibration
 

@@ -203,3 +203,16 @@ def real_process_group_initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Leave the compiler's fake-tensor mode for a while (to measure ops on real tensors).
+
+    Inductor calls our partition compiler inside AOTAutograd's ``FakeTensorMode``; profiling
+    there would trace fake tensors instead of timing real ones.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield

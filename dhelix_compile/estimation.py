@@ -96,6 +96,7 @@ def build_estimator(
     if config.cost_model == "analytic":
         return base
     profiled = ProfiledEstimator(base, Path(config.cache_dir).expanduser())
-    report = profiled.calibrate(gm)
+    with compat.real_tensors():
+        report = profiled.calibrate(gm)
     log.info("cost model calibrated: %s", report)
     return profiled

@@ -141,3 +141,13 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     # the max over ranks wins: rank 1 "measured" 2 ms
     assert r0["skewed"] == r1["skewed"] and set(r0["skewed"].values()) == {2e-3}
     assert not math.isnan(r0["allreduce_s"])
+
+
+def test_rank_dependent_scalars_do_not_change_signatures(tmp_path: pathlib.Path) -> None:
+    """A vocab-sharded embedding masks tokens with ``lt(tokens, rank * n)``: the offset differs by
+    rank, the cost does not; ranks must agree on what to measure."""
+    est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, progress=False)
+    gm = trace_aten(lambda t: (t < 0, t < 32, t.sum(0), t.sum(1)), torch.zeros(4, 6, dtype=torch.int64))
+    lt0, lt32, sum0, sum1 = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert est.signature(lt0) == est.signature(lt32)
+    assert est.signature(sum0) != est.signature(sum1)  # the dim changes the output's shape
