@@ -9,6 +9,7 @@ here and nowhere else, so an upgrade breaks this module and its test
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -205,14 +206,26 @@ def real_process_group_initialized() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
 
 
-@contextlib.contextmanager
-def real_tensors() -> Iterator[None]:
-    """Leave the compiler's fake-tensor mode for a while (to measure ops on real tensors).
+def run_outside_compilation(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` with none of the compiler's thread-local state, and return its result.
 
-    Inductor calls our partition compiler inside AOTAutograd's ``FakeTensorMode``; profiling
-    there would trace fake tensors instead of timing real ones.
+    Inductor calls our partition compiler inside AOTAutograd's fake-tensor mode, with the
+    Python dispatcher on; measuring ops or collectives there traces fake tensors, and a
+    collective's ``wait_tensor`` was seen to block forever. Dispatch modes and tracing contexts
+    are thread-local, so a fresh thread sees plain eager PyTorch. The caller waits for it.
     """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    result: list[Any] = []
+    error: list[BaseException] = []
 
-    with unset_fake_temporarily():
-        yield
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # re-raised in the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="dhelix-outside-compilation")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]

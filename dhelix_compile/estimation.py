@@ -96,7 +96,6 @@ def build_estimator(
     if config.cost_model == "analytic":
         return base
     profiled = ProfiledEstimator(base, Path(config.cache_dir).expanduser())
-    with compat.real_tensors():
-        report = profiled.calibrate(gm)
+    report = compat.run_outside_compilation(lambda: profiled.calibrate(gm))
     log.info("cost model calibrated: %s", report)
     return profiled

@@ -59,7 +59,9 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
     for name, samples in link_run["step_s"].items():
         own_compute = compute.get(name, t_compute)
         median = statistics.median(samples)
+        predicted = (link_run.get("predicted_step_s") or {}).get(name)
         variants[name] = {
+            "predicted_step_s": max(predicted) if predicted and None not in predicted else None,
             "step_s_median": median,
             "step_s_all": samples,
             "step_s_min": min(samples),
@@ -77,7 +79,6 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         "t_comm_s": t_comm,
         "limit_s": max(t_compute, t_comm),
         "variants": variants,
-        "predicted_step_s": link_run.get("predicted_step_s"),
         "errors": {**compute_run.get("errors", {}), **link_run.get("errors", {})},
     }
 
@@ -109,6 +110,14 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {name} | {v['step_s_median'] * 1e3:.1f} | {v['step_s_min'] * 1e3:.1f}-{v['step_s_max'] * 1e3:.1f} "
             f"| {speedup} | {v['step_s_median'] / limit:.2f} | {v['hidden_share']:.0%} |"
         )
+    predicted = {n: v for n, v in summary["variants"].items() if v.get("predicted_step_s")}
+    if predicted:
+        lines += ["", "| variant | predicted step (ms) | measured median (ms) | predicted / measured |", "|---|---:|---:|---:|"]
+        for name, v in predicted.items():
+            lines.append(
+                f"| {name} | {v['predicted_step_s'] * 1e3:.1f} | {v['step_s_median'] * 1e3:.1f} "
+                f"| {v['predicted_step_s'] / v['step_s_median']:.2f} |"
+            )
     if summary.get("errors"):
         lines += ["", "variants that failed: " + ", ".join(sorted(summary["errors"]))]
     return "\n".join(lines)

@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
     targets = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
     parallelize = parallelize_tp_sp if args.parallel == "tp_sp" else parallelize_tp
-    dump_dir = Path(tempfile.mkdtemp(prefix="dhelix_bench_"))
-    dhelix_options = {"dump_dir": str(dump_dir), **json.loads(args.dhelix_options)}
+    dump_root = Path(tempfile.mkdtemp(prefix="dhelix_bench_"))
+    user_options = json.loads(args.dhelix_options)
     barrier = dist.barrier if args.mode == "link" else None
 
     def make() -> torch.nn.Module:
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
         module = make()
-        compiled = compile_variant(name, module, dhelix_options)
+        compiled = compile_variant(name, module, {"dump_dir": str(dump_root / name), **user_options})
 
         def step(module: torch.nn.Module = module, compiled: Any = compiled) -> None:
             module.zero_grad(set_to_none=True)
@@ -168,10 +168,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         comm = replay_collectives(record_collectives(make(), (tokens,), loss_of))
         comm()  # warm-up
         result["t_comm_s"] = _gather_max(time_interleaved({"comm": comm}, repeats, barrier)["comm"], args.mode)
-        predicted = _predicted_step_s(dump_dir, rank)
-        gathered: list[float | None] = [None] * world_size
+        predicted = {name: _predicted_step_s(dump_root / name, rank) for name in steps if name.startswith("dhelix")}
+        gathered: list[dict[str, float | None] | None] = [None] * world_size
         dist.all_gather_object(gathered, predicted)
-        result["predicted_step_s"] = gathered
+        result["predicted_step_s"] = {name: [g[name] for g in gathered] for name in predicted}  # type: ignore[index]
     dist.barrier() if args.mode == "link" else None
     return result if rank == 0 else {}
 
