@@ -8,7 +8,8 @@ except that a node whose *signature* has been measured gets the measured time.
 
     sigs   = unique signatures of the graph's compute and collective nodes, graph order
     check  every rank has the same list (hash agreed via all_reduce)  -> else RuntimeError
-    need   = signatures missing from the disk cache on *any* rank (all_reduce MAX of flags)
+    need   = signatures missing on *any* rank (all_reduce MAX of flags) from what this
+             process measured before and, for compute ops only, the disk cache
     for sig in need (graph order, same on every rank):
         compute:    real tensors of the node's shapes/strides/dtypes (size hints for
                     symbols), ``warmup`` calls, then the median of ``repeats`` timed calls
@@ -17,10 +18,14 @@ except that a node whose *signature* has been measured gets the measured time.
              same schedule from the same numbers
     contention factor (optional): a measured compute op timed alone and while an async
              all_reduce is in flight on the group; ratio, agreed by MAX
-    write the cache (JSON, one file per device, atomically replaced)
+    write the compute ops to the cache (JSON, one file per device, atomically replaced)
 
-Signature: ``op | args`` where tensors appear as ``T(shape, stride, dtype)`` at the size
-hints, and collectives add the group size and backend but not the group's name.
+Collectives are never cached on disk: their time depends on the link, which nothing in
+the key names (the same shapes on NVLink, InfiniBand or a rate-limited veth).
+
+Signature: ``op | args | kwargs | -> output`` where tensors appear as
+``T(shape, stride, dtype)`` at the size hints and bare scalars by their type (offsets differ
+by rank, cost does not); collectives add the group size and backend but not the group's name.
 Cache file: ``<cache_dir>/<device name>.json`` with ``{"entries": {signature: seconds}}``.
 
 Nodes that cannot be measured (P2P, unknown groups, a fake process group, an op that
@@ -168,6 +173,10 @@ def _scalar_free_sig(value: Any, hints: dict[sympy.Symbol, int]) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return type(value).__name__
     return _arg_sig(value, hints)
+
+
+def _is_collective_sig(sig: str) -> bool:
+    return sig.startswith("_c10d_functional.")
 
 
 def _device_of_nodes(nodes: Iterable[torch.fx.Node]) -> torch.device:
@@ -352,7 +361,10 @@ class ProfiledEstimator:
             items.append(_Item(sig, node, kind_of(node) == "collective"))
 
         _check_same_signatures([it.sig for it in items], agree_group)
-        missing = [0.0 if it.sig in cache else 1.0 for it in items]
+        # Collectives depend on the link, which the cache key cannot name: they come only from
+        # this process's own measurements, never from (or into) the disk cache.
+        known = {**{k: v for k, v in cache.items() if not _is_collective_sig(k)}, **self.measurements}
+        missing = [0.0 if it.sig in known else 1.0 for it in items]
         missing = _agree_max(missing, agree_group)
 
         times: list[float] = []
@@ -369,7 +381,7 @@ class ProfiledEstimator:
                     measured += 1
                     bar.step(str(item.node.target))
                 else:
-                    t = cache[item.sig]
+                    t = known[item.sig]
                     cached += 1
                 times.append(t if not math.isnan(t) else _FAILED)
         finally:
@@ -381,7 +393,8 @@ class ProfiledEstimator:
                 skipped["measurement failed"] = skipped.get("measurement failed", 0) + 1
                 continue
             self.measurements[item.sig] = t
-            cache[item.sig] = t
+            if not item.is_collective:
+                cache[item.sig] = t
 
         contention = None
         if self.measure_contention:
