@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cost_model.estimator import TableEstimator
+from cost_model.memory import peak_memory_bytes
 from cost_model.op_kinds import is_comm, kind_of
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
@@ -163,12 +164,22 @@ def random_graphs(draw) -> torch.fx.GraphModule:
 
 
 @settings(max_examples=60, deadline=None)
-@given(random_graphs(), st.floats(0.1, 5.0), st.integers(1, 3), st.integers(1, 10))
-def test_random_dags_stay_valid_and_never_get_slower(gm, comm_s, max_in_flight, distance) -> None:
-    estimator = TableEstimator(kind_times_s={"compute": 1.0, "collective": comm_s})
+@given(random_graphs(), st.floats(0.1, 5.0), st.integers(1, 3), st.integers(1, 10), st.data())
+def test_random_dags_stay_valid_within_budget_and_never_get_slower(
+    gm, comm_s, max_in_flight, distance, data
+) -> None:
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function" and kind_of(n) != "wait"]
+    sizes = {name: data.draw(st.integers(1, 100), label=name) for name in names}
+    estimator = TableEstimator(kind_times_s={"compute": 1.0, "collective": comm_s}, output_bytes=sizes)
     original = copy.deepcopy(gm)
-    ctx = _ctx(estimator, max_in_flight=max_in_flight, max_issue_distance=distance)
+    ratio = data.draw(st.sampled_from([1.0, 1.25, 2.0]), label="memory_budget_ratio")
+    ctx = _ctx(estimator, max_in_flight=max_in_flight, max_issue_distance=distance, memory_budget_ratio=ratio)
     reorder_pass(gm, ctx)
+
+    def peak(module: torch.fx.GraphModule) -> int:
+        return peak_memory_bytes(list(module.graph.nodes), lambda n: estimator.node_cost(n).output_bytes)
+
+    assert peak(gm) <= ratio * peak(original)
     gm.graph.lint()
     verify_pass(gm, ctx)
     assert sorted(_names(gm)) == sorted(_names(original))
