@@ -103,6 +103,11 @@ def _predicted_step_s(dump_dir: Path, rank: int) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="dhelix_bench_") as dump_root:
+        return _run(args, Path(dump_root))
+
+
+def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     rank, world_size = init_process_group(args.mode)
     torch.set_num_threads(args.threads)
     config, seq, batch = model_config(args.model)
@@ -112,7 +117,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
     targets = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
     parallelize = parallelize_tp_sp if args.parallel == "tp_sp" else parallelize_tp
-    dump_root = Path(tempfile.mkdtemp(prefix="dhelix_bench_"))
     user_options = json.loads(args.dhelix_options)
     barrier = dist.barrier if args.mode == "link" else None
 
