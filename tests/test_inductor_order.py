@@ -51,6 +51,7 @@ def _compile_tp_sp_and_get_code(rank: int, world_size: int, dump_dir: str) -> li
     return codes
 
 
+@pytest.mark.timeout(900)
 def test_generated_code_follows_dhelix_order(tmp_path: Path) -> None:
     codes = run_on_ranks(_compile_tp_sp_and_get_code, 2, str(tmp_path), timeout_s=500)[0]
     folders = sorted((tmp_path / "rank0").iterdir(), key=lambda p: ("bwd" in p.name, p.name))

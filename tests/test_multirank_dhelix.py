@@ -54,6 +54,7 @@ INDUCTOR_KINDS = {2: MODEL_KINDS, 4: MODEL_KINDS if os.environ.get("DHELIX_TEST_
 
 
 @pytest.mark.inductor
+@pytest.mark.timeout(900)  # a cold Inductor cache compiles every graph on every rank: minutes
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_inductor_codegen_on_reference_models(world_size: int, monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("DHELIX_CODEGEN", "inductor")
