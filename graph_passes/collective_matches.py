@@ -1,0 +1,309 @@
+"""Find the collective/compute patterns that decomposition rewrites (find first, rewrite second).
+
+Contract
+    Each ``find_*(graph, skipped=None)`` returns the matches of one pattern, in graph order, and
+    changes nothing. A candidate that does not qualify is skipped and counted in ``skipped``
+    (``Counter[reason]``) so that "why was this not decomposed?" has an answer. Works on
+    forward and backward graphs alike (it matches ops, not phases).
+
+Patterns (aten IR as AOTAutograd hands it to dhelix)::
+
+    AllGatherMatmul          x ─ all_gather_into_tensor ─ wait ─[chunk ─ cat(dim=d)]─[views]─ mm/addmm  (one or more)
+    MatmulReduceScatter      mm/addmm ─[views]─[chunk(dim=d) ─ cat]─ reduce_scatter_tensor ─ wait
+    MatmulAllReduce          mm/addmm ─[views]─ all_reduce ─ wait
+    AllToAllCompute          x ─ all_to_all_single ─ wait ─[views]─ mm/addmm/bmm  (one or more)
+
+``all_gather_into_tensor`` always gathers along dim 0; a gather along dim ``d`` (sequence
+parallelism gathers the sequence dim) appears as the dim-0 gather followed by
+a chunking into ``group_size`` pieces (``split`` + ``getitem``, or ``slice``s) and ``cat(dim=d)``
+— ``gather_dim`` records ``d``. Likewise a reduce-scatter along dim ``d`` is a chunking along
+``d`` + ``cat(dim=0)`` before the dim-0 collective.
+
+The matmul's row operand may be reached through views that keep the contraction (last) dim:
+the rows then come from several shards, which a per-peer rewrite can compute shard by shard.
+In a training forward graph the gathered tensor (or a view of it) is usually also a graph
+output, saved for the backward's weight gradient; that consumer is allowed (a rewrite must
+still assemble the full tensor for it), any other non-matmul consumer disqualifies the match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+import torch.fx
+
+from cost_model.op_kinds import kind_of
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+_MATMULS = (aten.mm.default, aten.addmm.default)
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherMatmul:
+    """``wait(all_gather(shard))`` (gathered along ``gather_dim``) is the row operand of ``matmuls``."""
+
+    shard: torch.fx.Node
+    issue: torch.fx.Node
+    wait: torch.fx.Node
+    gathered: torch.fx.Node  # the gathered tensor in gather_dim layout (the wait, or the cat)
+    gather_dim: int
+    matmuls: tuple[torch.fx.Node, ...]
+    group_size: int
+    group_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulReduceScatter:
+    """``wait(reduce_scatter(matmul))``, scattered along ``scatter_dim``."""
+
+    matmul: torch.fx.Node
+    issue: torch.fx.Node
+    wait: torch.fx.Node
+    scatter_dim: int
+    reduce_op: str
+    group_size: int
+    group_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulAllReduce:
+    """``wait(all_reduce(matmul))`` (tensor parallelism without sequence parallelism)."""
+
+    matmul: torch.fx.Node
+    issue: torch.fx.Node
+    wait: torch.fx.Node
+    reduce_op: str
+    group_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AllToAllCompute:
+    """``wait(all_to_all_single(x))`` feeding expert compute."""
+
+    issue: torch.fx.Node
+    wait: torch.fx.Node
+    consumers: tuple[torch.fx.Node, ...]
+    group_name: str
+
+
+def _count(skipped: Counter[str] | None, reason: str) -> None:
+    if skipped is not None:
+        skipped[reason] += 1
+
+
+def _single_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
+    users = list(issue.users)
+    return users[0] if len(users) == 1 and kind_of(users[0]) == "wait" else None
+
+
+def _val(node: torch.fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _through_views_to_rows(node: torch.fx.Node, last_dim: int) -> list[torch.fx.Node]:
+    """Matmuls whose row operand is ``node`` or a view chain of it keeping the last dim."""
+    found: list[torch.fx.Node] = []
+    for user in node.users:
+        if user.target in _VIEWS:
+            val = _val(user)
+            if val is not None and val.shape[-1] == last_dim:
+                found.extend(_through_views_to_rows(user, last_dim))
+        elif user.target == aten.mm.default and user.args[0] is node:
+            found.append(user)
+        elif user.target == aten.addmm.default and user.args[1] is node:
+            found.append(user)
+    return found
+
+
+def _chunks(parts: Sequence[object], group_size: int) -> tuple[torch.fx.Node, int] | None:
+    """``(x, d)`` if ``parts`` are ``x``'s ``group_size`` equal chunks along ``d``, in order.
+
+    Two spellings appear in AOTAutograd graphs: ``getitem(split(x, n, d), i)`` and
+    ``slice(x, d, i*n, (i+1)*n)``.
+    """
+    if len(parts) != group_size or not all(isinstance(p, torch.fx.Node) for p in parts):
+        return None
+    nodes: list[torch.fx.Node] = list(parts)  # type: ignore[arg-type]
+    if all(p.target is operator.getitem for p in nodes):
+        split = nodes[0].args[0]
+        if (
+            isinstance(split, torch.fx.Node)
+            and split.target == aten.split.Tensor
+            and all(p.args[0] is split and p.args[1] == i for i, p in enumerate(nodes))
+            and len(split.users) == group_size
+        ):
+            return split.args[0], int(split.args[2]) if len(split.args) > 2 else 0  # type: ignore[return-value]
+        return None
+    if all(p.target == aten.slice.Tensor for p in nodes):
+        source, dim = nodes[0].args[0], int(nodes[0].args[1])
+        size = int(nodes[0].args[3]) - int(nodes[0].args[2])
+        for i, p in enumerate(nodes):
+            start, end = int(p.args[2]), int(p.args[3])
+            if p.args[0] is not source or int(p.args[1]) != dim or (start, end) != (i * size, (i + 1) * size):
+                return None
+        return source, dim  # type: ignore[return-value]
+    return None
+
+
+def _cat_dim(cat: torch.fx.Node) -> int:
+    return int(cat.args[1]) if len(cat.args) > 1 else int(cat.kwargs.get("dim", 0))
+
+
+def _gathered_layout(wait: torch.fx.Node, group_size: int) -> tuple[torch.fx.Node, int] | None:
+    """The gathered tensor and its gather dim: ``(wait, 0)``, or ``(cat, d)`` after chunk + cat."""
+    chunkers = [u for u in wait.users if u.target in (aten.split.Tensor, aten.slice.Tensor)]
+    if not chunkers:
+        return wait, 0
+    cats = {c for u in wait.users for g in ([u] if u.target == aten.slice.Tensor else u.users) for c in g.users}
+    if len(cats) != 1 or len(chunkers) != len(wait.users):
+        return None
+    (cat,) = cats
+    if cat.target != aten.cat.default:
+        return None
+    chunked = _chunks(cat.args[0], group_size)  # type: ignore[arg-type]
+    if chunked is None or chunked[0] is not wait or chunked[1] != 0:
+        return None
+    return cat, _cat_dim(cat)
+
+
+def find_all_gather_matmuls(
+    graph: torch.fx.Graph, skipped: Counter[str] | None = None
+) -> list[AllGatherMatmul]:
+    """All-gathers whose gathered tensor is the row operand of one or more matmuls."""
+    matches = []
+    for issue in graph.nodes:
+        if issue.target != c10d.all_gather_into_tensor.default:
+            continue
+        wait = _single_wait(issue)
+        if wait is None:
+            _count(skipped, "all_gather: not a single wait")
+            continue
+        shard, group_size, group_name = issue.args[0], int(issue.args[1]), str(issue.args[2])
+        layout = _gathered_layout(wait, group_size)
+        if layout is None:
+            _count(skipped, "all_gather: gathered tensor not in a recognised layout")
+            continue
+        gathered, gather_dim = layout
+        val = _val(gathered)
+        if val is None or gather_dim in (-1, val.dim() - 1):
+            _count(skipped, "all_gather: gathers the contraction dim or has no shape")
+            continue
+        matmuls = _through_views_to_rows(gathered, int(val.shape[-1]))
+        others = [c for c in _all_consumers(gathered) if c not in matmuls and c.op != "output"]
+        if not matmuls or others:
+            _count(skipped, "all_gather: gathered tensor has non-matmul consumers")
+            continue
+        matches.append(
+            AllGatherMatmul(shard, issue, wait, gathered, gather_dim, tuple(matmuls), group_size, group_name)
+        )
+    return matches
+
+
+def _all_consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Non-view consumers of ``node``, looking through view chains."""
+    out: list[torch.fx.Node] = []
+    for user in node.users:
+        if user.target in _VIEWS:
+            out.extend(_all_consumers(user))
+        else:
+            out.append(user)
+    return out
+
+
+def _matmul_behind_views(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The matmul that produced ``node`` through views; its output must have no other use."""
+    while node.target in _VIEWS:
+        node = node.args[0]  # type: ignore[assignment]
+    return node if node.target in _MATMULS and len(node.users) == 1 else None
+
+
+def _scatter_source(issue_input: torch.fx.Node, group_size: int) -> tuple[torch.fx.Node, int]:
+    """The tensor reduce-scattered and its scatter dim: ``(input, 0)``, or ``(x, d)`` for chunk + cat."""
+    if issue_input.target == aten.cat.default and _cat_dim(issue_input) == 0:
+        chunked = _chunks(issue_input.args[0], group_size)  # type: ignore[arg-type]
+        if chunked is not None:
+            return chunked
+    return issue_input, 0
+
+
+def find_matmul_reduce_scatters(
+    graph: torch.fx.Graph, skipped: Counter[str] | None = None
+) -> list[MatmulReduceScatter]:
+    """Reduce-scatters of a matmul's output (through views, and split + cat for dim != 0)."""
+    matches = []
+    for issue in graph.nodes:
+        if issue.target != c10d.reduce_scatter_tensor.default:
+            continue
+        wait = _single_wait(issue)
+        if wait is None:
+            _count(skipped, "reduce_scatter: not a single wait")
+            continue
+        reduce_op, group_size, group_name = str(issue.args[1]), int(issue.args[2]), str(issue.args[3])
+        source, scatter_dim = _scatter_source(issue.args[0], group_size)
+        matmul = _matmul_behind_views(source)
+        if matmul is None:
+            _count(skipped, "reduce_scatter: input is not a matmul output")
+            continue
+        matches.append(MatmulReduceScatter(matmul, issue, wait, scatter_dim, reduce_op, group_size, group_name))
+    return matches
+
+
+def find_matmul_all_reduces(
+    graph: torch.fx.Graph, skipped: Counter[str] | None = None
+) -> list[MatmulAllReduce]:
+    """All-reduces of a matmul's output (tensor parallelism without sequence parallelism)."""
+    matches = []
+    for issue in graph.nodes:
+        if issue.target not in (c10d.all_reduce.default, c10d.all_reduce_.default):
+            continue
+        wait = _single_wait(issue)
+        if wait is None:
+            _count(skipped, "all_reduce: not a single wait")
+            continue
+        matmul = _matmul_behind_views(issue.args[0])
+        if matmul is None:
+            _count(skipped, "all_reduce: input is not a matmul output")
+            continue
+        matches.append(MatmulAllReduce(matmul, issue, wait, str(issue.args[1]), str(issue.args[2])))
+    return matches
+
+
+def find_all_to_all_computes(
+    graph: torch.fx.Graph, skipped: Counter[str] | None = None
+) -> list[AllToAllCompute]:
+    """All-to-alls (expert parallelism) whose output feeds matmuls, through views."""
+    matches = []
+    for issue in graph.nodes:
+        if issue.target != c10d.all_to_all_single.default:
+            continue
+        wait = _single_wait(issue)
+        if wait is None:
+            _count(skipped, "all_to_all: not a single wait")
+            continue
+        consumers = _all_consumers(wait)
+        compute = tuple(c for c in consumers if c.target in (*_MATMULS, aten.bmm.default))
+        if not compute:
+            _count(skipped, "all_to_all: output feeds no matmul")
+            continue
+        matches.append(AllToAllCompute(issue, wait, compute, str(issue.args[3])))
+    return matches
+
+
+def find_all(graph: torch.fx.Graph) -> tuple[dict[str, Sequence[object]], Counter[str]]:
+    """Every pattern of this module, by name, and the skip reasons."""
+    skipped: Counter[str] = Counter()
+    found = {
+        "all_gather_matmul": find_all_gather_matmuls(graph, skipped),
+        "matmul_reduce_scatter": find_matmul_reduce_scatters(graph, skipped),
+        "matmul_all_reduce": find_matmul_all_reduces(graph, skipped),
+        "all_to_all_compute": find_all_to_all_computes(graph, skipped),
+    }
+    return found, skipped
