@@ -8,7 +8,7 @@ Data flow for one Dynamo graph::
                           └─► inference graph ─► compile_partition(phase="inference")  (no grad)
 
     compile_partition:  estimator (graphs with collectives) ─► copy ─► graph_passes.run_pipeline
-                        ─► rank-consistency check ─► codegen.generate
+                        ─► rank-consistency check ─► dumps (with dump_dir) ─► codegen.generate
                         a pass raised?  fallback="inductor": warn, plain Inductor on the untouched graph
                                         fallback="error":    raise the PassError
 
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.fx
 
+from cost_model import Estimator
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.codegen import generate, has_communication
 from dhelix_compile.config import DHelixConfig
@@ -82,14 +83,33 @@ def compile_partition(
         if config.fallback == "error":
             raise
         log.warning("%s; falling back to plain Inductor on the untouched graph", exc)
+        # if a pass failed on some ranks only, their orders differ: fail clearly, never hang
+        check_rank_consistency(gm, name, config.consistency_timeout_s)
         if dumper is not None:
             dumper.write_summary(ctx, fallback=str(exc))
         return compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
     check_rank_consistency(scheduled, name, config.consistency_timeout_s)
     if dumper is not None:
+        write_final_dumps(dumper, gm, scheduled, ctx.estimator or _dump_estimator(config, gm, example_inputs))
         dumper.write_summary(ctx, codegen=config.codegen, comm_order=comm_order(scheduled))
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
     return generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
+
+
+def write_final_dumps(
+    dumper: GraphDumper, original: torch.fx.GraphModule, scheduled: torch.fx.GraphModule, estimator: Estimator
+) -> None:
+    """Timelines and graph picture of a compiled graph; a failure only warns (dumps are a diagnosis aid)."""
+    try:
+        dumper.write_timelines(original, scheduled, estimator)
+        dumper.write_graph_picture(scheduled)
+    except Exception as exc:  # noqa: BLE001 - a picture must not fail a compile
+        log.warning("%s: writing the timeline / graph picture failed: %s", dumper.graph_name, exc)
+
+
+def _dump_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Estimator:
+    """For the dump of a graph without collectives (its passes get no estimator): analytic, no calibration."""
+    return build_estimator(config.patch(cost_model="analytic"), gm, example_inputs)
 
 
 def comm_order(gm: torch.fx.GraphModule) -> list[str]:

@@ -8,9 +8,21 @@ With ``dump_dir`` set, every compiled partition gets a folder::
         01_annotate.after.txt         ... and after it
         01_annotate.opcount.txt       op-count diff: which ops the pass added or removed
         ...
-        summary.json                  pass times (s) and the per-pass stats counters
+        graph.dot, graph.svg          the final graph, nodes filled by kind, outlined by strand
+                                      (Graphviz's rendering, or a node list without ``dot``)
+        timeline.trace.json           predicted timelines of the original order and of the
+                                      schedule, Perfetto / Chrome trace (``dhelix_compile.timeline``)
+        timeline.svg                  the same as a Gantt chart, exposed communication hatched red
+        summary.json                  pass times (s), the per-pass stats counters and, under
+                                      ``"timeline"``, the predicted numbers (``dhelix_compile.report``)
+        index.html                    the numbers, the chart and links to every file
 
-``GraphDumper`` implements ``graph_passes.PassObserver``; the pipeline driver calls it.
+``python -m dhelix_compile report DUMP_DIR [--html]`` prints every graph's numbers as a table
+(and writes ``DUMP_DIR/index.html``, one row per graph linking each graph's page).
+
+``GraphDumper`` implements ``graph_passes.PassObserver``; the pipeline driver calls it;
+``capture.compile_partition`` calls ``write_timelines`` and ``write_graph_picture`` after the
+pipeline, and ``write_summary`` last.
 """
 
 from __future__ import annotations
@@ -25,6 +37,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.fx
 
+from cost_model import Estimator, simulate
+from dhelix_compile import report
+from dhelix_compile.graph_picture import write_graph_picture
+from dhelix_compile.timeline import LabelledTimeline, chrome_trace, gantt_svg
 from graph_passes import PassContext
 
 
@@ -89,9 +105,11 @@ class GraphDumper:
         root = Path(dump_dir).resolve()
         if dist.is_available() and dist.is_initialized():
             root = root / f"rank{dist.get_rank()}"
+        self.graph_name = graph_name
         self.folder = _fresh_folder(root, _safe(graph_name))
         self.folder.mkdir(parents=True, exist_ok=True)
         self.pass_seconds: dict[str, float] = {}
+        self.timeline: dict[str, Any] | None = None
 
     def write_input(self, gm: torch.fx.GraphModule) -> None:
         (self.folder / "00_input.txt").write_text(format_graph(gm))
@@ -110,13 +128,34 @@ class GraphDumper:
         )
         self.pass_seconds[name] = seconds
 
+    def write_timelines(
+        self, original: torch.fx.GraphModule, scheduled: torch.fx.GraphModule, estimator: Estimator
+    ) -> None:
+        """Simulate both orders; write ``timeline.trace.json`` and ``timeline.svg``."""
+        before = simulate(original.graph, estimator)
+        after = simulate(scheduled.graph, estimator)
+        timelines = [LabelledTimeline("original order", before), LabelledTimeline("dhelix schedule", after)]
+        trace = chrome_trace(timelines)
+        (self.folder / "timeline.trace.json").write_text(json.dumps(trace, indent=1) + "\n")
+        title = f"{self.graph_name}: predicted timeline, original order vs dhelix schedule"
+        (self.folder / "timeline.svg").write_text(gantt_svg(timelines, title))
+        self.timeline = report.timeline_numbers(before, after)
+
+    def write_graph_picture(self, gm: torch.fx.GraphModule) -> str:
+        """``graph.dot`` and ``graph.svg`` of the final graph; returns how the SVG was made."""
+        return write_graph_picture(gm, self.folder, "graph", title=f"{self.graph_name} (final graph)")
+
     def write_summary(self, ctx: PassContext, **extra: Any) -> None:
+        """``summary.json`` and this graph's ``index.html``."""
         summary = {
             "graph": ctx.graph_name,
             "phase": ctx.phase,
             "pass_seconds": self.pass_seconds,
             "stats": {name: dict(sorted(c.items())) for name, c in sorted(ctx.stats.items())},
             "records": ctx.records,
+            "timeline": self.timeline,
             **extra,
         }
         (self.folder / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        (self.folder / "index.html").write_text(report.index_html(self.folder, summary))
+
