@@ -78,13 +78,17 @@ def bound_args(node: torch.fx.Node) -> dict[str, Any]:
     return out
 
 
-def resolve_group_size(group: Any) -> int | None:
-    """Size of a process group given by name (or object), if torch.distributed knows it."""
+def resolve_process_group(group: Any) -> Any:
+    """The live process group a functional collective's ``group_name`` names (or ``group`` itself).
+
+    ``None`` when torch.distributed does not know it. This is the cost model's one private
+    torch API (``_resolve_process_group``); it lives here, not in ``dhelix_compile._torch_compat``,
+    so that ``cost_model`` depends on nothing else of dhelix.
+    """
     if group is None:
         return None
-    size = getattr(group, "size", None)
-    if callable(size):
-        return int(size())
+    if callable(getattr(group, "size", None)):
+        return group
     try:
         import torch.distributed as dist
 
@@ -92,9 +96,15 @@ def resolve_group_size(group: Any) -> int | None:
             return None
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return int(_resolve_process_group(group).size())
+        return _resolve_process_group(group)
     except Exception:  # unknown group name: the caller falls back to its default
         return None
+
+
+def resolve_group_size(group: Any) -> int | None:
+    """Size of a process group given by name (or object), if torch.distributed knows it."""
+    resolved = resolve_process_group(group)
+    return None if resolved is None else int(resolved.size())
 
 
 def _val(value: Any) -> Any:

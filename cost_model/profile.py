@@ -56,7 +56,7 @@ import torch
 import torch.fx
 
 from cost_model.nodes import node_list
-from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size
+from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size, resolve_process_group
 from cost_model.estimator import Estimator, NodeCost
 from cost_model.memory import is_schema_view
 from cost_model.op_kinds import kind_of
@@ -304,7 +304,7 @@ class ProfiledEstimator:
         """The live process group a collective node runs on (``process_group`` wins)."""
         if self.process_group is not None:
             return self.process_group
-        return _resolve_group(bound_args(node).get("group_name"))
+        return resolve_process_group(bound_args(node).get("group_name"))
 
     def _compute_signature(self, node: torch.fx.Node, kind: str) -> str | None:
         hints = size_hints([node, *node.all_input_nodes])
@@ -473,7 +473,7 @@ class ProfiledEstimator:
         except Exception:
             return math.nan
         if item.is_collective:
-            group = self._group_for(node)
+            group = self._group_of(node)
             import torch.distributed as dist
 
             def run() -> object:
@@ -495,11 +495,6 @@ class ProfiledEstimator:
             return _median_run_s(run_compute, self.warmup, self.repeats, device)
         except Exception:
             return math.nan
-
-    def _group_for(self, node: torch.fx.Node) -> Any:
-        if self.process_group is not None:
-            return self.process_group
-        return _resolve_group(bound_args(node).get("group_name"))
 
     def _real_args(
         self, node: torch.fx.Node, hints: dict[sympy.Symbol, int], is_collective: bool
@@ -531,7 +526,7 @@ class ProfiledEstimator:
         args = [real(a) for a in node.args]
         kwargs = {k: real(v) for k, v in node.kwargs.items()}
         if is_collective:
-            group = self._group_for(node)
+            group = self._group_of(node)
             schema = node.target._schema  # type: ignore[union-attr]
             for i, arg in enumerate(schema.arguments):
                 if arg.name != "group_name":
@@ -642,23 +637,6 @@ class ProfiledEstimator:
 
 # ---------------------------------------------------------------------- helpers
 
-
-
-def _resolve_group(group_name: Any) -> Any:
-    if group_name is None:
-        return None
-    if hasattr(group_name, "size") and callable(group_name.size):
-        return group_name
-    try:
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            return None
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return _resolve_process_group(group_name)
-    except Exception:
-        return None
 
 
 def _group_size(group: Any) -> int | None:

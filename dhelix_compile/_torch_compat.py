@@ -3,7 +3,10 @@
 Private APIs change between torch releases (we support ``torch>=2.11,<2.14``). Anything from
 ``torch._inductor``, ``torch._functorch``, ``torch._dynamo`` or ``torch._guards`` is imported
 here and nowhere else, so an upgrade breaks this module and its test
-(``tests/test_torch_compat.py``), not the passes.
+(``tests/test_torch_compat.py``), not the passes. Two deliberate exceptions: ``cost_model``
+resolves process groups by name in ``cost_model.comm_nodes.resolve_process_group`` (so the
+cost model depends on nothing else of dhelix), and ``dhelix_compile.testing`` uses Dynamo's
+debug backends and counters in its test helpers.
 """
 
 from __future__ import annotations
