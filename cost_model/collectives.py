@@ -155,6 +155,15 @@ def collective_bytes_on_wire(
     return int(value) if value.denominator == 1 else float(value)
 
 
+def _candidate_algorithms(
+    op: str, algorithm: Algorithm, backend: Backend
+) -> tuple[Literal["ring", "tree"], ...]:
+    """The algorithms ``algorithm`` stands for: "auto" is ring and tree for NCCL all-reduce."""
+    if algorithm != "auto":
+        return (algorithm,)
+    return ("ring", "tree") if (op == "all_reduce" and backend == "nccl") else ("ring",)
+
+
 def collective_time_expr(
     op: str,
     nbytes: Bytes,
@@ -166,11 +175,7 @@ def collective_time_expr(
     """:func:`collective_time_s` as a sympy expression (``nbytes`` may be symbolic)."""
     if int(group_size) == 1 and op not in ("send", "recv"):
         return sympy.Integer(0)
-    algos: tuple[Literal["ring", "tree"], ...]
-    if algorithm == "auto":
-        algos = ("ring", "tree") if (op == "all_reduce" and backend == "nccl") else ("ring",)
-    else:
-        algos = (algorithm,)
+    algos = _candidate_algorithms(op, algorithm, backend)
     size = nbytes if isinstance(nbytes, sympy.Basic) else sympy.Float(float(nbytes))
     times = []
     for algo in algos:
@@ -199,13 +204,8 @@ def collective_time_s(
     """
     if int(group_size) == 1 and op not in ("send", "recv"):
         return 0.0
-    algos: tuple[Literal["ring", "tree"], ...]
-    if algorithm == "auto":
-        algos = ("ring", "tree") if (op == "all_reduce" and backend == "nccl") else ("ring",)
-    else:
-        algos = (algorithm,)
     best = math.inf
-    for algo in algos:
+    for algo in _candidate_algorithms(op, algorithm, backend):
         steps, factor = alpha_beta_terms(op, group_size, algo, backend)
         t = (
             base_latency_s(backend)
