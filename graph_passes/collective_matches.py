@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.fx
@@ -101,6 +101,20 @@ def _count(skipped: Counter[str] | None, reason: str) -> None:
 def _single_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
     users = list(issue.users)
     return users[0] if len(users) == 1 and kind_of(users[0]) == "wait" else None
+
+
+def _issues_with_wait(
+    graph: torch.fx.Graph, targets: tuple[object, ...], label: str, skipped: Counter[str] | None
+) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(issue, wait)`` for every issue of ``targets`` completed by exactly one wait, in order."""
+    for issue in graph.nodes:
+        if issue.target not in targets:
+            continue
+        wait = _single_wait(issue)
+        if wait is None:
+            _count(skipped, f"{label}: not a single wait")
+            continue
+        yield issue, wait
 
 
 def _val(node: torch.fx.Node) -> torch.Tensor | None:
@@ -179,13 +193,7 @@ def find_all_gather_matmuls(
 ) -> list[AllGatherMatmul]:
     """All-gathers whose gathered tensor is the row operand of one or more matmuls."""
     matches = []
-    for issue in graph.nodes:
-        if issue.target != c10d.all_gather_into_tensor.default:
-            continue
-        wait = _single_wait(issue)
-        if wait is None:
-            _count(skipped, "all_gather: not a single wait")
-            continue
+    for issue, wait in _issues_with_wait(graph, (c10d.all_gather_into_tensor.default,), "all_gather", skipped):
         shard, group_size, group_name = issue.args[0], int(issue.args[1]), str(issue.args[2])
         layout = _gathered_layout(wait, group_size)
         if layout is None:
@@ -239,13 +247,7 @@ def find_matmul_reduce_scatters(
 ) -> list[MatmulReduceScatter]:
     """Reduce-scatters of a matmul's output (through views, and split + cat for dim != 0)."""
     matches = []
-    for issue in graph.nodes:
-        if issue.target != c10d.reduce_scatter_tensor.default:
-            continue
-        wait = _single_wait(issue)
-        if wait is None:
-            _count(skipped, "reduce_scatter: not a single wait")
-            continue
+    for issue, wait in _issues_with_wait(graph, (c10d.reduce_scatter_tensor.default,), "reduce_scatter", skipped):
         reduce_op, group_size, group_name = str(issue.args[1]), int(issue.args[2]), str(issue.args[3])
         source, scatter_dim = _scatter_source(issue.args[0], group_size)
         matmul = _matmul_behind_views(source)
@@ -261,13 +263,8 @@ def find_matmul_all_reduces(
 ) -> list[MatmulAllReduce]:
     """All-reduces of a matmul's output (tensor parallelism without sequence parallelism)."""
     matches = []
-    for issue in graph.nodes:
-        if issue.target not in (c10d.all_reduce.default, c10d.all_reduce_.default):
-            continue
-        wait = _single_wait(issue)
-        if wait is None:
-            _count(skipped, "all_reduce: not a single wait")
-            continue
+    all_reduces = (c10d.all_reduce.default, c10d.all_reduce_.default)
+    for issue, wait in _issues_with_wait(graph, all_reduces, "all_reduce", skipped):
         matmul = _matmul_behind_views(issue.args[0])
         if matmul is None:
             _count(skipped, "all_reduce: input is not a matmul output")
@@ -281,13 +278,7 @@ def find_all_to_all_computes(
 ) -> list[AllToAllCompute]:
     """All-to-alls (expert parallelism) whose output feeds matmuls, through views."""
     matches = []
-    for issue in graph.nodes:
-        if issue.target != c10d.all_to_all_single.default:
-            continue
-        wait = _single_wait(issue)
-        if wait is None:
-            _count(skipped, "all_to_all: not a single wait")
-            continue
+    for issue, wait in _issues_with_wait(graph, (c10d.all_to_all_single.default,), "all_to_all", skipped):
         consumers = _all_consumers(wait)
         compute = tuple(c for c in consumers if c.target in (*_MATMULS, aten.bmm.default))
         if not compute:
