@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dhelix_compile.testing.llama import init_weights_
+from dhelix_compile.testing.sharding import copy_shards_from
 
 __all__ = ["ExpertParallelMoE", "MoEConfig", "ReferenceMoE", "expert_ffn", "route"]
 
@@ -166,11 +167,7 @@ class ExpertParallelMoE(nn.Module):
     ) -> ExpertParallelMoE:
         """This rank's experts and a replica of the router, copied from ``reference``."""
         model = cls(reference.config, group)
-        ref_params = dict(reference.named_parameters())
-        for name, param in model.named_parameters():
-            dim = model.shard_dims()[name]
-            full = ref_params[name].detach()
-            param.copy_(full if dim is None else full.chunk(model.ep, dim)[model.rank])
+        copy_shards_from(model, reference, model.rank, model.ep)
         return model
 
     def shard_dims(self) -> dict[str, int | None]:

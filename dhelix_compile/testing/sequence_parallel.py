@@ -44,6 +44,7 @@ from dhelix_compile.testing.llama import (
     causal_attention,
     rotary_tables,
 )
+from dhelix_compile.testing.sharding import copy_shards_from
 
 __all__ = [
     "FunctionalSPAttention",
@@ -154,11 +155,7 @@ class FunctionalSPTransformer(nn.Module):
     ) -> FunctionalSPTransformer:
         """This rank's shards of ``reference``'s weights (``reference`` is left untouched)."""
         model = cls(reference.config, group)
-        ref_params = dict(reference.named_parameters())
-        for name, param in model.named_parameters():
-            dim = model.shard_dims()[name]
-            full = ref_params[name].detach()
-            param.copy_(full if dim is None else full.chunk(model.tp, dim)[model.rank])
+        copy_shards_from(model, reference, model.rank, model.tp)
         return model
 
     def shard_dims(self) -> dict[str, int | None]:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = [
+    "copy_shards_from",
     "assert_matches_reference",
     "local_grad",
     "local_value",
@@ -50,6 +51,15 @@ def reference_slice(
     if full.shape[dim] % world_size:
         raise ValueError(f"dim {dim} of shape {tuple(full.shape)} not divisible by {world_size}")
     return full.chunk(world_size, dim)[rank]
+
+
+@torch.no_grad()
+def copy_shards_from(model: nn.Module, reference: nn.Module, rank: int, world_size: int) -> None:
+    """Fill ``model``'s parameters with ``rank``'s slices of ``reference``'s (``model.shard_dims()``)."""
+    reference_params = dict(reference.named_parameters())
+    dims = model.shard_dims()  # type: ignore[operator]
+    for name, param in model.named_parameters():
+        param.copy_(reference_slice(reference_params[name].detach(), dims[name], rank, world_size))
 
 
 def _dtensor_dim(param: DTensor) -> int | None:
