@@ -25,6 +25,7 @@ from cost_model.comm_nodes import CommCall, describe_comm
 from cost_model.estimator import (
     AnalyticEstimator,
     Estimator,
+    MemoizedEstimator,
     NodeCost,
     StubEstimator,
     TableEstimator,
@@ -60,6 +61,7 @@ __all__ = [
     "Device",
     "Estimator",
     "Link",
+    "MemoizedEstimator",
     "NodeCost",
     "NodeKind",
     "ProfiledEstimator",

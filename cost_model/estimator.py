@@ -303,6 +303,27 @@ class TableEstimator:
         )
 
 
+class MemoizedEstimator:
+    """Wraps an estimator so each node is costed once (passes simulate several orders).
+
+    Other attributes (``contention_factor``...) are read from the wrapped estimator. Valid only
+    while the nodes' metadata does not change.
+    """
+
+    def __init__(self, base: Estimator) -> None:
+        self.base = base
+        self._costs: dict[torch.fx.Node, NodeCost] = {}
+
+    def node_cost(self, node: torch.fx.Node) -> NodeCost:
+        cost = self._costs.get(node)
+        if cost is None:
+            cost = self._costs[node] = self.base.node_cost(node)
+        return cost
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.base, name)
+
+
 #: Alias: the stub estimator tests hand to passes.
 StubEstimator = TableEstimator
 

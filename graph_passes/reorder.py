@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import torch.fx
 
+from cost_model.estimator import MemoizedEstimator
 from cost_model.memory import peak_memory_bytes
 from cost_model.op_kinds import is_comm, kind_of
 from cost_model.simulator import simulate
@@ -120,7 +121,7 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     if ctx.estimator is None:
         ctx.count("reorder", "skipped: no estimator")
         return gm
-    estimator = ctx.estimator
+    estimator = MemoizedEstimator(ctx.estimator)  # several orders are simulated below
     body = [n for n in all_nodes if n.op not in ("placeholder", "output")]
     head = [n for n in all_nodes if n.op == "placeholder"]
     tail = [n for n in all_nodes if n.op == "output"]

@@ -81,7 +81,6 @@ class SchedulerState:
         self.position = {n: i for i, n in enumerate(nodes)}
         self.costs = {n: estimator.node_cost(n) for n in nodes}
         self.order: list[torch.fx.Node] = []
-        self.scheduled: set[torch.fx.Node] = set()  # membership only; never iterated
         self.compute_clock_s = 0.0
         self.channel_free_s = 0.0
         self.in_flight: dict[torch.fx.Node, InFlight] = {}
@@ -132,7 +131,6 @@ class SchedulerState:
         else:
             self.compute_clock_s += cost.time_s
         self.order.append(node)
-        self.scheduled.add(node)
         root = self._root[node]
         if root is node and root not in self._pinned:
             self.live_bytes += cost.output_bytes

@@ -301,3 +301,22 @@ def test_inplace_and_schema_views_allocate_nothing() -> None:
     assert by_target["aten.clone.default"].output_bytes == 144
     assert by_target["aten.diagonal.default"].output_bytes == 0
     assert by_target["aten.diagonal.default"].time_s == 0.0
+
+
+def test_memoized_estimator_costs_each_node_once_and_forwards_attributes() -> None:
+    from cost_model import MemoizedEstimator, TableEstimator
+
+    calls: list[str] = []
+
+    class Counting(TableEstimator):
+        def node_cost(self, node):  # type: ignore[override]
+            calls.append(node.name)
+            return super().node_cost(node)
+
+    gm = torch.fx.symbolic_trace(lambda x: (x + 1).relu())
+    memo = MemoizedEstimator(Counting(default_s=1.0, contention_factor=1.3))
+    nodes = list(gm.graph.nodes)
+    first = [memo.node_cost(n) for n in nodes]
+    assert [memo.node_cost(n) for n in nodes] == first
+    assert calls == [n.name for n in nodes]
+    assert memo.contention_factor == 1.3
