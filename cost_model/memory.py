@@ -16,7 +16,9 @@ Contract
           free every root whose last use (over all its aliases) is node i
 
   A root used by the graph output, or by a node outside ``order``, lives to the end;
-  a root nobody uses is freed right after it is allocated.
+  a root nobody uses is freed right after it is allocated. ``freeable_inputs`` are graph
+  inputs the caller hands over (a backward's saved activations, whose argument list the
+  generated code clears): they are live at the start and freed after their last use.
 
 Bytes per node come from a callback (``NodeCost.output_bytes`` in practice) so this module
 knows nothing of estimators.
@@ -25,7 +27,7 @@ knows nothing of estimators.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,17 +103,23 @@ class LiveProfile:
     Attributes:
         live_after_alloc_bytes: live bytes right after each node of the order allocated
             its output (the moment of that node's peak), aligned with the order.
-        input_bytes: bytes of graph inputs (placeholders/get_attr), live throughout.
+        live_after_free_bytes: live bytes after each node, once what it used last is freed.
+        input_bytes: bytes of graph inputs (placeholders/get_attr) live at the start,
+            freeable ones included.
         peak_bytes: the maximum over the order (at least ``input_bytes``).
     """
 
     live_after_alloc_bytes: tuple[int, ...]
+    live_after_free_bytes: tuple[int, ...]
     input_bytes: int
     peak_bytes: int
 
 
 def live_bytes_profile(
-    order: Sequence[torch.fx.Node], output_bytes: Callable[[torch.fx.Node], int]
+    order: Sequence[torch.fx.Node],
+    output_bytes: Callable[[torch.fx.Node], int],
+    *,
+    freeable_inputs: Collection[torch.fx.Node] = (),
 ) -> LiveProfile:
     """Live bytes through ``order`` (see module docstring for the rules)."""
     position = {node: i for i, node in enumerate(order)}
@@ -140,6 +148,12 @@ def live_bytes_profile(
                 last_use[root] = end
             else:
                 last_use[root] = max(last_use[root], position[user])
+    for node in order:
+        for inp in node.all_input_nodes:
+            root = storage_root(inp)
+            if root in freeable_inputs:
+                used_at = end if node.op == "output" else position[node]
+                last_use[root] = max(last_use.get(root, -1), used_at)
     frees_at: dict[int, list[torch.fx.Node]] = {}
     for root, pos in last_use.items():
         frees_at.setdefault(pos, []).append(root)
@@ -147,15 +161,17 @@ def live_bytes_profile(
     live = input_bytes
     peak = input_bytes
     profile: list[int] = []
+    after_free: list[int] = []
     for i, node in enumerate(order):
         if node.op not in ("placeholder", "get_attr", "output") and roots[node] is node:
             live += output_bytes(node)
         profile.append(live)
         peak = max(peak, live)
         for root in frees_at.get(i, ()):
-            if root.op not in ("placeholder", "get_attr") and root in position:
+            if root in freeable_inputs or (root.op not in ("placeholder", "get_attr") and root in position):
                 live -= output_bytes(root)
-    return LiveProfile(tuple(profile), input_bytes, peak)
+        after_free.append(live)
+    return LiveProfile(tuple(profile), tuple(after_free), input_bytes, peak)
 
 
 def peak_memory_bytes(

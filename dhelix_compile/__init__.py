@@ -3,6 +3,8 @@
     model = torch.compile(model, backend="dhelix")                       # no import needed
     model = torch.compile(model, backend="dhelix", options={"dump_dir": "dhelix_dump"})
     model = torch.compile(model, backend=dhelix_compile.backend(codegen="eager"))
+    step = dhelix_compile.helix(model, loss_fn)                          # strand interleaving
+    losses = step(microbatches)
 
 The backend entry points import Inductor and AOTAutograd; they load on first use, so that
 ``import dhelix_compile.testing`` (every spawned test rank does it) stays cheap.
@@ -17,7 +19,7 @@ from dhelix_compile.config import ConfigError, DHelixConfig
 
 logging.getLogger("dhelix").addHandler(logging.NullHandler())
 
-__all__ = ["ConfigError", "DHelixConfig", "backend", "dhelix_backend"]
+__all__ = ["ConfigError", "DHelixConfig", "HelixError", "backend", "dhelix_backend", "helix"]
 __version__ = "0.1.0"
 
 
@@ -26,4 +28,8 @@ def __getattr__(name: str) -> Any:
         from dhelix_compile import compiler
 
         return getattr(compiler, name)
+    if name in ("helix", "HelixError"):
+        from dhelix_compile import helix_step
+
+        return getattr(helix_step, name)
     raise AttributeError(f"module 'dhelix_compile' has no attribute {name!r}")

@@ -61,11 +61,13 @@ def compile_partition(
     example_inputs: Sequence[Any],
     *,
     config: DHelixConfig,
+    graph_name: str | None = None,
+    on_scheduled: Callable[[torch.fx.GraphModule], None] | None = None,
     **inductor_kwargs: Any,
 ) -> Callable[..., Any]:
     """Run the pass pipeline on one partition and generate its code (see the module docstring)."""
     phase = _phase_of(inductor_kwargs)
-    name = _graph_name(phase)
+    name = graph_name or _graph_name(phase)
     dumper = GraphDumper(config.dump_dir, name) if config.dump_dir else None
     ctx = PassContext(
         graph_name=name,
@@ -93,6 +95,8 @@ def compile_partition(
         write_final_dumps(dumper, gm, scheduled, ctx.estimator or _dump_estimator(config, gm, example_inputs))
         dumper.write_summary(ctx, codegen=config.codegen, comm_order=comm_order(scheduled))
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
+    if on_scheduled is not None:
+        on_scheduled(scheduled)
     return generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
 
 

@@ -4,7 +4,8 @@ Contract
     After this pass every node ``n`` of the graph has ``n.meta["dhelix"]``, a dict with:
 
     ``kind``     compute / collective / wait / p2p / view / other  (``cost_model.op_kinds``)
-    ``phase``    fwd / bwd / inference  (from ``ctx.phase``)
+    ``phase``    fwd / bwd / inference; kept if already set (a merged helix graph holds
+                 both), else ``ctx.phase``
     ``strand``   int; kept if already set (helix tags strands before), else ``ctx.strand``
     ``comm_id``  on collective, p2p and wait nodes only: issues and the waits that complete
                  them share one id, numbered 0, 1, ... in graph order
@@ -14,7 +15,7 @@ Contract
 Pseudo-code::
 
     for n in graph order:
-        meta = {kind: kind_of(n), phase: ctx.phase, strand: n's strand or ctx.strand}
+        meta = {kind: kind_of(n), phase: n's phase or ctx.phase, strand: n's strand or ctx.strand}
         if kind in (collective, p2p): meta.comm_id = next id
         if kind == wait:              meta.comm_id = comm_id of issue_of(n)
 
@@ -58,7 +59,7 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphM
         previous = node.meta.get(META_KEY, {})
         meta: dict[str, object] = {
             "kind": kind,
-            "phase": ctx.phase,
+            "phase": previous.get("phase", ctx.phase),
             "strand": previous.get("strand", ctx.strand),
         }
         if is_comm(kind):

@@ -121,6 +121,9 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     if ctx.estimator is None:
         ctx.count("reorder", "skipped: no estimator")
         return gm
+    if len({n.meta.get("dhelix", {}).get("strand", 0) for n in all_nodes}) > 1:
+        ctx.count("reorder", "skipped: merged strands (interleave orders them)")
+        return gm
     estimator = MemoizedEstimator(ctx.estimator)  # several orders are simulated below
     body = [n for n in all_nodes if n.op not in ("placeholder", "output")]
     head = [n for n in all_nodes if n.op == "placeholder"]

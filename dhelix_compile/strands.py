@@ -1,0 +1,273 @@
+"""The helix runtime: how a forward and the previous micro-batch's backward become one call.
+
+``helix`` compiles one function, ``loss(micro-batch)``, with a dhelix backend whose partition
+compiler (:func:`compile_strand_partition`) keeps, per Dynamo graph, a :class:`StrandPair`: the
+scheduled forward F, the scheduled backward B, and the merged graph M = F ⊕ B
+(``graph_passes.merge_strands`` + the ``interleave`` pass), compiled when B is.
+
+AOTAutograd calls F from the forward of each micro-batch and B from ``loss.backward()``. The
+runner (``dhelix_compile.helix_step``) makes the two meet::
+
+    main thread                                  backward thread
+    loss_1 = f(mb_1)          -> F alone
+    exchange.expect_forward()
+    start ───────────────────────────────────►   loss_1.backward()
+                                                  B wrapper: post (pair, args); wait
+    wait until posted
+    loss_2 = f(mb_2)          -> F wrapper takes the posted backward:
+                                 M(fwd args + bwd args) -> (fwd outs, grads)
+                                 hands the grads over ──► B wrapper returns them; autograd
+                                                          accumulates .grad as backward would
+    join ◄────────────────────────────────────── done
+    ...
+    loss_n.backward()         -> B alone (no forward follows)
+
+Nothing is left waiting: a parked backward that no forward takes (a recompile to another
+graph, an error) runs B alone in the main thread while the backward thread stays parked, so
+the strands never run concurrently; an error in M reaches both threads. The
+backward of micro-batch i always runs before the forward of i+1 returns, so gradients
+accumulate in micro-batch order, exactly as in the eager loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.capture import compile_partition
+from dhelix_compile.config import DHelixConfig
+from graph_passes.merge_strands import MergedStrands, merge_strands
+
+log = logging.getLogger("dhelix.helix")
+
+BoxedCallable = Callable[[list[Any]], Any]
+
+
+class HelixError(RuntimeError):
+    """Bad input to ``helix``, or a model it cannot run as two strands (names the problem)."""
+
+
+#: Ops that draw random numbers. A helix step runs micro-batch i+1's forward inside the same
+#: graph as micro-batch i's backward; rather than reason about RNG streams, helix refuses them.
+_RANDOM_OP_NAMES = (
+    "native_dropout", "dropout", "bernoulli", "rand", "randn", "randint", "rand_like",
+    "randn_like", "randint_like", "randperm", "normal", "uniform", "exponential", "multinomial",
+    "inductor_random", "inductor_seeds", "philox_rand", "run_and_save_rng_state",
+)
+
+
+def random_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """Names of the random-number ops in ``gm`` (empty if none)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name in _RANDOM_OP_NAMES:
+            found.append(str(node.target))
+    return found
+
+
+@dataclasses.dataclass
+class _Strand:
+    gm: torch.fx.GraphModule  # as scheduled for running alone
+    example_inputs: Sequence[Any]
+    inductor_kwargs: dict[str, Any]
+    compiled: BoxedCallable
+
+
+class StrandPair:
+    """F, B and the merged M of one Dynamo graph (see the module docstring)."""
+
+    def __init__(self, config: DHelixConfig, exchange: StrandExchange) -> None:
+        self.config = config
+        self.exchange = exchange
+        self.forward: _Strand | None = None
+        self.backward: _Strand | None = None
+        self.merged: MergedStrands | None = None
+        self.merged_compiled: BoxedCallable | None = None
+
+    def compile_merged(self, name: str) -> None:
+        """Merge the scheduled F and B, run the passes on M, compile it (at B's compile)."""
+        assert self.forward is not None and self.backward is not None
+        static = self.forward.inductor_kwargs.get("static_input_idxs") or ()
+        merged = merge_strands(self.forward.gm, self.backward.gm, shared_fwd_inputs=static)
+        example_inputs = merged.merged_args(list(self.forward.example_inputs), list(self.backward.example_inputs))
+        kwargs = dict(self.forward.inductor_kwargs)
+        self.merged_compiled = compile_partition(
+            merged.gm, example_inputs, config=self.config, graph_name=name, **kwargs
+        )
+        self.merged = merged
+
+
+class _PendingBackward:
+    """A backward call parked by the backward thread until a forward takes it."""
+
+    def __init__(self, pair: StrandPair, args: list[Any]) -> None:
+        self.pair = pair
+        self.args = args
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+    def run_here(self) -> None:
+        """Run B alone in the calling thread on the parked arguments, and hand over the result.
+
+        The backward thread stays parked meanwhile, so the two strands never run concurrently
+        (concurrent collectives could be ordered differently on different ranks).
+        """
+        assert self.pair.backward is not None
+        args, self.args = self.args, []
+        try:
+            self.finish(result=self.pair.backward.compiled(args))
+        except BaseException as exc:
+            self.finish(error=exc)
+            raise
+
+
+class StrandExchange:
+    """Where the backward thread parks its call and the next forward picks it up."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._expecting = False
+        self._pending: _PendingBackward | None = None
+
+    # -- runner side
+    def expect_forward(self) -> None:
+        """The next backward call should wait for the forward that follows it."""
+        with self._lock:
+            self._expecting = True
+            self._pending = None
+
+    def wait_posted(self, thread: threading.Thread, poll_s: float = 0.05) -> None:
+        """Block until the backward thread parked its call, or ended (error / nothing to park)."""
+        with self._lock:
+            while self._pending is None and thread.is_alive():
+                self._lock.wait(poll_s)
+
+    def release(self) -> None:
+        """No forward took the parked call: let the backward thread run B alone."""
+        with self._lock:
+            self._expecting = False
+            pending, self._pending = self._pending, None
+        if pending is not None and not pending.done.is_set():
+            pending.run_here()
+
+    # -- strand side
+    def park(self, pair: StrandPair, args: list[Any]) -> _PendingBackward | None:
+        """Called by B's wrapper: park the call if a forward is expected, else return None."""
+        with self._lock:
+            if not self._expecting:
+                return None
+            self._expecting = False
+            self._pending = _PendingBackward(pair, args)
+            self._lock.notify_all()
+            return self._pending
+
+    def take(self) -> _PendingBackward | None:
+        """Called by F's wrapper: the parked backward call, if any."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            return pending
+
+
+def strand_forward(pair: StrandPair) -> BoxedCallable:
+    """F's boxed callable: runs M when a backward is parked, F alone otherwise."""
+
+    def forward(args: list[Any]) -> Any:
+        assert pair.forward is not None
+        pending = pair.exchange.take()
+        if pending is None:
+            return pair.forward.compiled(args)
+        if pending.pair is not pair or pair.merged_compiled is None or pair.merged is None:
+            # another graph's backward (micro-batches of another shape): one after the other
+            pending.run_here()
+            return pair.forward.compiled(args)
+        merged = pair.merged
+        try:
+            outputs = pair.merged_compiled(merged.merged_args(args, pending.args))
+        except BaseException as exc:
+            pending.finish(error=exc)
+            raise
+        pending.args = []
+        outputs = list(outputs)
+        pending.finish(result=outputs[merged.num_fwd_outputs :])
+        return outputs[: merged.num_fwd_outputs]
+
+    forward._boxed_call = True  # type: ignore[attr-defined]
+    return forward
+
+
+def strand_backward(pair: StrandPair) -> BoxedCallable:
+    """B's boxed callable: parks the call for the next forward when one is expected."""
+
+    def backward(args: list[Any]) -> Any:
+        assert pair.backward is not None
+        pending = pair.exchange.park(pair, args)
+        if pending is None:
+            return pair.backward.compiled(args)
+        pending.done.wait()
+        if pending.error is not None:
+            raise HelixError(f"the merged forward/backward graph failed: {pending.error}") from pending.error
+        return pending.result
+
+    backward._boxed_call = True  # type: ignore[attr-defined]
+    return backward
+
+
+def compile_strand_partition(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    config: DHelixConfig,
+    pair: StrandPair,
+    **inductor_kwargs: Any,
+) -> BoxedCallable:
+    """The partition compiler of a helix graph: F and B as usual, plus M when B is compiled."""
+    if inductor_kwargs.get("is_inference"):
+        raise HelixError(
+            "helix needs a loss that requires grad: no parameter of the model requires grad, or the "
+            "loss does not depend on one (the graph was captured as inference)"
+        )
+    if not inductor_kwargs.get("is_backward"):
+        found = random_ops(gm)
+        if found:
+            raise HelixError(
+                "helix does not run models that draw random numbers (found "
+                f"{', '.join(sorted(set(found)))}): micro-batch i+1's forward runs together with "
+                "micro-batch i's backward, and helix does not reproduce eager's RNG stream. Set dropout "
+                "to 0 (or use model.eval() for the dropout layers)."
+            )
+    scheduled: list[torch.fx.GraphModule] = []
+    compiled = compile_partition(
+        gm, example_inputs, config=config, on_scheduled=scheduled.append, **inductor_kwargs
+    )
+    strand = _Strand(scheduled[0] if scheduled else gm, example_inputs, dict(inductor_kwargs), compiled)
+    if not inductor_kwargs.get("is_backward"):
+        pair.forward = strand
+        return strand_forward(pair)
+    pair.backward = strand
+    try:
+        pair.compile_merged(_merged_name())
+    except Exception as exc:
+        if config.fallback == "error":
+            raise
+        log.warning("helix: merging forward and backward failed (%s); they will run one after the other", exc)
+    return strand_backward(pair)
+
+
+def _merged_name() -> str:
+    compile_id = compat.current_compile_id()
+    return f"{compile_id.replace('/', '_')}_merged" if compile_id else "merged"

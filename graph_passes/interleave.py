@@ -1,0 +1,291 @@
+"""interleave: order a merged helix graph by DHelix's Strand Interleaving DP.
+
+A merged graph (``merge_strands``) holds two independent strands: the forward of micro-batch
+i+1 (strand 0) and the backward of micro-batch i (strand 1). Any interleaving of the two that
+keeps each strand's own order is valid; this pass picks the one where each strand's
+communication runs under the other strand's compute.
+
+Contract
+    Input: an annotated graph and ``ctx.estimator``. A graph with fewer than two strands is
+    left alone; a merged graph without an estimator (nothing to hide: no collectives) gets
+    the sequential order below. Output: the same nodes, each strand in its own
+    order, the strands interleaved segment by segment — or, when the simulator predicts no
+    gain or the plan would exceed the memory budget, the *sequential* order: the backward
+    strand first, then the forward strand (the eager loop's order, which frees the saved
+    activations before new ones are made).
+    - Deterministic: a function of the graph and the estimator's numbers (every rank, same plan).
+    - Records (``ctx.records["interleave"]``): predicted makespan, exposed communication and
+      peak bytes of both orders, segment counts, pairs, and ``plan_time_s``.
+
+Algorithm::
+
+    segments(strand): cut the strand's node list right after each collective/P2P issue; a
+        segment = compute C, then one transfer X (whose wait opens a later segment)
+    P(F_i, ∅) = C_F + X_F          P(∅, B_j) = C_B + X_B        (transfer exposed)
+    P(F_i, B_j) = max(C_F + C_B + (f-1)·overlap,  X_F + X_B)   (one channel: the transfers
+        queue behind each other; f = contention factor: compute under a transfer runs slower)
+    T[i][j] = min(T[i-1][j] + P(F_i, ∅), T[i][j-1] + P(∅, B_j), T[i-1][j-1] + P(F_i, B_j))
+        a move whose live bytes exceed memory_budget_ratio x the sequential order's peak is
+        forbidden (live bytes at a cut = forward's live bytes + backward's, each strand's
+        profile from ``cost_model.memory`` with the backward's saved inputs freed at last use)
+    emit the path: each pair as B_j's nodes then F_i's nodes (B's transfer flies under F's
+        compute, F's under the next pair's B compute)
+    keep it if ``simulate`` predicts a shorter makespan than the sequential order
+
+Picture (two layers of TP: each strand's collective in flight under the other's matmuls)::
+
+    sequential:  B: mm mm [rs]..wait mm mm [rs]..wait   F: mm [ag]..wait mm [ag]..wait
+    interleaved: B mm mm [rs] | F mm [ag] | B wait mm mm [rs] | F wait mm [ag] | ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+
+import torch.fx
+
+from cost_model.estimator import Estimator, MemoizedEstimator
+from cost_model.memory import live_bytes_profile
+from cost_model.op_kinds import is_comm
+from cost_model.simulator import simulate
+from graph_passes.annotate import META_KEY
+from graph_passes.context import PassContext
+from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND
+from graph_passes.node_order import apply_order
+
+
+@dataclasses.dataclass(frozen=True)
+class InterleaveOptions:
+    """Knobs of the interleave pass."""
+
+    memory_budget_ratio: float = 1.15
+    """Live bytes of the interleaved order may be at most this times the sequential order's peak."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A run of one strand's nodes: compute, ending in (at most) one transfer issue.
+
+    ``live_after_bytes`` / ``peak_bytes``: the strand's live bytes after the segment and its
+    peak within it (the strand's own profile, see the module docstring).
+    """
+
+    strand: int
+    nodes: tuple[torch.fx.Node, ...]
+    compute_s: float
+    comm_s: float
+    live_after_bytes: int
+    peak_bytes: int
+
+
+Pair = tuple[int | None, int | None]
+"""One step of a plan: (forward segment index or None, backward segment index or None)."""
+
+
+def strand_segments(
+    nodes: Sequence[torch.fx.Node], estimator: Estimator, *, freeable_inputs: Sequence[torch.fx.Node] = ()
+) -> list[Segment]:
+    """Cut one strand's nodes (in order) right after each transfer issue; cost each piece."""
+    if not nodes:
+        return []
+    profile = live_bytes_profile(
+        nodes, lambda n: estimator.node_cost(n).output_bytes, freeable_inputs=freeable_inputs
+    )
+    base = profile.input_bytes - sum(estimator.node_cost(n).output_bytes for n in freeable_inputs)
+    segments: list[Segment] = []
+    start = 0
+    for index, node in enumerate(nodes):
+        last = index == len(nodes) - 1
+        if not (is_comm(estimator.node_cost(node).kind) or last):
+            continue
+        piece = nodes[start : index + 1]
+        costs = [estimator.node_cost(n) for n in piece]
+        segments.append(
+            Segment(
+                strand=_strand_of(node),
+                nodes=tuple(piece),
+                compute_s=math.fsum(c.time_s for c in costs if c.kind == "compute"),
+                comm_s=math.fsum(c.time_s for c in costs if is_comm(c.kind)),
+                live_after_bytes=profile.live_after_free_bytes[index] - base,
+                peak_bytes=max(profile.live_after_alloc_bytes[start : index + 1]) - base,
+            )
+        )
+        start = index + 1
+    return segments
+
+
+def pair_time(f: Segment | None, b: Segment | None, contention_factor: float = 1.0) -> float:
+    """``P(F_i, B_j)``: predicted time of co-executing two segments (see the module docstring)."""
+    if f is None and b is None:
+        return 0.0
+    if f is None or b is None:
+        only = f if f is not None else b
+        assert only is not None
+        return only.compute_s + only.comm_s
+    compute = f.compute_s + b.compute_s
+    comm = f.comm_s + b.comm_s
+    overlap = min(compute, comm)
+    return max(compute + (contention_factor - 1.0) * overlap, comm)
+
+
+def plan_pairs(
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    *,
+    contention_factor: float = 1.0,
+    budget_bytes: float = math.inf,
+    fwd_base_bytes: int = 0,
+    bwd_base_bytes: int = 0,
+) -> tuple[list[Pair], float]:
+    """The DHelix DP over two segment sequences; returns the path and its predicted time.
+
+    ``fwd_base_bytes`` / ``bwd_base_bytes``: each strand's live bytes before its first segment.
+    A move whose live bytes exceed ``budget_bytes`` is forbidden; the sequential path
+    (all of B, then all of F) is the fallback if every path is.
+    """
+    a, b = len(fwd), len(bwd)
+    f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
+    b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
+    inf = math.inf
+    best = [[inf] * (b + 1) for _ in range(a + 1)]
+    step: list[list[Pair | None]] = [[None] * (b + 1) for _ in range(a + 1)]
+    best[0][0] = 0.0
+    for i in range(a + 1):
+        for j in range(b + 1):
+            here = best[i][j]
+            if here == inf:
+                continue
+            if i < a:  # F_{i+1} alone
+                peak = fwd[i].peak_bytes + b_after[j]
+                _relax(best, step, i + 1, j, here + pair_time(fwd[i], None), (i, None), peak, budget_bytes)
+            if j < b:  # B_{j+1} alone
+                peak = f_after[i] + bwd[j].peak_bytes
+                _relax(best, step, i, j + 1, here + pair_time(None, bwd[j]), (None, j), peak, budget_bytes)
+            if i < a and j < b:  # B_{j+1} then F_{i+1}
+                peak = max(f_after[i] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[j + 1])
+                cost = here + pair_time(fwd[i], bwd[j], contention_factor)
+                _relax(best, step, i + 1, j + 1, cost, (i, j), peak, budget_bytes)
+    if best[a][b] == inf:  # nothing fits the budget: the sequential order
+        path: list[Pair] = [(None, j) for j in range(b)] + [(i, None) for i in range(a)]
+        return path, math.fsum(pair_time(*_segs(p, fwd, bwd)) for p in path)
+    path = []
+    i, j = a, b
+    while (i, j) != (0, 0):
+        pair = step[i][j]
+        assert pair is not None
+        path.append(pair)
+        i, j = i - (pair[0] is not None), j - (pair[1] is not None)
+    path.reverse()
+    return path, best[a][b]
+
+
+def _relax(
+    best: list[list[float]],
+    step: list[list[Pair | None]],
+    i: int,
+    j: int,
+    cost: float,
+    pair: Pair,
+    peak_bytes: float,
+    budget_bytes: float,
+) -> None:
+    # strict '<' with a fixed move order (F alone, B alone, pair) keeps ties deterministic
+    if peak_bytes <= budget_bytes and cost < best[i][j]:
+        best[i][j] = cost
+        step[i][j] = pair
+
+
+def _segs(pair: Pair, fwd: Sequence[Segment], bwd: Sequence[Segment]) -> tuple[Segment | None, Segment | None]:
+    return (fwd[pair[0]] if pair[0] is not None else None, bwd[pair[1]] if pair[1] is not None else None)
+
+
+def emit(path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment]) -> list[torch.fx.Node]:
+    """The node order of a plan: each pair as the backward segment's nodes, then the forward's."""
+    order: list[torch.fx.Node] = []
+    for pair in path:
+        f, b = _segs(pair, fwd, bwd)
+        if b is not None:
+            order.extend(b.nodes)
+        if f is not None:
+            order.extend(f.nodes)
+    return order
+
+
+def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    """Order a merged graph's two strands; see the module docstring."""
+    nodes = list(gm.graph.nodes)
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    strands = sorted({_strand_of(n) for n in body})
+    if len(strands) < 2:
+        ctx.count("interleave", "skipped: one strand")
+        return gm
+    if strands != [FWD_STRAND, BWD_STRAND]:
+        raise ValueError(f"interleave: expected strands {FWD_STRAND} and {BWD_STRAND}, found {strands}")
+    fwd_nodes = [n for n in body if _strand_of(n) == FWD_STRAND]
+    bwd_nodes = [n for n in body if _strand_of(n) == BWD_STRAND]
+    if ctx.estimator is None:  # no communication to hide: the memory-friendly sequential order
+        ctx.count("interleave", "sequential: no estimator")
+        ctx.count("interleave", "nodes moved", apply_order(gm.graph, bwd_nodes + fwd_nodes))
+        return gm
+    options = ctx.pass_options.get("interleave", InterleaveOptions())
+    assert isinstance(options, InterleaveOptions)
+    estimator = MemoizedEstimator(ctx.estimator)
+    factor = float(getattr(estimator, "contention_factor", 1.0))
+    start_s = time.perf_counter()
+    bwd_inputs = [n for n in nodes if n.op == "placeholder" and _strand_of(n) == BWD_STRAND]
+    fwd_segments = strand_segments(fwd_nodes, estimator)
+    bwd_segments = strand_segments(bwd_nodes, estimator, freeable_inputs=bwd_inputs)
+    bwd_base = sum(estimator.node_cost(n).output_bytes for n in bwd_inputs)
+    sequential_path: list[Pair] = [(None, j) for j in range(len(bwd_segments))] + [
+        (i, None) for i in range(len(fwd_segments))
+    ]
+    sequential_peak = max(
+        [bwd_base, *(s.peak_bytes for s in bwd_segments)]
+        + [s.peak_bytes + (bwd_segments[-1].live_after_bytes if bwd_segments else bwd_base) for s in fwd_segments]
+    )
+    path, planned_s = plan_pairs(
+        fwd_segments,
+        bwd_segments,
+        contention_factor=factor,
+        budget_bytes=options.memory_budget_ratio * sequential_peak,
+        bwd_base_bytes=bwd_base,
+    )
+    plan_time_s = time.perf_counter() - start_s
+
+    head = [n for n in nodes if n.op == "placeholder"]
+    tail = [n for n in nodes if n.op == "output"]
+    sequential = emit(sequential_path, fwd_segments, bwd_segments)
+    interleaved = emit(path, fwd_segments, bwd_segments)
+    before = simulate(head + sequential + tail, estimator)
+    after = simulate(head + interleaved + tail, estimator)
+    pairs = sum(1 for f, b in path if f is not None and b is not None)
+    ctx.record(
+        "interleave",
+        fwd_segments=len(fwd_segments),
+        bwd_segments=len(bwd_segments),
+        paired_segments=pairs,
+        plan_time_s=plan_time_s,
+        dp_predicted_s=planned_s,
+        predicted_makespan_sequential_s=before.makespan_s,
+        predicted_makespan_interleaved_s=after.makespan_s,
+        predicted_exposed_comm_sequential_s=before.exposed_comm_s,
+        predicted_exposed_comm_interleaved_s=after.exposed_comm_s,
+        predicted_peak_bytes_sequential=before.peak_memory_bytes,
+        predicted_peak_bytes_interleaved=after.peak_memory_bytes,
+    )
+    if after.makespan_s < before.makespan_s:
+        order, chosen = interleaved, after
+        ctx.count("interleave", "interleaved")
+    else:
+        order, chosen = sequential, before
+        ctx.count("interleave", "sequential: no predicted gain")
+    ctx.record("interleave", predicted_makespan_s=chosen.makespan_s)
+    ctx.count("interleave", "nodes moved", apply_order(gm.graph, order))
+    return gm
+
+
+def _strand_of(node: torch.fx.Node) -> int:
+    return int(node.meta.get(META_KEY, {}).get("strand", 0))

@@ -1,0 +1,220 @@
+"""``dhelix_compile.helix`` in one process: equals the eager accumulation loop; bad input fails clearly."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dhelix_compile
+from dhelix_compile.helix_step import HelixError
+from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
+from dhelix_compile.testing.moe import MoEConfig, ReferenceMoE
+
+EAGER = {"codegen": "eager", "fallback": "error"}
+
+
+def _eager_loop(model: nn.Module, loss_fn, microbatches) -> list[torch.Tensor]:
+    losses = []
+    for mb in microbatches:
+        loss = loss_fn(model, mb)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def _assert_same(helix_model: nn.Module, eager_model: nn.Module, got, want, atol=1e-5, rtol=1e-4) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == () and not g.requires_grad
+        torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=rtol)
+    for (name, p), (_, q) in zip(helix_model.named_parameters(), eager_model.named_parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=atol, rtol=rtol, msg=name)
+
+
+def _transformer_batches(n: int, config: ModelConfig, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, config.max_seq_len)
+    return [
+        (torch.randint(0, config.vocab_size, shape, generator=gen), torch.randint(0, config.vocab_size, shape, generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _lm_loss_fn(model: nn.Module, mb) -> torch.Tensor:
+    return lm_loss(model(mb[0]), mb[1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformer_equals_eager_loop(n: int, dtype: torch.dtype) -> None:
+    config = ModelConfig(n_layers=1)
+    model = Transformer(config).to(dtype)
+    reference = copy.deepcopy(model)
+    mbs = _transformer_batches(n, config)
+    losses = dhelix_compile.helix(model, _lm_loss_fn, **EAGER)(mbs)
+    tol = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    _assert_same(model, reference, losses, _eager_loop(reference, _lm_loss_fn, mbs), **tol)
+
+
+def test_gradients_accumulate_onto_existing_grads_and_across_steps() -> None:
+    config = ModelConfig(n_layers=1)
+    model = Transformer(config)
+    reference = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    step = dhelix_compile.helix(model, _lm_loss_fn, **EAGER)
+    for seed in (0, 1):
+        mbs = _transformer_batches(3, config, seed)
+        _assert_same(model, reference, step(mbs), _eager_loop(reference, _lm_loss_fn, mbs))
+
+
+def test_moe_without_communication() -> None:
+    moe = ReferenceMoE(MoEConfig())
+    reference = copy.deepcopy(moe)
+    gen = torch.Generator().manual_seed(3)
+    mbs = [torch.randn(2, 8, 32, generator=gen) for _ in range(3)]
+
+    def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().mean()
+
+    losses = dhelix_compile.helix(moe, loss_fn, **EAGER)(mbs)
+    _assert_same(moe, reference, losses, _eager_loop(reference, loss_fn, mbs))
+
+
+@dataclasses.dataclass
+class _Output:
+    """A Hugging Face-style model output: the loss is an attribute."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class _HFStyleModel(nn.Module):
+    """Takes keyword inputs (``model(**batch)``) and returns an object with ``.loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Transformer(ModelConfig(n_layers=1))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> _Output:
+        logits = self.body(input_ids)
+        return _Output(loss=lm_loss(logits, labels), logits=logits)
+
+
+def test_model_returning_loss_attribute_with_dict_microbatches() -> None:
+    model = _HFStyleModel()
+    reference = copy.deepcopy(model)
+    mbs = [{"input_ids": t, "labels": y} for t, y in _transformer_batches(3, ModelConfig(n_layers=1))]
+    losses = dhelix_compile.helix(model, **EAGER)(mbs)
+    _assert_same(model, reference, losses, _eager_loop(reference, lambda m, mb: m(**mb).loss, mbs))
+
+
+class _ScalarLossModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.lin(x)
+        return (out - y).square().mean() if y is not None else out.square().mean()
+
+
+def test_tensor_and_tuple_microbatches() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for make in (lambda: torch.randn(4, 8, generator=gen), lambda: (torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen))):
+        model = _ScalarLossModel()
+        reference = copy.deepcopy(model)
+        mbs = [make() for _ in range(3)]
+        losses = dhelix_compile.helix(model, **EAGER)(mbs)
+
+        def call(m, mb):
+            return m(*mb) if isinstance(mb, tuple) else m(mb)
+
+        _assert_same(model, reference, losses, _eager_loop(reference, call, mbs))
+
+
+def test_microbatches_of_different_shapes_recompile_and_stay_exact() -> None:
+    model = _ScalarLossModel()
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    mbs = [torch.randn(rows, 8, generator=gen) for rows in (4, 4, 6, 4, 6)]
+    losses = dhelix_compile.helix(model, **EAGER)(mbs)
+    _assert_same(model, reference, losses, _eager_loop(reference, lambda m, x: m(x), mbs))
+
+
+@pytest.mark.inductor
+def test_inductor_codegen_equals_eager_loop(tmp_path: Path) -> None:
+    config = ModelConfig(n_layers=1)
+    model = Transformer(config)
+    reference = copy.deepcopy(model)
+    mbs = _transformer_batches(3, config)
+    step = dhelix_compile.helix(model, _lm_loss_fn, codegen="inductor", fallback="error", dump_dir=str(tmp_path))
+    _assert_same(model, reference, step(mbs), _eager_loop(reference, _lm_loss_fn, mbs))
+    merged = [json.loads(p.read_text()) for p in tmp_path.glob("*_merged/summary.json")]
+    assert merged and merged[0]["stats"]["interleave"]["sequential: no estimator"] == 1
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_empty_list_is_refused() -> None:
+    with pytest.raises(HelixError, match="at least one micro-batch"):
+        dhelix_compile.helix(_ScalarLossModel(), **EAGER)([])
+
+
+def test_a_single_tensor_instead_of_a_list_is_refused() -> None:
+    with pytest.raises(HelixError, match="list of micro-batches"):
+        dhelix_compile.helix(_ScalarLossModel(), **EAGER)(torch.randn(4, 8))
+
+
+def test_microbatch_of_unknown_type_is_refused() -> None:
+    with pytest.raises(HelixError, match="micro-batch 1 is a str"):
+        dhelix_compile.helix(_ScalarLossModel(), **EAGER)([torch.randn(4, 8), "x"])
+
+
+def test_non_scalar_loss_is_refused() -> None:
+    step = dhelix_compile.helix(nn.Linear(8, 4), **EAGER)
+    with pytest.raises(HelixError, match=r"scalar loss.*\(4, 4\)"):
+        step([torch.randn(4, 8), torch.randn(4, 8)])
+
+
+def test_model_without_trainable_parameters_is_refused() -> None:
+    model = _ScalarLossModel().requires_grad_(False)
+    with pytest.raises(HelixError, match="no parameter that requires grad"):
+        dhelix_compile.helix(model, **EAGER)([torch.randn(4, 8)])
+
+
+def test_dropout_is_refused_with_a_clear_message() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(HelixError, match="random numbers.*dropout"):
+        dhelix_compile.helix(model, lambda m, x: m(x).mean(), **EAGER)([torch.randn(4, 8), torch.randn(4, 8)])
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_dropout_in_eval_mode_runs() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1)).eval()
+    reference = copy.deepcopy(model)
+    mbs = [torch.randn(4, 8) for _ in range(2)]
+    losses = dhelix_compile.helix(model, lambda m, x: m(x).mean(), **EAGER)(mbs)
+    _assert_same(model, reference, losses, _eager_loop(reference, lambda m, x: m(x).mean(), mbs))
+
+
+def test_bad_options_fail_at_helix() -> None:
+    with pytest.raises(dhelix_compile.ConfigError, match="did you mean 'codegen'"):
+        dhelix_compile.helix(_ScalarLossModel(), codgen="eager")
+
+
+def test_not_a_module_is_refused() -> None:
+    with pytest.raises(HelixError, match="torch.nn.Module"):
+        dhelix_compile.helix(lambda x: x)  # type: ignore[arg-type]
