@@ -232,3 +232,8 @@ def run_outside_compilation(fn: Callable[[], Any]) -> Any:
     if error:
         raise error[0]
     return result[0]
+
+
+def profiler_running() -> bool:
+    """Whether a ``torch.profiler`` / autograd profiler session is on (torch has no public query)."""
+    return bool(torch._C._autograd._profiler_enabled())

@@ -9,6 +9,7 @@ Data flow for one Dynamo graph::
 
     compile_partition:  estimator (graphs with collectives) ─► copy ─► graph_passes.run_pipeline
                         ─► rank-consistency check ─► dumps (with dump_dir) ─► codegen.generate
+                        ─► with profile_steps: the first N calls profiled (dhelix_compile.measured)
                         a pass raised?  fallback="inductor": warn, plain Inductor on the untouched graph
                                         fallback="error":    raise the PassError
 
@@ -34,6 +35,7 @@ from dhelix_compile.config import DHelixConfig
 from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.dumps import GraphDumper
 from dhelix_compile.estimation import build_estimator
+from dhelix_compile.measured import MeasurementPlan, profile_first_steps
 from graph_passes import PassContext, PassError, Phase, run_pipeline
 from graph_passes.reorder import ReorderOptions
 
@@ -65,7 +67,12 @@ def compile_partition(
     on_scheduled: Callable[[torch.fx.GraphModule], None] | None = None,
     **inductor_kwargs: Any,
 ) -> Callable[..., Any]:
-    """Run the pass pipeline on one partition and generate its code (see the module docstring)."""
+    """Run the pass pipeline on one partition and generate its code (see the module docstring).
+
+    ``graph_name`` overrides the name derived from Dynamo's compile id and the phase (helix's
+    merged graphs); ``on_scheduled`` is called with the scheduled graph before codegen (not
+    when the pipeline fell back to plain Inductor).
+    """
     phase = _phase_of(inductor_kwargs)
     name = graph_name or _graph_name(phase)
     dumper = GraphDumper(config.dump_dir, name) if config.dump_dir else None
@@ -88,16 +95,38 @@ def compile_partition(
         # if a pass failed on some ranks only, their orders differ: fail clearly, never hang
         check_rank_consistency(gm, name, config.consistency_timeout_s)
         if dumper is not None:
-            dumper.write_summary(ctx, fallback=str(exc))
-        return compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
+            dumper.write_summary(ctx, fallback=str(exc), profile_steps=config.profile_steps)
+        plan = _measurement_plan(gm, name, dumper, config)  # before codegen: Inductor rewrites its graph
+        return _profiled(compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs), plan, dumper, config)
     check_rank_consistency(scheduled, name, config.consistency_timeout_s)
     if dumper is not None:
         write_final_dumps(dumper, gm, scheduled, ctx.estimator or _dump_estimator(config, gm, example_inputs))
-        dumper.write_summary(ctx, codegen=config.codegen, comm_order=comm_order(scheduled))
+        dumper.write_summary(
+            ctx, codegen=config.codegen, comm_order=comm_order(scheduled), profile_steps=config.profile_steps
+        )
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
     if on_scheduled is not None:
         on_scheduled(scheduled)
-    return generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
+    plan = _measurement_plan(scheduled, name, dumper, config)  # before codegen: Inductor rewrites its graph
+    return _profiled(generate(scheduled, example_inputs, config.codegen, inductor_kwargs), plan, dumper, config)
+
+
+def _measurement_plan(
+    gm: torch.fx.GraphModule, name: str, dumper: GraphDumper | None, config: DHelixConfig
+) -> MeasurementPlan | None:
+    """What ``profile_steps`` measures of ``gm`` (``None`` when not asked); call it before codegen."""
+    if dumper is None or config.profile_steps == 0:
+        return None
+    return MeasurementPlan.of(gm, name, dumper.predicted)
+
+
+def _profiled(
+    compiled: Callable[..., Any], plan: MeasurementPlan | None, dumper: GraphDumper | None, config: DHelixConfig
+) -> Callable[..., Any]:
+    """``compiled``; with a plan, ``config.profile_steps`` calls after a warm-up call are profiled into the dump folder."""
+    if plan is None or dumper is None:
+        return compiled
+    return profile_first_steps(compiled, plan, config.profile_steps, on_done=dumper.write_measured)
 
 
 def write_final_dumps(
@@ -132,7 +161,7 @@ def pass_options(config: DHelixConfig) -> dict[str, Any]:
             memory_budget_ratio=config.memory_budget_ratio,
             max_in_flight=config.max_in_flight,
             max_issue_distance=config.max_issue_distance,
-        )
+        ),
     }
 
 

@@ -99,6 +99,15 @@ class DHelixConfig:
         "How long a rank waits for the others' collective sequences at compile time before "
         "failing with an error that names the missing ranks (> 0).",
     )
+    profile_steps: int = _option(
+        0,
+        "With dump_dir: after one warm-up call, profile N calls of every compiled graph with "
+        "torch.profiler and write the measured timeline (measured.trace.json, measured.svg) and predicted vs "
+        "measured time per communication segment (predicted_vs_measured.json, summary.json, "
+        "index.html) into the graph's dump folder; later calls run unprofiled. 0 disables it; "
+        "a positive value without dump_dir is an error (>= 0).",
+        env="DHELIX_PROFILE_STEPS",
+    )
 
     # ------------------------------------------------------------------ construction
 
@@ -140,6 +149,12 @@ class DHelixConfig:
         _check_number("max_in_flight", self.max_in_flight, int, minimum=1)
         _check_number("max_issue_distance", self.max_issue_distance, int, minimum=1)
         _check_number("consistency_timeout_s", self.consistency_timeout_s, float, minimum=1e-3)
+        _check_number("profile_steps", self.profile_steps, int, minimum=0)
+        if self.profile_steps > 0 and self.dump_dir is None:
+            raise ConfigError(
+                f"dhelix option profile_steps={self.profile_steps} needs dump_dir "
+                "(the measured timeline is written into each graph's dump folder)"
+            )
         return self
 
     # ------------------------------------------------------------------ documentation
@@ -201,4 +216,9 @@ def _coerce(name: str, value: Any) -> Any:
         raise ConfigError(f"dhelix option disable_passes={value!r}: expected a list or 'a,b' string")
     if name == "dump_dir" and value is not None:
         return os.fspath(value)
+    if name == "profile_steps" and isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise ConfigError(f"dhelix option profile_steps={value!r}: expected an integer") from None
     return value

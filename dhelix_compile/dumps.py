@@ -16,13 +16,27 @@ With ``dump_dir`` set, every compiled partition gets a folder::
         summary.json                  pass times (s), the per-pass stats counters and, under
                                       ``"timeline"``, the predicted numbers (``dhelix_compile.report``)
         index.html                    the numbers, the chart and links to every file
+      with ``profile_steps=N``, written when the graph's N-th profiled call returns (calls 2 to
+      N + 1: the first is a warm-up; ``dhelix_compile.measured``):
+        measured.trace.json           the N calls as ``torch.profiler`` recorded them, plus a
+                                      ``dhelix`` process whose tracks show each call and its segments
+        measured.svg                  Gantt chart of the median measured call (host clock): compute
+                                      between communication ops, issues, waits hatched red, and
+                                      each transfer from its issue until its wait returned
+        predicted_vs_measured.svg     the predicted schedule above that call, on one time axis
+        predicted_vs_measured.json    per communication segment and for the whole call: predicted
+                                      s, measured s (median of the N calls), measured / predicted;
+                                      also under ``"measured"`` in summary.json, and index.html is
+                                      written again with the table
 
-``python -m dhelix_compile report DUMP_DIR [--html]`` prints every graph's numbers as a table
-(and writes ``DUMP_DIR/index.html``, one row per graph linking each graph's page).
+``python -m dhelix_compile report DUMP_DIR [--html]`` prints every graph's numbers as a table,
+then each measured graph's predicted-vs-measured segments (and writes ``DUMP_DIR/index.html``,
+one row per graph linking each graph's page).
 
 ``GraphDumper`` implements ``graph_passes.PassObserver``; the pipeline driver calls it;
 ``capture.compile_partition`` calls ``write_timelines`` and ``write_graph_picture`` after the
-pipeline, and ``write_summary`` last.
+pipeline, and ``write_summary`` last; with ``profile_steps`` it wraps the compiled graph with
+``measured.profile_first_steps(..., on_done=dumper.write_measured)``.
 """
 
 from __future__ import annotations
@@ -37,9 +51,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.fx
 
-from cost_model import Estimator, simulate
+from cost_model import Estimator, SimResult, simulate
 from dhelix_compile import report
 from dhelix_compile.graph_picture import write_graph_picture
+from dhelix_compile.measured import MeasuredTimeline
 from dhelix_compile.timeline import LabelledTimeline, chrome_trace, gantt_svg
 from graph_passes import PassContext
 
@@ -110,6 +125,9 @@ class GraphDumper:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.pass_seconds: dict[str, float] = {}
         self.timeline: dict[str, Any] | None = None
+        #: the simulated dhelix schedule (``write_timelines``), what measurements compare with
+        self.predicted: SimResult | None = None
+        self.summary: dict[str, Any] | None = None
 
     def write_input(self, gm: torch.fx.GraphModule) -> None:
         (self.folder / "00_input.txt").write_text(format_graph(gm))
@@ -140,6 +158,7 @@ class GraphDumper:
         title = f"{self.graph_name}: predicted timeline, original order vs dhelix schedule"
         (self.folder / "timeline.svg").write_text(gantt_svg(timelines, title))
         self.timeline = report.timeline_numbers(before, after)
+        self.predicted = after
 
     def write_graph_picture(self, gm: torch.fx.GraphModule) -> str:
         """``graph.dot`` and ``graph.svg`` of the final graph; returns how the SVG was made."""
@@ -156,6 +175,30 @@ class GraphDumper:
             "timeline": self.timeline,
             **extra,
         }
-        (self.folder / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        (self.folder / "index.html").write_text(report.index_html(self.folder, summary))
+        self.summary = summary
+        self._write_summary_files()
+
+    def write_measured(self, measured: MeasuredTimeline) -> None:
+        """The ``profile_steps`` files; ``summary.json`` and ``index.html`` again, with the numbers."""
+        (self.folder / "measured.trace.json").write_text(json.dumps(measured.trace) + "\n")
+        numbers = {"graph": self.graph_name, **measured.numbers()}
+        (self.folder / "predicted_vs_measured.json").write_text(json.dumps(numbers, indent=2) + "\n")
+        call = measured.gantt()
+        title = f"{self.graph_name}: measured call ({measured.clock} clock)"
+        (self.folder / "measured.svg").write_text(gantt_svg([call], title))
+        if self.predicted is not None:
+            ratio = numbers["ratio"]
+            title = f"{self.graph_name}: predicted vs measured, one time axis" + (
+                f" (measured = {ratio:.2f} x predicted)" if ratio is not None else ""
+            )
+            timelines = [LabelledTimeline("dhelix schedule, predicted", self.predicted), call]
+            (self.folder / "predicted_vs_measured.svg").write_text(gantt_svg(timelines, title))
+        if self.summary is not None:
+            self.summary["measured"] = measured.numbers()
+            self._write_summary_files()
+
+    def _write_summary_files(self) -> None:
+        assert self.summary is not None
+        (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str) + "\n")
+        (self.folder / "index.html").write_text(report.index_html(self.folder, self.summary))
 

@@ -14,10 +14,14 @@ Contract
       peak_memory_before_bytes / peak_memory_after_bytes
 
   ``GraphDumper`` stores them under ``"timeline"`` in each graph's ``summary.json``.
+  With ``profile_steps``, ``summary.json`` also gets ``"measured"``
+  (``MeasuredTimeline.numbers()``: the measured call, median of the profiled calls, and per
+  communication segment predicted s, measured s, ratio = measured / predicted).
 * :func:`index_html` -- one graph folder's page: the numbers, pass times, the Gantt chart
-  inline and links to every file in the folder.
+  inline, the predicted-vs-measured table and chart when measured, and links to every file.
 * :func:`collect_summaries` / :func:`format_table` -- every ``summary.json`` under a dump
-  directory (``rank*/`` folders included), as rows of a plain-text table; what
+  directory (``rank*/`` folders included), as rows of a plain-text table, followed by one
+  predicted-vs-measured segment table per measured graph that has communication; what
   ``python -m dhelix_compile report DUMP_DIR`` prints. :func:`dump_index_html` is the same
   table as a page linking each graph's ``index.html`` (``report --html`` writes it).
 """
@@ -66,6 +70,23 @@ def _percent(share: Any) -> str:
     return "-" if share is None else f"{share * 100:.1f}%"
 
 
+def _ratio(ratio: Any) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _measured_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    m = summary.get("measured")
+    if m:
+        calls = f"median of {m['steps']} profiled call{'s' if m['steps'] != 1 else ''}"
+        return [
+            (f"measured call, {calls}, {m['clock']} clock (ms)", _ms(m.get("measured_step_s"))),
+            ("measured / predicted (dhelix schedule)", _ratio(m.get("ratio"))),
+        ]
+    if summary.get("profile_steps"):
+        return [("measured call (ms)", f"pending: written after a warm-up call and {summary['profile_steps']} profiled calls")]
+    return []
+
+
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """``(label, value)`` pairs of one graph's summary, as the page and the table show them."""
     t = summary.get("timeline") or {}
@@ -79,6 +100,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("peak memory, original order (MiB)", _mib(t.get("peak_memory_before_bytes"))),
         ("peak memory, dhelix schedule (MiB)", _mib(t.get("peak_memory_after_bytes"))),
     ]
+    rows.extend(_measured_rows(summary))
     for name, seconds in (summary.get("pass_seconds") or {}).items():
         rows.append((f"pass {name} (ms)", _ms(seconds)))
     if summary.get("fallback"):
@@ -102,6 +124,7 @@ def index_html(folder: Path, summary: dict[str, Any]) -> str:
         if gantt.exists()
         else "<p>No timeline (no estimator for this graph).</p>"
     )
+    measured = _measured_html(folder, summary)
     links = "\n".join(
         f'<li><a href="{html.escape(p.name)}">{html.escape(p.name)}</a></li>'
         for p in sorted(folder.iterdir())
@@ -115,14 +138,17 @@ table {{ border-collapse: collapse; }}
 th, td {{ border: 1px solid #ccc; padding: 4px 10px; text-align: left; }}
 th {{ background: #f4f4f4; font-weight: normal; }}
 td {{ font-family: monospace; }}
+td.num {{ text-align: right; }}
+tr.total td {{ font-weight: bold; }}
 </style></head>
 <body>
 <h1>dhelix: {html.escape(name)} ({html.escape(str(summary.get("phase", "")))})</h1>
-<h2>Summary (predicted by the cost model)</h2>
+<h2>Summary (predicted by the cost model, unless marked measured)</h2>
 <table>
 {table}
 </table>
 {picture}
+{measured}
 <h2>Final graph</h2>
 <p><a href="graph.svg">graph.svg</a> (<a href="graph.dot">graph.dot</a>): nodes filled by kind, outlined by strand.</p>
 <h2>Files</h2>
@@ -131,6 +157,73 @@ td {{ font-family: monospace; }}
 </ul>
 </body></html>
 """
+
+
+SEGMENT_COLUMNS = ("#", "segment", "predicted ms", "measured ms", "measured / predicted")
+
+
+def segment_table_rows(measured: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Rows of the predicted-vs-measured table: one per segment, then the whole call."""
+    rows = [
+        (str(seg["segment"]), seg["label"], _ms(seg["predicted_s"]), _ms(seg["measured_s"]), _ratio(seg["ratio"]))
+        for seg in measured.get("segments") or []
+    ]
+    rows.append(
+        ("", "whole call", _ms(measured.get("predicted_step_s")), _ms(measured.get("measured_step_s")), _ratio(measured.get("ratio")))
+    )
+    return rows
+
+
+def _measured_html(folder: Path, summary: dict[str, Any]) -> str:
+    m = summary.get("measured")
+    if not m:
+        if summary.get("profile_steps"):
+            return (
+                f"<h2>Predicted vs measured</h2>\n<p>profile_steps={summary['profile_steps']}: written "
+                f"after a warm-up call and {summary['profile_steps']} profiled calls of this graph; "
+                "reload the page then.</p>"
+            )
+        return ""
+    rows = segment_table_rows(m)
+    if len(m.get("segments") or []) < 2:  # no communication: the one segment is the whole call
+        rows = rows[-1:]
+    lines = []
+    for i, (index, label, *numbers) in enumerate(rows):
+        total = ' class="total"' if i == len(rows) - 1 else ""
+        cells = "".join(f'<td class="num">{html.escape(c)}</td>' for c in numbers)
+        lines.append(f'<tr{total}><td class="num">{html.escape(index)}</td><td>{html.escape(label)}</td>{cells}</tr>')
+    body = "\n".join(lines)
+    header = "".join(f"<th>{html.escape(c)}</th>" for c in SEGMENT_COLUMNS)
+    note = (
+        "Segments cut the graph at its collective issues and waits: segment <i>i</i> runs from the "
+        "moment communication op <i>i</i>&minus;1 returned to the moment op <i>i</i> returned, so it "
+        "holds the compute before op <i>i</i> and, for a wait, the time the caller was blocked. "
+        if len(rows) > 1
+        else "This graph has no communication: one segment, the whole call. "
+    ) + (
+        f"Measured: median of {m['steps']} profiled calls after a warm-up call "
+        f"({html.escape(str(m['clock']))} clock, under torch.profiler). "
+        "Predicted: the cost model's simulation of the dhelix schedule."
+    )
+    if m.get("segments_note"):
+        note += f" <b>No segment times:</b> {html.escape(str(m['segments_note']))}."
+    pictures = "\n".join(
+        f'<p><a href="{name}"><img src="{name}" alt="{alt}" style="max-width:100%"></a></p>'
+        for name, alt in (
+            ("predicted_vs_measured.svg", "predicted schedule above the measured call"),
+            ("measured.svg", "the measured call"),
+        )
+        if (folder / name).exists()
+    )
+    return f"""<h2>Predicted vs measured</h2>
+<p>{note}</p>
+<table><tr>{header}</tr>
+{body}
+</table>
+{pictures}
+<p>Open <a href="measured.trace.json">measured.trace.json</a> in <a href="https://ui.perfetto.dev">ui.perfetto.dev</a>:
+every op of the profiled calls, and a <code>dhelix</code> process whose tracks mark each call and its segments;
+<a href="predicted_vs_measured.json">predicted_vs_measured.json</a> has the numbers.</p>"""
 
 
 def collect_summaries(dump_dir: str | Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -152,12 +245,15 @@ COLUMNS = (
     "peak mem before MiB",
     "after MiB",
     "passes ms",
+    "measured ms",
+    "meas/pred",
 )
 
 
 def table_row(folder: Path, summary: dict[str, Any]) -> tuple[str, ...]:
     """One table row of a graph's summary."""
     t = summary.get("timeline") or {}
+    m = summary.get("measured") or {}
     pass_total_s = sum((summary.get("pass_seconds") or {}).values())
     return (
         str(folder),
@@ -169,20 +265,41 @@ def table_row(folder: Path, summary: dict[str, Any]) -> tuple[str, ...]:
         _mib(t.get("peak_memory_before_bytes")),
         _mib(t.get("peak_memory_after_bytes")),
         _ms(pass_total_s),
+        _ms(m.get("measured_step_s")),
+        _ratio(m.get("ratio")),
     )
 
 
 def format_table(found: Sequence[tuple[Path, dict[str, Any]]]) -> str:
-    """A plain-text table, one row per graph, columns aligned."""
-    rows = [COLUMNS, *(table_row(folder, summary) for folder, summary in found)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    """A plain-text table, one row per graph, then a segment table per measured graph with communication.
+
+    ``measured ms`` is the median profiled call (``profile_steps``), ``meas/pred`` its ratio to
+    the predicted makespan of the dhelix schedule (``makespan after ms``).
+    """
+    text = _aligned(COLUMNS, [table_row(folder, summary) for folder, summary in found], left=(0,))
+    for folder, summary in found:
+        m = summary.get("measured")
+        if not m or len(m.get("segments") or []) < 2:
+            continue
+        calls = f"median of {m['steps']} profiled call{'s' if m['steps'] != 1 else ''}"
+        text += f"\n{folder}: predicted vs measured per communication segment ({m['clock']} clock, {calls})\n"
+        if m.get("segments_note"):
+            text += f"no segment times: {m['segments_note']}\n"
+        text += _aligned(SEGMENT_COLUMNS, segment_table_rows(m), left=(1,))
+    return text
+
+
+def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], left: tuple[int, ...]) -> str:
+    """``header``, a rule and ``rows``, columns padded to one width; ``left`` columns left-aligned."""
+    all_rows = [tuple(header), *(tuple(r) for r in rows)]
+    widths = [max(len(row[i]) for row in all_rows) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         return "  ".join(cells).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(rows[0]), rule, *(line(r) for r in rows[1:])]) + "\n"
+    return "\n".join([line(all_rows[0]), rule, *(line(r) for r in all_rows[1:])]) + "\n"
 
 
 def report(dump_dir: str | Path) -> str:
@@ -208,7 +325,7 @@ def dump_index_html(dump_dir: str | Path) -> str:
 <style>body {{ font-family: Helvetica, Arial, sans-serif; margin: 24px; }}
 table {{ border-collapse: collapse; }} th, td {{ border: 1px solid #ccc; padding: 4px 10px; }}
 td {{ font-family: monospace; text-align: right; }} td:first-child {{ text-align: left; }}</style>
-</head><body><h1>dhelix dump: {len(found)} graphs (predicted times)</h1>
+</head><body><h1>dhelix dump: {len(found)} graphs (predicted times; measured where profiled)</h1>
 <table><tr>{header}</tr>
 {body}
 </table></body></html>
