@@ -236,6 +236,9 @@ class ProfiledEstimator:
         device_name: overrides the cache key of the device.
         measure_contention: measure the compute slowdown under a collective when a real
             (non-fake) multi-rank group is available.
+        runner: runs measurements made while a graph pass is running
+            (:meth:`segment_pair_times`); ``dhelix_compile`` passes one that leaves the
+            compiler's fake-tensor mode. None runs them inline.
     """
 
     def __init__(
@@ -249,6 +252,7 @@ class ProfiledEstimator:
         progress: bool | None = None,
         device_name: str | None = None,
         measure_contention: bool = True,
+        runner: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> None:
         if repeats < 1 or warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
@@ -260,6 +264,7 @@ class ProfiledEstimator:
         self.progress = progress
         self.device_name = device_name
         self.measure_contention = measure_contention
+        self.runner = runner
         self.measurements: dict[str, float] = {}
         self.measured_contention_factor: float | None = None
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
@@ -286,6 +291,14 @@ class ProfiledEstimator:
         else:
             expr = sympy.Float(measured)
         return dataclasses.replace(cost, time_s=measured, time_expr=expr)
+
+    def segment_pair_times(
+        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+    ) -> dict[tuple[int | None, int | None], float]:
+        """Measured co-execution time of segment pairs (``cost_model.pair_profile``)."""
+        from cost_model.pair_profile import segment_pair_times
+
+        return segment_pair_times(self, fwd, bwd, runner=self.runner)
 
     def signature(self, node: torch.fx.Node) -> str | None:
         """The node's cache key, or None for nodes that are never measured."""

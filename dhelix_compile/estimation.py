@@ -95,7 +95,7 @@ def build_estimator(
     )
     if config.cost_model == "analytic":
         return base
-    profiled = ProfiledEstimator(base, Path(config.cache_dir).expanduser())
+    profiled = ProfiledEstimator(base, Path(config.cache_dir).expanduser(), runner=compat.run_outside_compilation)
     report = compat.run_outside_compilation(lambda: profiled.calibrate(gm))
     log.info("cost model calibrated: %s", report)
     return profiled

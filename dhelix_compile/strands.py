@@ -196,12 +196,17 @@ def strand_forward(pair: StrandPair) -> BoxedCallable:
             pending.run_here()
             return pair.forward.compiled(args)
         merged = pair.merged
+        merged_args = merged.merged_args(args, pending.args)
+        # Hand over ownership: AOTAutograd's frames still hold these two lists; emptying them
+        # leaves M's argument list the only reference, so the generated code frees each saved
+        # activation of micro-batch i at its last use.
+        args.clear()
+        pending.args.clear()
         try:
-            outputs = pair.merged_compiled(merged.merged_args(args, pending.args))
+            outputs = pair.merged_compiled(merged_args)
         except BaseException as exc:
             pending.finish(error=exc)
             raise
-        pending.args = []
         outputs = list(outputs)
         pending.finish(result=outputs[merged.num_fwd_outputs :])
         return outputs[: merged.num_fwd_outputs]

@@ -15,7 +15,7 @@ Contract
     activations before new ones are made).
     - Deterministic: a function of the graph and the estimator's numbers (every rank, same plan).
     - Records (``ctx.records["interleave"]``): predicted makespan, exposed communication and
-      peak bytes of both orders, segment counts, pairs, and ``plan_time_s``.
+      peak bytes of each candidate order, segment counts, pairs, and ``plan_time_s``.
 
 Algorithm::
 
@@ -24,13 +24,19 @@ Algorithm::
     P(F_i, ∅) = C_F + X_F          P(∅, B_j) = C_B + X_B        (transfer exposed)
     P(F_i, B_j) = max(C_F + C_B + (f-1)·overlap,  X_F + X_B)   (one channel: the transfers
         queue behind each other; f = contention factor: compute under a transfer runs slower)
+        with cost_model="profile": P measured by co-executing the two segments on the live
+        device and group (``cost_model.pair_profile``; distinct pairs only, agreed by ranks)
     T[i][j] = min(T[i-1][j] + P(F_i, ∅), T[i][j-1] + P(∅, B_j), T[i-1][j-1] + P(F_i, B_j))
         a move whose live bytes exceed memory_budget_ratio x the sequential order's peak is
         forbidden (live bytes at a cut = forward's live bytes + backward's, each strand's
         profile from ``cost_model.memory`` with the backward's saved inputs freed at last use)
     emit the path: each pair as B_j's nodes then F_i's nodes (B's transfer flies under F's
         compute, F's under the next pair's B compute)
-    keep it if ``simulate`` predicts a shorter makespan than the sequential order
+    judge: ``simulate`` the sequential order, the DP's order and the reorder pass's list
+        scheduler run over both strands (a second opinion: the DP's additive pair costs do
+        not see a wait that a chain of transfers leaves exposed); keep the shortest predicted
+        makespan whose peak live bytes (the backward's saved inputs freed at last use) stay
+        within memory_budget_ratio x the sequential order's
 
 Picture (two layers of TP: each strand's collective in flight under the other's matmuls)::
 
@@ -43,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.fx
 
@@ -55,6 +61,7 @@ from graph_passes.annotate import META_KEY
 from graph_passes.context import PassContext
 from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND
 from graph_passes.node_order import apply_order
+from graph_passes.reorder import ReorderOptions, overlap_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,21 +138,36 @@ def pair_time(f: Segment | None, b: Segment | None, contention_factor: float = 1
     return max(compute + (contention_factor - 1.0) * overlap, comm)
 
 
+PairCost = Callable[[int | None, int | None], float]
+"""``P`` of (forward segment index or None, backward segment index or None)."""
+
+
+def formula_cost(fwd: Sequence[Segment], bwd: Sequence[Segment], contention_factor: float = 1.0) -> PairCost:
+    """``P`` from the segments' costs (:func:`pair_time`)."""
+
+    def cost(i: int | None, j: int | None) -> float:
+        return pair_time(fwd[i] if i is not None else None, bwd[j] if j is not None else None, contention_factor)
+
+    return cost
+
+
 def plan_pairs(
     fwd: Sequence[Segment],
     bwd: Sequence[Segment],
     *,
-    contention_factor: float = 1.0,
+    cost: PairCost | None = None,
     budget_bytes: float = math.inf,
     fwd_base_bytes: int = 0,
     bwd_base_bytes: int = 0,
 ) -> tuple[list[Pair], float]:
     """The DHelix DP over two segment sequences; returns the path and its predicted time.
 
-    ``fwd_base_bytes`` / ``bwd_base_bytes``: each strand's live bytes before its first segment.
-    A move whose live bytes exceed ``budget_bytes`` is forbidden; the sequential path
-    (all of B, then all of F) is the fallback if every path is.
+    ``cost``: ``P`` of a move (default :func:`formula_cost`). ``fwd_base_bytes`` /
+    ``bwd_base_bytes``: each strand's live bytes before its first segment. A move whose live
+    bytes exceed ``budget_bytes`` is forbidden; the sequential path (all of B, then all of F)
+    is the fallback if every path is.
     """
+    cost = cost or formula_cost(fwd, bwd)
     a, b = len(fwd), len(bwd)
     f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
     b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
@@ -160,17 +182,16 @@ def plan_pairs(
                 continue
             if i < a:  # F_{i+1} alone
                 peak = fwd[i].peak_bytes + b_after[j]
-                _relax(best, step, i + 1, j, here + pair_time(fwd[i], None), (i, None), peak, budget_bytes)
+                _relax(best, step, i + 1, j, here + cost(i, None), (i, None), peak, budget_bytes)
             if j < b:  # B_{j+1} alone
                 peak = f_after[i] + bwd[j].peak_bytes
-                _relax(best, step, i, j + 1, here + pair_time(None, bwd[j]), (None, j), peak, budget_bytes)
+                _relax(best, step, i, j + 1, here + cost(None, j), (None, j), peak, budget_bytes)
             if i < a and j < b:  # B_{j+1} then F_{i+1}
                 peak = max(f_after[i] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[j + 1])
-                cost = here + pair_time(fwd[i], bwd[j], contention_factor)
-                _relax(best, step, i + 1, j + 1, cost, (i, j), peak, budget_bytes)
+                _relax(best, step, i + 1, j + 1, here + cost(i, j), (i, j), peak, budget_bytes)
     if best[a][b] == inf:  # nothing fits the budget: the sequential order
         path: list[Pair] = [(None, j) for j in range(b)] + [(i, None) for i in range(a)]
-        return path, math.fsum(pair_time(*_segs(p, fwd, bwd)) for p in path)
+        return path, math.fsum(cost(*p) for p in path)
     path = []
     i, j = a, b
     while (i, j) != (0, 0):
@@ -246,10 +267,22 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         [bwd_base, *(s.peak_bytes for s in bwd_segments)]
         + [s.peak_bytes + (bwd_segments[-1].live_after_bytes if bwd_segments else bwd_base) for s in fwd_segments]
     )
+    cost = formula_cost(fwd_segments, bwd_segments, factor)
+    measure = getattr(estimator, "segment_pair_times", None)  # cost_model="profile"
+    if measure is not None:
+        measured = measure([s.nodes for s in fwd_segments], [s.nodes for s in bwd_segments])
+        ctx.record("interleave", measured_pairs=len(measured))
+        if measured:
+            formula = cost
+
+            def cost(i: int | None, j: int | None) -> float:
+                value = measured.get((i, j))
+                return value if value is not None else formula(i, j)
+
     path, planned_s = plan_pairs(
         fwd_segments,
         bwd_segments,
-        contention_factor=factor,
+        cost=cost,
         budget_bytes=options.memory_budget_ratio * sequential_peak,
         bwd_base_bytes=bwd_base,
     )
@@ -257,10 +290,22 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
 
     head = [n for n in nodes if n.op == "placeholder"]
     tail = [n for n in nodes if n.op == "output"]
-    sequential = emit(sequential_path, fwd_segments, bwd_segments)
-    interleaved = emit(path, fwd_segments, bwd_segments)
-    before = simulate(head + sequential + tail, estimator)
-    after = simulate(head + interleaved + tail, estimator)
+    reorder_options = ctx.pass_options.get("reorder", ReorderOptions())
+    candidates = {
+        "sequential": emit(sequential_path, fwd_segments, bwd_segments),
+        "dp": emit(path, fwd_segments, bwd_segments),
+        # the single-strand list scheduler over both strands: a second opinion the simulator weighs
+        "list": overlap_schedule(emit(sequential_path, fwd_segments, bwd_segments), estimator, reorder_options),
+    }
+    results = {name: simulate(head + order + tail, estimator) for name, order in candidates.items()}
+    peaks = {
+        name: live_bytes_profile(
+            head + order + tail, lambda n: estimator.node_cost(n).output_bytes, freeable_inputs=bwd_inputs
+        ).peak_bytes
+        for name, order in candidates.items()
+    }
+    fits = [n for n in candidates if n == "sequential" or peaks[n] <= options.memory_budget_ratio * peaks["sequential"]]
+    chosen = min(fits, key=lambda n: (results[n].makespan_s, list(candidates).index(n)))
     pairs = sum(1 for f, b in path if f is not None and b is not None)
     ctx.record(
         "interleave",
@@ -269,21 +314,20 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         paired_segments=pairs,
         plan_time_s=plan_time_s,
         dp_predicted_s=planned_s,
-        predicted_makespan_sequential_s=before.makespan_s,
-        predicted_makespan_interleaved_s=after.makespan_s,
-        predicted_exposed_comm_sequential_s=before.exposed_comm_s,
-        predicted_exposed_comm_interleaved_s=after.exposed_comm_s,
-        predicted_peak_bytes_sequential=before.peak_memory_bytes,
-        predicted_peak_bytes_interleaved=after.peak_memory_bytes,
+        predicted_makespan_s=results[chosen].makespan_s,
+        **{f"predicted_makespan_{n}_s": r.makespan_s for n, r in results.items()},
+        **{f"predicted_exposed_comm_{n}_s": r.exposed_comm_s for n, r in results.items()},
+        **{f"predicted_peak_bytes_{n}": float(p) for n, p in peaks.items()},
     )
-    if after.makespan_s < before.makespan_s:
-        order, chosen = interleaved, after
-        ctx.count("interleave", "interleaved")
-    else:
-        order, chosen = sequential, before
+    if chosen == "sequential":
         ctx.count("interleave", "sequential: no predicted gain")
-    ctx.record("interleave", predicted_makespan_s=chosen.makespan_s)
-    ctx.count("interleave", "nodes moved", apply_order(gm.graph, order))
+    else:
+        ctx.count("interleave", "interleaved")
+        ctx.count("interleave", f"interleaved by {chosen}")
+    for name in candidates:
+        if name not in fits:
+            ctx.count("interleave", f"{name} order over the memory budget")
+    ctx.count("interleave", "nodes moved", apply_order(gm.graph, candidates[chosen]))
     return gm
 
 

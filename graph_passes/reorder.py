@@ -40,11 +40,12 @@ from collections.abc import Sequence
 
 import torch.fx
 
-from cost_model.estimator import MemoizedEstimator
+from cost_model.estimator import Estimator, MemoizedEstimator
 from cost_model.memory import peak_memory_bytes
 from cost_model.op_kinds import is_comm, kind_of
 from cost_model.simulator import simulate
 from graph_passes.context import PassContext
+from graph_passes.node_order import apply_order
 from graph_passes.scheduling import Rule, SchedulerState, list_schedule
 
 
@@ -109,6 +110,17 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
     return rule
 
 
+def overlap_schedule(
+    body: Sequence[torch.fx.Node], estimator: Estimator, options: ReorderOptions
+) -> list[torch.fx.Node]:
+    """``body`` (a graph's nodes minus placeholders and output) in the order the rule picks.
+
+    The memory budget is ``options.memory_budget_ratio`` x the peak of ``body``'s current order.
+    """
+    budget_bytes = int(options.memory_budget_ratio * _peak_of_order(body, estimator))
+    return list_schedule(body, estimator, overlap_rule(options, collective_urgency(body), budget_bytes))
+
+
 def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     """Reorder for overlap; see the module docstring."""
     options = ctx.pass_options.get("reorder", ReorderOptions())
@@ -133,8 +145,7 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
         return estimator.node_cost(node).output_bytes
 
     before = simulate(all_nodes, estimator)
-    budget_bytes = int(options.memory_budget_ratio * _peak_of_order(body, estimator))
-    order = list_schedule(body, estimator, overlap_rule(options, collective_urgency(body), budget_bytes))
+    order = overlap_schedule(body, estimator, options)
     new_nodes = head + order + tail
     after = simulate(new_nodes, estimator)
     ctx.record(
@@ -154,17 +165,7 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
         ctx.count("reorder", "kept original order: over the memory budget")
         return gm
     ctx.record("reorder", predicted_makespan_s=after.makespan_s)
-    moved = sum(1 for a, b in zip(body, order) if a is not b)
-    previous = head[-1] if head else None
-    for node in order:
-        if previous is None:
-            first = next(iter(graph.nodes))
-            if first is not node:
-                first.prepend(node)
-        else:
-            previous.append(node)
-        previous = node
-    ctx.count("reorder", "nodes moved", moved)
+    ctx.count("reorder", "nodes moved", apply_order(graph, order))
     ctx.count("reorder", "reordered graphs")
     return gm
 

@@ -92,3 +92,20 @@ def test_merged_graph_through_inductor_keeps_the_interleaved_order(tmp_path: Pat
     codes = [code[code.index("def call(") :] for code in results[0]["codes"]]
     actual = [[m.group(1) or "matmul" for m in _CODE_TOKEN.finditer(code)] for code in codes]
     assert expected in actual, f"no generated module follows the merged graph's order {expected}"
+
+
+def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path) -> None:
+    from dhelix_compile.testing.helix_checks import check_helix
+
+    run_on_ranks(
+        check_helix, 2, "tp_sp", 2, "float32", codegen="eager", fallback="error", cost_model="profile",
+        cache_dir=str(tmp_path / "cache"), dump_dir=str(tmp_path / "dump"), timeout_s=400,
+    )
+    records = [
+        json.loads(next((tmp_path / "dump" / f"rank{r}").glob("*_merged/summary.json")).read_text())["records"]["interleave"]
+        for r in range(2)
+    ]
+    assert all(r["measured_pairs"] > 0 for r in records)
+    # every rank planned from the same (agreed) numbers: the same plan and prediction
+    assert records[0]["dp_predicted_s"] == records[1]["dp_predicted_s"]
+    assert records[0]["predicted_makespan_s"] == records[1]["predicted_makespan_s"]

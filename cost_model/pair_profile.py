@@ -1,0 +1,154 @@
+"""Profiled segment pairs: ``P(F_i, B_j)`` measured by co-executing two segments on the live group.
+
+The Strand Interleaving DP (``graph_passes.interleave``) prices a pair of segments, one from
+each strand, by how long they take together: one strand's collective in flight while the
+other strand's compute runs. The analytic formula assumes a contention factor; this module
+measures it, as DHelix's profiler does.
+
+Contract
+--------
+``segment_pair_times(profiled, fwd, bwd, runner=None, max_pairs=256) -> dict[(i, j), seconds]``
+
+* ``fwd`` / ``bwd``: each strand's segments as node lists; keys ``(i, j)`` use ``None`` for "no
+  segment of that strand" (a segment run alone).
+* A segment's *signature* is the tuple of ``profiled.signature`` of its compute and collective
+  nodes. Segments with a node that cannot be measured (P2P, no live group, a fake group) get
+  no entry: the caller keeps its formula for them.
+* Pairs are deduplicated by signature (a transformer's layers repeat: a 32-layer model has a
+  handful of distinct pairs), measured in first-appearance order, which every rank shares
+  because every rank plans the same graph (checked: a mismatch raises, never hangs).
+* One measurement of ``(F, B)``: after a barrier, run B's nodes then F's in order -- compute
+  nodes on random inputs of their shapes, collective issues asynchronously -- and wait for
+  every collective at the end; the median of ``profiled.repeats`` runs after
+  ``profiled.warmup``, agreed across ranks by ``all_reduce(MAX)``.
+* More distinct pairs than ``max_pairs``: nothing is measured (``{}``).
+* Results are memoized on ``profiled`` (``pair_measurements``) for later compiles in the same
+  process, never on disk: they include collectives, whose cost depends on the link.
+* ``runner(fn)`` runs the measurement (``dhelix_compile`` passes one that leaves the compiler's
+  fake-tensor mode); ``None`` runs it inline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from cost_model.op_kinds import kind_of
+from cost_model.profile import (
+    ProfiledEstimator,
+    _agree_max,
+    _check_same_signatures,
+    _device_of_nodes,
+    _median_run_s,
+)
+from cost_model.symbolic import size_hints
+
+c10d = torch.ops._c10d_functional
+
+Segment = Sequence[torch.fx.Node]
+PairKey = tuple[int | None, int | None]
+SegmentSignature = tuple[str, ...]
+
+
+def segment_signature(profiled: ProfiledEstimator, nodes: Segment) -> SegmentSignature | None:
+    """The measured ops of a segment, or None if one of them cannot be measured."""
+    parts: list[str] = []
+    for node in nodes:
+        kind = kind_of(node)
+        if kind == "p2p":
+            return None
+        if kind not in ("compute", "collective"):
+            continue
+        reason = profiled._skip_reason(node)
+        if reason == "free":
+            continue
+        if reason is not None:
+            return None
+        sig = profiled.signature(node)
+        if sig is None:
+            return None
+        parts.append(sig)
+    return tuple(parts)
+
+
+def segment_pair_times(
+    profiled: ProfiledEstimator,
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    *,
+    runner: Callable[[Callable[[], Any]], Any] | None = None,
+    max_pairs: int = 256,
+) -> dict[PairKey, float]:
+    """Measured ``P`` for every pair of segments (see the module docstring)."""
+    fwd_sigs = [segment_signature(profiled, s) for s in fwd]
+    bwd_sigs = [segment_signature(profiled, s) for s in bwd]
+    fwd_options: list[int | None] = [None, *(i for i, s in enumerate(fwd_sigs) if s is not None)]
+    bwd_options: list[int | None] = [None, *(j for j, s in enumerate(bwd_sigs) if s is not None)]
+    first_of: dict[tuple[SegmentSignature, SegmentSignature], PairKey] = {}
+    key_of: dict[PairKey, tuple[SegmentSignature, SegmentSignature]] = {}
+    for i in fwd_options:
+        for j in bwd_options:
+            if i is None and j is None:
+                continue
+            sig = (fwd_sigs[i] if i is not None else (), bwd_sigs[j] if j is not None else ())
+            key_of[(i, j)] = sig
+            first_of.setdefault(sig, (i, j))
+    cache: dict[tuple[SegmentSignature, SegmentSignature], float] = profiled.__dict__.setdefault(
+        "pair_measurements", {}
+    )
+    todo = [sig for sig in first_of if sig not in cache]
+    if len(first_of) > max_pairs:
+        return {}
+    group = profiled._agreement_group()
+    _check_same_signatures(["|".join(f) + "||" + "|".join(b) for f, b in todo], group)
+    if todo:
+        def measure_all() -> list[float]:
+            times = []
+            for sig in todo:
+                i, j = first_of[sig]
+                times.append(_measure_pair(profiled, fwd[i] if i is not None else (), bwd[j] if j is not None else ()))
+            return _agree_max([t if not math.isnan(t) else -1.0 for t in times], group)
+
+        measured = runner(measure_all) if runner is not None else measure_all()
+        for sig, t in zip(todo, measured, strict=True):
+            cache[sig] = t
+    return {key: cache[sig] for key, sig in key_of.items() if cache.get(sig, -1.0) >= 0}
+
+
+def _measure_pair(profiled: ProfiledEstimator, fwd: Segment, bwd: Segment) -> float:
+    """Median seconds of B's nodes then F's, collectives in flight until the end; NaN on failure."""
+    import torch.distributed as dist
+
+    calls: list[tuple[torch.fx.Node, list[Any], dict[str, Any], bool]] = []
+    try:
+        for node in (*bwd, *fwd):
+            kind = kind_of(node)
+            if kind not in ("compute", "collective") or profiled._skip_reason(node) == "free":
+                continue
+            hints = size_hints([node, *node.all_input_nodes])
+            args, kwargs = profiled._real_args(node, hints, kind == "collective")
+            calls.append((node, args, kwargs, kind == "collective"))
+    except Exception:  # noqa: BLE001 - an op that cannot get inputs: not measurable
+        return math.nan
+    device = _device_of_nodes([c[0] for c in calls])
+
+    def run() -> None:
+        in_flight = []
+        for node, args, kwargs, is_collective in calls:
+            out = node.target(*args, **kwargs)
+            if is_collective:
+                in_flight.extend(out if isinstance(out, (list, tuple)) else (out,))
+        for t in in_flight:
+            c10d.wait_tensor(t)
+
+    try:
+        group = profiled._agreement_group()
+        if group is not None:
+            dist.barrier(group=group)
+        return _median_run_s(run, profiled.warmup, profiled.repeats, device)
+    except Exception:  # noqa: BLE001
+        return math.nan

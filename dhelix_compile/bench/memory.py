@@ -1,0 +1,122 @@
+"""Peak memory of a training step, measured from the allocator (CPU or CUDA), and the helix check.
+
+    python -m dhelix_compile.bench.memory --model small --microbatches 4 --ranks 2
+
+runs the TP+SP reference model on gloo ranks (``testing.multirank``) and prints, per variant,
+the peak bytes resident during one step above what was resident before it (sampled, see
+``peak_allocated_bytes``): the eager accumulation loop, the Inductor loop, dhelix single
+strand, and helix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MEMORY_VARIANTS = ("eager", "inductor", "dhelix", "helix")
+
+
+def peak_allocated_bytes(fn: Callable[[], Any], interval_s: float = 2e-4) -> int:
+    """Peak resident bytes while ``fn`` runs, above the resident size when it started.
+
+    CPU tensors have no allocator counters, and ``torch.profiler``'s allocator events are
+    recorded only on threads that started profiling (a helix step frees micro-batch i's
+    gradients on its backward thread), so this samples the process's resident set size
+    (``/proc/self/statm``) from a background thread every ``interval_s``. It needs glibc to
+    return freed tensors to the OS at once: run with ``MALLOC_MMAP_THRESHOLD_=65536`` (``main``
+    sets it for the ranks it spawns), which gives every allocation of 64 KiB or more its own
+    mapping. On CUDA use ``torch.cuda.max_memory_allocated`` instead.
+    """
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    gc.collect()
+    base = rss()
+    peak = base
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, rss())
+            time.sleep(interval_s)
+
+    sampler = threading.Thread(target=sample, name="dhelix-rss-sampler", daemon=True)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak, rss()) - base
+
+
+def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, variants: list[str]) -> dict[str, int]:
+    from dhelix_compile.bench.steps import step_function
+    from dhelix_compile.bench.worker import model_config
+    from dhelix_compile.testing.llama import Transformer, lm_loss
+    from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
+
+    config, seq, batch = model_config(model)
+    mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
+    gen = torch.Generator().manual_seed(1234)
+    mbs = [
+        (torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+         torch.randint(0, config.vocab_size, (batch, seq), generator=gen))
+        for _ in range(microbatches)
+    ]
+
+    def loss_fn(m: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(m(mb[0]), mb[1])
+
+    peaks = {}
+    for name in variants:
+        module = parallelize_tp_sp(Transformer(config), mesh)
+        step = step_function(name, module, loss_fn)
+        step(mbs)  # compile, and the gradients exist: later steps accumulate into them
+        peaks[name] = peak_allocated_bytes(lambda step=step: step(mbs))
+    return peaks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(MEMORY_VARIANTS))
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    from dhelix_compile.testing.multirank import run_on_ranks
+
+    variants = [v for v in args.variants.split(",") if v]
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the RSS at once
+    per_rank = run_on_ranks(_rank_peaks, args.ranks, args.model, args.microbatches, variants, timeout_s=args.timeout_s)
+    peaks = {name: max(rank[name] for rank in per_rank) for name in variants}
+    eager = peaks.get("eager")
+    print(f"peak resident bytes in one step: TP+SP {args.model}, {args.ranks} ranks, {args.microbatches} micro-batches")
+    print("| variant | peak MiB | vs eager loop |")
+    print("|---|---:|---:|")
+    for name, peak in peaks.items():
+        ratio = f"{peak / eager:.2f}x" if eager else "-"
+        print(f"| {name} | {peak / 2**20:.1f} | {ratio} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "ranks": args.ranks, "microbatches": args.microbatches, "peak_bytes": peaks}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

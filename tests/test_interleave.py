@@ -1,0 +1,266 @@
+"""merge_strands and the interleave pass: the merged graph's contract, the DP, the emitted order."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+import torch.fx
+from functorch.compile import aot_function, make_boxed_func
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost_model.estimator import TableEstimator
+from cost_model.simulator import simulate
+from cost_model.testing import fake_world, trace_aten
+from graph_passes import PassContext
+from graph_passes.annotate import annotate_pass
+from graph_passes.interleave import (
+    InterleaveOptions,
+    Segment,
+    emit,
+    formula_cost,
+    interleave_pass,
+    plan_pairs,
+)
+from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND, merge_strands
+from graph_passes.verify import verify_pass
+
+aten = torch.ops.aten
+funcol = torch.distributed._functional_collectives
+
+
+def _partitions(fn, *args):
+    """AOTAutograd's forward and backward graphs of ``fn`` (the helix capture, minus Inductor)."""
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    compiled = aot_function(fn, fw_compiler=capture("fwd"), bw_compiler=capture("bwd"))
+    compiled(*args).backward()
+    return graphs["fwd"], graphs["bwd"]
+
+
+def _mlp_loss(w1, w2, x):
+    return (torch.relu(x @ w1) @ w2).square().mean()
+
+
+def test_merged_graph_computes_both_strands_and_shares_parameters() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(8, 16, generator=gen, requires_grad=True)
+    w2 = torch.randn(16, 4, generator=gen, requires_grad=True)
+    x0, x1 = torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    fwd, bwd = _partitions(_mlp_loss, w1, w2, x0)
+    merged = merge_strands(fwd, bwd, shared_fwd_inputs=[0, 1])
+
+    # B's saved weights read F's placeholders; the saved data input (x) does not
+    bwd_names = [n.name for n in bwd.graph.nodes if n.op == "placeholder"]
+    shared = [name for name, keep in zip(bwd_names, merged.bwd_input_keep) if not keep]
+    assert shared and all(name in ("primals_1", "primals_2") for name in shared)
+    assert "primals_3" not in shared or "primals_3" not in bwd_names
+
+    # strands and phases are tagged; F's nodes come first
+    body = [n for n in merged.gm.graph.nodes if n.op not in ("placeholder", "output")]
+    strands = [n.meta["dhelix"]["strand"] for n in body]
+    assert strands == sorted(strands) and set(strands) == {FWD_STRAND, BWD_STRAND}
+    assert all(n.meta["dhelix"]["phase"] == ("fwd" if n.meta["dhelix"]["strand"] == FWD_STRAND else "bwd") for n in body)
+
+    # numerics: M(fwd args of micro-batch 1, bwd args of micro-batch 0) == (F(1), B(0))
+    with torch.no_grad():
+        fwd_args0 = [w1.detach(), w2.detach(), x0]
+        fwd_out0 = list(fwd(*fwd_args0))
+        n_saved = len(bwd_names) - 1
+        bwd_args0 = [*fwd_out0[-n_saved:], torch.tensor(1.0)]
+        fwd_args1 = [w1.detach(), w2.detach(), x1]
+        got = merged.gm(*merged.merged_args(fwd_args1, bwd_args0))
+        want = [*fwd(*fwd_args1), *bwd(*bwd_args0)]
+    assert len(got) == len(want) and merged.num_fwd_outputs == len(fwd_out0)
+    for g, w in zip(got, want):
+        assert (g is None and w is None) or torch.equal(g, w)
+
+
+def test_merge_rejects_submodules_with_a_clear_message() -> None:
+    traced = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="only call_function"):
+        merge_strands(traced, traced)
+
+
+# ---------------------------------------------------------------------- the DP
+
+
+def _seg(strand: int, compute_s: float, comm_s: float, live: int = 0, peak: int = 0) -> Segment:
+    return Segment(strand, (), compute_s, comm_s, live, peak)
+
+
+def _path_is_valid(path, a: int, b: int) -> bool:
+    fs = [i for i, _ in path if i is not None]
+    bs = [j for _, j in path if j is not None]
+    return fs == list(range(a)) and bs == list(range(b))
+
+
+def test_dp_pairs_each_strands_communication_with_the_others_compute() -> None:
+    fwd = [_seg(0, 1.0, 1.0) for _ in range(3)]
+    bwd = [_seg(1, 1.0, 1.0) for _ in range(3)]
+    path, cost = plan_pairs(fwd, bwd)
+    assert _path_is_valid(path, 3, 3)
+    assert path == [(0, 0), (1, 1), (2, 2)]
+    assert cost == pytest.approx(3 * 2.0)  # each pair: max(1 + 1, 1 + 1), instead of 2 + 2 alone
+
+
+def test_dp_keeps_segments_apart_when_pairing_does_not_pay() -> None:
+    # compute-free segments: pairing queues both transfers on the one channel, no gain either way
+    fwd = [_seg(0, 0.0, 1.0)]
+    bwd = [_seg(1, 5.0, 0.0)]
+    path, cost = plan_pairs(fwd, bwd)
+    assert cost == pytest.approx(5.0)  # F's transfer hides under B's compute
+    assert path == [(0, 0)]
+
+
+def test_memory_budget_forbids_pairs_that_keep_both_strands_live() -> None:
+    fwd = [_seg(0, 1.0, 1.0, live=10, peak=10) for _ in range(2)]
+    bwd = [_seg(1, 1.0, 1.0, live=0, peak=20) for _ in range(2)]
+    free_path, free_cost = plan_pairs(fwd, bwd, bwd_base_bytes=20)
+    assert free_path == [(0, 0), (1, 1)]
+    # pairing B_1 with F_1 would hold F_0's 10 bytes during B_1's peak of 20: over a budget of 20
+    tight_path, tight_cost = plan_pairs(fwd, bwd, bwd_base_bytes=20, budget_bytes=20)
+    assert tight_path == [(None, 0), (0, 1), (1, None)] and tight_cost > free_cost
+    # nothing fits: the sequential order (all of B, then all of F)
+    none_path, _ = plan_pairs(fwd, bwd, bwd_base_bytes=20, budget_bytes=5)
+    assert none_path == [(None, 0), (None, 1), (0, None), (1, None)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), min_size=1, max_size=4),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), min_size=1, max_size=4),
+)
+def test_dp_finds_the_cheapest_alignment(f_costs, b_costs) -> None:
+    fwd = [_seg(0, float(c), float(x)) for c, x in f_costs]
+    bwd = [_seg(1, float(c), float(x)) for c, x in b_costs]
+    path, cost = plan_pairs(fwd, bwd)
+    assert _path_is_valid(path, len(fwd), len(bwd))
+    price = formula_cost(fwd, bwd)
+    assert cost == pytest.approx(math.fsum(price(*p) for p in path))
+    assert cost <= _brute_force(price, len(fwd), len(bwd)) + 1e-9
+
+
+def _brute_force(price, a: int, b: int) -> float:
+    """The cheapest of all monotone alignments (moves: F alone, B alone, both)."""
+    best = math.inf
+    for moves in itertools.product("FBP", repeat=a + b):
+        i = j = 0
+        total = 0.0
+        for m in moves:
+            if i == a and j == b:
+                break
+            if m == "F" and i < a:
+                total += price(i, None)
+                i += 1
+            elif m == "B" and j < b:
+                total += price(None, j)
+                j += 1
+            elif m == "P" and i < a and j < b:
+                total += price(i, j)
+                i, j = i + 1, j + 1
+            else:
+                total = math.inf
+                break
+        if i == a and j == b:
+            best = min(best, total)
+    return best
+
+
+# ---------------------------------------------------------------------- the pass
+
+
+def _tp_layers(x, w):
+    """all_gather -> mm -> reduce_scatter, twice: a strand with two transfers per layer."""
+    group = torch.distributed.group.WORLD
+    for _ in range(2):
+        gathered = funcol.all_gather_tensor(x, 0, group)
+        x = funcol.reduce_scatter_tensor(torch.relu(gathered @ w), "sum", 0, group)
+    return (x,)
+
+
+def _traced_tp_layers() -> torch.fx.GraphModule:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with fake_world(2), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return trace_aten(_tp_layers, x, w)
+
+
+def _merged_tp_graph() -> torch.fx.GraphModule:
+    return merge_strands(_traced_tp_layers(), _traced_tp_layers()).gm
+
+
+def _strand_orders(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    return {s: [n.name for n in body if n.meta["dhelix"]["strand"] == s] for s in (FWD_STRAND, BWD_STRAND)}
+
+
+def _ctx(estimator, memory_budget_ratio: float = 1.15) -> PassContext:
+    options = {"interleave": InterleaveOptions(memory_budget_ratio=memory_budget_ratio)}
+    return PassContext(graph_name="merged", phase="fwd", estimator=estimator, pass_options=options)
+
+
+def test_interleave_pass_interleaves_keeping_each_strands_order() -> None:
+    gm = _merged_tp_graph()
+    before = _strand_orders(gm)
+    estimator = TableEstimator(kind_times_s={"compute": 1e-3, "collective": 1e-3})
+    ctx = _ctx(estimator, memory_budget_ratio=2.0)  # toy tensors: the overlap costs relatively much memory
+    gm = interleave_pass(annotate_pass(gm, ctx), ctx)
+    verify_pass(gm, ctx)
+    after = _strand_orders(gm)
+    assert after == before  # each strand in its own order
+    record = ctx.records["interleave"]
+    assert ctx.stats["interleave"]["interleaved"] == 1
+    assert record["predicted_makespan_s"] < record["predicted_makespan_sequential_s"]
+    assert record["paired_segments"] >= 2
+    for candidate in ("sequential", "dp", "list"):
+        assert record[f"predicted_makespan_{candidate}_s"] >= record["predicted_makespan_s"]
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    assert simulate(list(gm.graph.nodes), estimator).makespan_s == pytest.approx(record["predicted_makespan_s"])
+    strand_changes = sum(1 for a, b in zip(body, body[1:]) if a.meta["dhelix"]["strand"] != b.meta["dhelix"]["strand"])
+    assert strand_changes >= 3
+
+
+def test_interleave_pass_keeps_the_memory_budget() -> None:
+    gm = _merged_tp_graph()
+    ctx = _ctx(TableEstimator(kind_times_s={"compute": 1e-3, "collective": 1e-3}), memory_budget_ratio=1.0)
+    gm = interleave_pass(annotate_pass(gm, ctx), ctx)
+    record = ctx.records["interleave"]
+    chosen = [c for c in ("dp", "list") if ctx.stats["interleave"][f"interleaved by {c}"]]
+    for candidate in chosen:
+        assert record[f"predicted_peak_bytes_{candidate}"] <= record["predicted_peak_bytes_sequential"]
+
+
+def test_interleave_pass_falls_back_to_backward_then_forward() -> None:
+    gm = _merged_tp_graph()
+    ctx = _ctx(None)
+    gm = interleave_pass(annotate_pass(gm, ctx), ctx)
+    strands = [n.meta["dhelix"]["strand"] for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    assert strands == sorted(strands, reverse=True)  # all of B, then all of F
+    assert ctx.stats["interleave"]["sequential: no estimator"] == 1
+
+
+def test_interleave_pass_leaves_single_strand_graphs_alone() -> None:
+    gm = _traced_tp_layers()
+    order = [n.name for n in gm.graph.nodes]
+    ctx = _ctx(TableEstimator(default_s=1e-3))
+    gm = interleave_pass(annotate_pass(gm, ctx), ctx)
+    assert [n.name for n in gm.graph.nodes] == order
+    assert ctx.stats["interleave"]["skipped: one strand"] == 1
+
+
+def test_emit_follows_the_path() -> None:
+    fwd = [Segment(0, ("f0",), 0, 0, 0, 0), Segment(0, ("f1",), 0, 0, 0, 0)]  # type: ignore[arg-type]
+    bwd = [Segment(1, ("b0",), 0, 0, 0, 0)]  # type: ignore[arg-type]
+    assert emit([(0, 0), (1, None)], fwd, bwd) == ["b0", "f0", "f1"]
