@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 import types
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,7 +38,7 @@ import torch
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
-from dhelix_compile.strands import HelixError, StrandExchange, StrandPair, compile_strand_partition
+from dhelix_compile.strands import BackwardThread, HelixError, StrandExchange, StrandPair, compile_strand_partition
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -66,6 +66,8 @@ class HelixStep:
         self.loss_fn = loss_fn
         self.config = config
         self._exchange = StrandExchange()
+        self._backward_thread = BackwardThread()
+        weakref.finalize(self, self._backward_thread.close)
         self._compiled = torch.compile(
             _with_own_code(self._loss), backend=self._backend, fullgraph=True, dynamic=False
         )
@@ -119,25 +121,16 @@ class HelixStep:
 
     def _forward_beside_backward(self, item: Any, previous: torch.Tensor) -> torch.Tensor:
         """Run ``previous.backward()`` merged with the forward of ``item`` (see ``strands``)."""
-        errors: list[BaseException] = []
-
-        def backward() -> None:
-            try:
-                previous.backward()
-            except BaseException as exc:  # re-raised in the caller's thread
-                errors.append(exc)
-
         self._exchange.expect_forward()
-        thread = threading.Thread(target=backward, name="dhelix-helix-backward", daemon=True)
-        thread.start()
+        job = self._backward_thread.submit(previous)
         try:
-            self._exchange.wait_posted(thread)
+            self._exchange.wait_posted(job)
             loss = self._forward(item)
         finally:
             self._exchange.release()
-            thread.join()
-        if errors:
-            raise errors[0]
+            job.done.wait()
+        if job.error is not None:
+            raise job.error
         return loss
 
     def _check(self, microbatches: Sequence[Any]) -> list[Any]:

@@ -11,14 +11,14 @@ runner (``dhelix_compile.helix_step``) makes the two meet::
     main thread                                  backward thread
     loss_1 = f(mb_1)          -> F alone
     exchange.expect_forward()
-    start ───────────────────────────────────►   loss_1.backward()
+    submit ──────────────────────────────────►   loss_1.backward()
                                                   B wrapper: post (pair, args); wait
     wait until posted
     loss_2 = f(mb_2)          -> F wrapper takes the posted backward:
                                  M(fwd args + bwd args) -> (fwd outs, grads)
                                  hands the grads over ──► B wrapper returns them; autograd
                                                           accumulates .grad as backward would
-    join ◄────────────────────────────────────── done
+    wait ◄────────────────────────────────────── done
     ...
     loss_n.backward()         -> B alone (no forward follows)
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -151,10 +152,10 @@ class StrandExchange:
             self._expecting = True
             self._pending = None
 
-    def wait_posted(self, thread: threading.Thread, poll_s: float = 0.05) -> None:
-        """Block until the backward thread parked its call, or ended (error / nothing to park)."""
+    def wait_posted(self, job: BackwardJob, poll_s: float = 0.05) -> None:
+        """Block until the backward call parked, or the job ended (an error, or nothing to park)."""
         with self._lock:
-            while self._pending is None and thread.is_alive():
+            while self._pending is None and not job.done.is_set():
                 self._lock.wait(poll_s)
 
     def release(self) -> None:
@@ -181,6 +182,55 @@ class StrandExchange:
         with self._lock:
             pending, self._pending = self._pending, None
             return pending
+
+
+class BackwardJob:
+    """One ``loss.backward()`` submitted to a :class:`BackwardThread`."""
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss: torch.Tensor | None = loss
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class BackwardThread:
+    """The one long-lived thread that runs a helix step's ``loss.backward()`` calls.
+
+    A fresh thread per micro-batch measured about 10 ms slower per call on the TP+SP model:
+    thread-local state (DTensor's sharding-propagation caches among it) starts cold in every
+    new thread. The thread is a daemon and stops when :meth:`close` is called.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[BackwardJob | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, loss: torch.Tensor) -> BackwardJob:
+        """Start ``loss.backward()`` on the thread; the job's ``done`` is set when it returns."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._serve, args=(self._jobs,), name="dhelix-helix-backward", daemon=True
+            )
+            self._thread.start()
+        job = BackwardJob(loss)
+        self._jobs.put(job)
+        return job
+
+    def close(self) -> None:
+        """Let the thread end (after the jobs already submitted)."""
+        self._jobs.put(None)
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[BackwardJob | None]) -> None:
+        while (job := jobs.get()) is not None:
+            try:
+                assert job.loss is not None
+                job.loss.backward()
+            except BaseException as exc:  # re-raised in the submitting thread
+                job.error = exc
+            finally:
+                job.loss = None
+                job.done.set()
 
 
 def strand_forward(pair: StrandPair) -> BoxedCallable:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch.fx
 
@@ -57,6 +57,7 @@ from cost_model.estimator import Estimator, MemoizedEstimator
 from cost_model.memory import live_bytes_profile
 from cost_model.op_kinds import is_comm
 from cost_model.simulator import simulate
+from cost_model.strand_plan import Pair, Segment, formula_cost, plan_pairs
 from graph_passes.annotate import META_KEY
 from graph_passes.context import PassContext
 from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND
@@ -70,26 +71,6 @@ class InterleaveOptions:
 
     memory_budget_ratio: float = 1.15
     """Live bytes of the interleaved order may be at most this times the sequential order's peak."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """A run of one strand's nodes: compute, ending in (at most) one transfer issue.
-
-    ``live_after_bytes`` / ``peak_bytes``: the strand's live bytes after the segment and its
-    peak within it (the strand's own profile, see the module docstring).
-    """
-
-    strand: int
-    nodes: tuple[torch.fx.Node, ...]
-    compute_s: float
-    comm_s: float
-    live_after_bytes: int
-    peak_bytes: int
-
-
-Pair = tuple[int | None, int | None]
-"""One step of a plan: (forward segment index or None, backward segment index or None)."""
 
 
 def strand_segments(
@@ -122,101 +103,6 @@ def strand_segments(
         )
         start = index + 1
     return segments
-
-
-def pair_time(f: Segment | None, b: Segment | None, contention_factor: float = 1.0) -> float:
-    """``P(F_i, B_j)``: predicted time of co-executing two segments (see the module docstring)."""
-    if f is None and b is None:
-        return 0.0
-    if f is None or b is None:
-        only = f if f is not None else b
-        assert only is not None
-        return only.compute_s + only.comm_s
-    compute = f.compute_s + b.compute_s
-    comm = f.comm_s + b.comm_s
-    overlap = min(compute, comm)
-    return max(compute + (contention_factor - 1.0) * overlap, comm)
-
-
-PairCost = Callable[[int | None, int | None], float]
-"""``P`` of (forward segment index or None, backward segment index or None)."""
-
-
-def formula_cost(fwd: Sequence[Segment], bwd: Sequence[Segment], contention_factor: float = 1.0) -> PairCost:
-    """``P`` from the segments' costs (:func:`pair_time`)."""
-
-    def cost(i: int | None, j: int | None) -> float:
-        return pair_time(fwd[i] if i is not None else None, bwd[j] if j is not None else None, contention_factor)
-
-    return cost
-
-
-def plan_pairs(
-    fwd: Sequence[Segment],
-    bwd: Sequence[Segment],
-    *,
-    cost: PairCost | None = None,
-    budget_bytes: float = math.inf,
-    fwd_base_bytes: int = 0,
-    bwd_base_bytes: int = 0,
-) -> tuple[list[Pair], float]:
-    """The DHelix DP over two segment sequences; returns the path and its predicted time.
-
-    ``cost``: ``P`` of a move (default :func:`formula_cost`). ``fwd_base_bytes`` /
-    ``bwd_base_bytes``: each strand's live bytes before its first segment. A move whose live
-    bytes exceed ``budget_bytes`` is forbidden; the sequential path (all of B, then all of F)
-    is the fallback if every path is.
-    """
-    cost = cost or formula_cost(fwd, bwd)
-    a, b = len(fwd), len(bwd)
-    f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
-    b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
-    inf = math.inf
-    best = [[inf] * (b + 1) for _ in range(a + 1)]
-    step: list[list[Pair | None]] = [[None] * (b + 1) for _ in range(a + 1)]
-    best[0][0] = 0.0
-    for i in range(a + 1):
-        for j in range(b + 1):
-            here = best[i][j]
-            if here == inf:
-                continue
-            if i < a:  # F_{i+1} alone
-                peak = fwd[i].peak_bytes + b_after[j]
-                _relax(best, step, i + 1, j, here + cost(i, None), (i, None), peak, budget_bytes)
-            if j < b:  # B_{j+1} alone
-                peak = f_after[i] + bwd[j].peak_bytes
-                _relax(best, step, i, j + 1, here + cost(None, j), (None, j), peak, budget_bytes)
-            if i < a and j < b:  # B_{j+1} then F_{i+1}
-                peak = max(f_after[i] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[j + 1])
-                _relax(best, step, i + 1, j + 1, here + cost(i, j), (i, j), peak, budget_bytes)
-    if best[a][b] == inf:  # nothing fits the budget: the sequential order
-        path: list[Pair] = [(None, j) for j in range(b)] + [(i, None) for i in range(a)]
-        return path, math.fsum(cost(*p) for p in path)
-    path = []
-    i, j = a, b
-    while (i, j) != (0, 0):
-        pair = step[i][j]
-        assert pair is not None
-        path.append(pair)
-        i, j = i - (pair[0] is not None), j - (pair[1] is not None)
-    path.reverse()
-    return path, best[a][b]
-
-
-def _relax(
-    best: list[list[float]],
-    step: list[list[Pair | None]],
-    i: int,
-    j: int,
-    cost: float,
-    pair: Pair,
-    peak_bytes: float,
-    budget_bytes: float,
-) -> None:
-    # strict '<' with a fixed move order (F alone, B alone, pair) keeps ties deterministic
-    if peak_bytes <= budget_bytes and cost < best[i][j]:
-        best[i][j] = cost
-        step[i][j] = pair
 
 
 def _segs(pair: Pair, fwd: Sequence[Segment], bwd: Sequence[Segment]) -> tuple[Segment | None, Segment | None]:

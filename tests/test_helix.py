@@ -118,6 +118,20 @@ def test_model_returning_loss_attribute_with_dict_microbatches() -> None:
     _assert_same(model, reference, losses, _eager_loop(reference, lambda m, mb: m(**mb).loss, mbs))
 
 
+def test_hugging_face_model_if_installed() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    mbs = [{"input_ids": t, "labels": t} for t, _ in _transformer_batches(2, ModelConfig(vocab_size=64, max_seq_len=16))]
+    losses = dhelix_compile.helix(model, **EAGER)(mbs)
+    _assert_same(model, reference, losses, _eager_loop(reference, lambda m, mb: m(**mb).loss, mbs))
+
+
 class _ScalarLossModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -18,14 +18,8 @@ from cost_model.simulator import simulate
 from cost_model.testing import fake_world, trace_aten
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
-from graph_passes.interleave import (
-    InterleaveOptions,
-    Segment,
-    emit,
-    formula_cost,
-    interleave_pass,
-    plan_pairs,
-)
+from cost_model.strand_plan import Segment, formula_cost, plan_pairs
+from graph_passes.interleave import InterleaveOptions, emit, interleave_pass
 from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND, merge_strands
 from graph_passes.verify import verify_pass
 

@@ -1,0 +1,138 @@
+"""The Strand Interleaving plan over two segment sequences (DHelix's DP), free of any graph.
+
+A *segment* is a run of one strand's work: compute, then (at most) one transfer whose wait
+opens a later segment of the same strand. ``plan_pairs`` aligns a forward strand's segments
+with a backward strand's so that each strand's transfer runs under the other's compute::
+
+    P(F_i, ∅) = C_F + X_F          P(∅, B_j) = C_B + X_B        (transfer exposed)
+    P(F_i, B_j) = max(C_F + C_B + (f-1)·overlap,  X_F + X_B)   (one channel: the transfers
+        queue behind each other; f = contention factor: compute under a transfer runs slower)
+    T[i][j] = min(T[i-1][j] + P(F_i, ∅), T[i][j-1] + P(∅, B_j), T[i-1][j-1] + P(F_i, B_j))
+
+with moves whose live bytes exceed a budget forbidden. ``graph_passes.interleave`` builds the
+segments from a merged FX graph (and may measure ``P``); ``cost_model.cluster`` builds them
+from a transformer layer's analytic costs. Deterministic: ties go to the first move tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch.fx
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A run of one strand's work: compute, ending in (at most) one transfer.
+
+    ``nodes``: its FX nodes (empty for analytic segments). ``live_after_bytes`` /
+    ``peak_bytes``: the strand's live bytes after the segment and its peak within it.
+    """
+
+    strand: int
+    nodes: tuple[torch.fx.Node, ...]
+    compute_s: float
+    comm_s: float
+    live_after_bytes: int
+    peak_bytes: int
+
+
+Pair = tuple[int | None, int | None]
+"""One step of a plan: (forward segment index or None, backward segment index or None)."""
+
+
+def pair_time(f: Segment | None, b: Segment | None, contention_factor: float = 1.0) -> float:
+    """``P(F_i, B_j)``: predicted time of co-executing two segments (see the module docstring)."""
+    if f is None and b is None:
+        return 0.0
+    if f is None or b is None:
+        only = f if f is not None else b
+        assert only is not None
+        return only.compute_s + only.comm_s
+    compute = f.compute_s + b.compute_s
+    comm = f.comm_s + b.comm_s
+    overlap = min(compute, comm)
+    return max(compute + (contention_factor - 1.0) * overlap, comm)
+
+
+PairCost = Callable[[int | None, int | None], float]
+"""``P`` of (forward segment index or None, backward segment index or None)."""
+
+
+def formula_cost(fwd: Sequence[Segment], bwd: Sequence[Segment], contention_factor: float = 1.0) -> PairCost:
+    """``P`` from the segments' costs (:func:`pair_time`)."""
+
+    def cost(i: int | None, j: int | None) -> float:
+        return pair_time(fwd[i] if i is not None else None, bwd[j] if j is not None else None, contention_factor)
+
+    return cost
+
+
+def plan_pairs(
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    *,
+    cost: PairCost | None = None,
+    budget_bytes: float = math.inf,
+    fwd_base_bytes: int = 0,
+    bwd_base_bytes: int = 0,
+) -> tuple[list[Pair], float]:
+    """The DHelix DP over two segment sequences; returns the path and its predicted time.
+
+    ``cost``: ``P`` of a move (default :func:`formula_cost`). ``fwd_base_bytes`` /
+    ``bwd_base_bytes``: each strand's live bytes before its first segment. A move whose live
+    bytes exceed ``budget_bytes`` is forbidden; the sequential path (all of B, then all of F)
+    is the fallback if every path is.
+    """
+    cost = cost or formula_cost(fwd, bwd)
+    a, b = len(fwd), len(bwd)
+    f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
+    b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
+    inf = math.inf
+    best = [[inf] * (b + 1) for _ in range(a + 1)]
+    step: list[list[Pair | None]] = [[None] * (b + 1) for _ in range(a + 1)]
+    best[0][0] = 0.0
+    for i in range(a + 1):
+        for j in range(b + 1):
+            here = best[i][j]
+            if here == inf:
+                continue
+            if i < a:  # F_{i+1} alone
+                peak = fwd[i].peak_bytes + b_after[j]
+                _relax(best, step, i + 1, j, here + cost(i, None), (i, None), peak, budget_bytes)
+            if j < b:  # B_{j+1} alone
+                peak = f_after[i] + bwd[j].peak_bytes
+                _relax(best, step, i, j + 1, here + cost(None, j), (None, j), peak, budget_bytes)
+            if i < a and j < b:  # B_{j+1} then F_{i+1}
+                peak = max(f_after[i] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[j + 1])
+                _relax(best, step, i + 1, j + 1, here + cost(i, j), (i, j), peak, budget_bytes)
+    if best[a][b] == inf:  # nothing fits the budget: the sequential order
+        path: list[Pair] = [(None, j) for j in range(b)] + [(i, None) for i in range(a)]
+        return path, math.fsum(cost(*p) for p in path)
+    path = []
+    i, j = a, b
+    while (i, j) != (0, 0):
+        pair = step[i][j]
+        assert pair is not None
+        path.append(pair)
+        i, j = i - (pair[0] is not None), j - (pair[1] is not None)
+    path.reverse()
+    return path, best[a][b]
+
+
+def _relax(
+    best: list[list[float]],
+    step: list[list[Pair | None]],
+    i: int,
+    j: int,
+    cost: float,
+    pair: Pair,
+    peak_bytes: float,
+    budget_bytes: float,
+) -> None:
+    # strict '<' with a fixed move order (F alone, B alone, pair) keeps ties deterministic
+    if peak_bytes <= budget_bytes and cost < best[i][j]:
+        best[i][j] = cost
+        step[i][j] = pair

@@ -1,0 +1,197 @@
+"""``dhelix demo``: train the TP+SP reference model with ``helix`` on two ranks, beside eager and Inductor.
+
+    dhelix demo [--model tiny] [--rate 300mbit] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
+
+The parent launches two gloo ranks (``bench.link.launch_ranks``): inside two network
+namespaces joined by a rate-limited veth link when run as root with ``ip`` and ``tc``, on
+loopback otherwise (the output says which, and why). Each rank
+
+1. builds the TP+SP Llama-style reference model three times from one seed: the eager model,
+   the Inductor one and the helix one, each with its own SGD optimizer;
+2. trains the eager and the helix model ``--steps`` steps on the same micro-batches and records
+   each step's mean loss (helix's graphs dumped under ``--dump-dir``);
+3. times a few more steps of eager, Inductor (both looping over the micro-batches) and helix,
+   interleaved, every step started together on both ranks.
+
+The parent prints the losses side by side, the step-time table and where the dumps and their
+report are. Rank 0 writes its results as JSON for the parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: Step-time variants of the demo, in table order.
+DEMO_VARIANTS = ("eager", "inductor", "helix")
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dhelix_compile.bench.measure import time_interleaved
+    from dhelix_compile.bench.steps import step_function
+    from dhelix_compile.bench.worker import model_config
+    from dhelix_compile.testing.llama import Transformer, lm_loss
+    from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    config, seq, batch = model_config(args.model)
+    config.validate(world_size)
+    mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
+    gen = torch.Generator().manual_seed(1234)
+
+    def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+             torch.randint(0, config.vocab_size, (batch, seq), generator=gen))
+            for _ in range(args.microbatches)
+        ]
+
+    def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(model(mb[0]), mb[1])
+
+    import dhelix_compile
+
+    models = {name: parallelize_tp_sp(Transformer(config), mesh) for name in DEMO_VARIANTS}
+    helix_step = dhelix_compile.helix(models["helix"], loss_fn, dump_dir=args.dump_dir)
+    steps = {name: step_function(name, models[name], loss_fn) for name in ("eager", "inductor")}
+    steps["helix"] = helix_step
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.05) for name, model in models.items()}
+
+    def train(name: str, microbatches: list[Any]) -> float:
+        optimizers[name].zero_grad(set_to_none=True)
+        if name == "helix":
+            losses = helix_step(microbatches)
+        else:
+            losses = []
+            for mb in microbatches:
+                loss = loss_fn(models[name], mb)
+                loss.backward()
+                losses.append(loss.detach())
+        optimizers[name].step()
+        return float(torch.stack(losses).mean())
+
+    losses: dict[str, list[float]] = {"eager": [], "helix": []}
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        microbatches = batches()
+        for name in losses:
+            dist.barrier()
+            losses[name].append(train(name, microbatches))
+    train_s = time.perf_counter() - start
+
+    timed = batches()
+    for name in DEMO_VARIANTS:  # compile (Inductor) and warm up outside the timing
+        steps[name](timed)
+    times = time_interleaved({name: (lambda step=steps[name]: step(timed)) for name in DEMO_VARIANTS}, args.repeats, dist.barrier)
+    gathered: list[dict[str, list[float]] | None] = [None] * world_size
+    dist.all_gather_object(gathered, times)
+    slowest = {name: [max(s) for s in zip(*(g[name] for g in gathered if g))] for name in DEMO_VARIANTS}
+    if rank == 0:
+        result = {
+            "model": args.model,
+            "microbatches": args.microbatches,
+            "losses": losses,
+            "train_s": train_s,
+            "step_s": slowest,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print_results(result: dict[str, Any], link: str, dump_dir: Path) -> None:
+    print(f"link: {link}")
+    print(f"model: TP+SP reference transformer '{result['model']}', 2 ranks, {result['microbatches']} micro-batches per step")
+    print()
+    print("| step | eager loss | helix loss | difference |")
+    print("|---:|---:|---:|---:|")
+    for step, (eager, helix) in enumerate(zip(result["losses"]["eager"], result["losses"]["helix"]), start=1):
+        print(f"| {step} | {eager:.6f} | {helix:.6f} | {abs(helix - eager):.1e} |")
+    print()
+    medians = {name: statistics.median(samples) for name, samples in result["step_s"].items()}
+    base = medians["inductor"]
+    print("| variant | step median (ms) | min-max (ms) | speedup vs Inductor |")
+    print("|---|---:|---:|---:|")
+    for name, samples in result["step_s"].items():
+        print(
+            f"| {name} | {medians[name] * 1e3:.1f} | {min(samples) * 1e3:.1f}-{max(samples) * 1e3:.1f} "
+            f"| {base / medians[name]:.2f}x |"
+        )
+    print()
+    print(f"helix's graphs, schedules and timelines: {dump_dir}/rank0/*_merged/index.html")
+    print(f"summary table: python -m dhelix_compile report {dump_dir}")
+    print("the full side-by-side benchmark (every variant, T_compute, T_comm, limit): dhelix bench --help")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The parent: launch the two ranks, print what they measured."""
+    from dhelix_compile.bench.link import LinkSpec, launch_ranks
+
+    dump_dir = Path(args.dump_dir).resolve()
+    rate = None if args.rate.lower() == "none" else args.rate
+    with tempfile.TemporaryDirectory(prefix="dhelix_demo_") as tmp:
+        out = Path(tmp) / "demo.json"
+        argv = [
+            sys.executable, "-m", "dhelix_compile.demo", "--worker", "--out", str(out),
+            "--model", args.model, "--steps", str(args.steps), "--microbatches", str(args.microbatches),
+            "--repeats", str(args.repeats), "--dump-dir", str(dump_dir),
+        ]
+        print(f"dhelix demo: launching 2 ranks (link rate {args.rate}) ...", flush=True)
+        started = time.perf_counter()
+        try:
+            launched = launch_ranks(argv, 2, LinkSpec(rate=rate), timeout_s=args.timeout_s)
+        except ValueError as exc:  # a rate tc rejects, ...
+            print(f"dhelix demo: {exc}", file=sys.stderr)
+            return 2
+        if any(launched.returncodes) or not out.exists():
+            for r, err in enumerate(launched.stderr):
+                print(f"--- rank {r} (exit {launched.returncodes[r]}) ---\n{err[-3000:]}", file=sys.stderr)
+            return 1
+        result = json.loads(out.read_text())
+    _print_results(result, launched.link, dump_dir)
+    print(f"(took {time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (shared by ``dhelix demo`` and ``python -m dhelix_compile.demo``)."""
+    from dhelix_compile.bench.worker import MODEL_SIZES
+
+    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="tiny", help="reference model size")
+    parser.add_argument("--rate", default="300mbit", help="tc rate of the emulated link; 'none' for loopback")
+    parser.add_argument("--steps", type=int, default=3, help="training steps compared with eager")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--dump-dir", default="dhelix_demo", help="where helix's graph dumps go")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="the ranks are killed after this")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    if args.steps < 1 or args.microbatches < 1 or args.repeats < 1:
+        parser.error("--steps, --microbatches and --repeats must be >= 1")
+    return run(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
