@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from cost_model.flops import output_tensors
+from cost_model.op_kinds import P2P_OP_NAMES
 from cost_model.symbolic import SizeExpr, nbytes_expr, tensors_in
 
 aten = torch.ops.aten
@@ -124,6 +125,9 @@ def _bytes_of(value: Any) -> SizeExpr:
 
 def is_comm_target(target: object) -> bool:
     """True for issue ops this module can describe."""
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.name in P2P_OP_NAMES:
+        return True
     return getattr(target, "overloadpacket", target) in _COMM_TABLE
 
 
@@ -135,6 +139,9 @@ def describe_comm(node: torch.fx.Node, default_group_size: int | None) -> CommCa
             and no ``default_group_size`` was given.
     """
     packet = getattr(node.target, "overloadpacket", node.target)
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.name in P2P_OP_NAMES:  # dhelix::exchange(send, to, from, tag, group)
+        return CommCall("send", _bytes_of(node.args[0]), 2, node.args[4] if len(node.args) > 4 else None)
     entry = _COMM_TABLE.get(packet)
     if entry is None:
         raise ValueError(f"{node.name}: {node.target} is not a known collective/P2P op")

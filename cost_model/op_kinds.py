@@ -49,6 +49,11 @@ P2P_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     c10d.batch_p2p_ops,
 )
 
+#: P2P issue ops defined outside torch, by schema name (``dhelix::exchange``: a send and a
+#: receive in one op, defined in ``dhelix_compile._torch_compat``; named here so that the cost
+#: model needs nothing of dhelix). Completed with ``wait_tensor`` on each output.
+P2P_OP_NAMES: tuple[str, ...] = ("dhelix::exchange",)
+
 WAIT_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (c10d.wait_tensor,)
 
 #: Ops that never move data: metadata changes and aliasing views. Costed as free.
@@ -108,6 +113,9 @@ def kind_of(node: torch.fx.Node) -> NodeKind:
     kind = _KIND_BY_PACKET.get(_packet(target))
     if kind is not None:
         return kind
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.name in P2P_OP_NAMES:
+        return "p2p"
     if getattr(target, "__module__", None) == "_operator":
         return "view" if getattr(target, "__name__", "") == "getitem" else "other"
     return "compute"

@@ -9,6 +9,8 @@ Commands (one ``_add_<name>`` function each registers its sub-parser and handler
                                emulated link: losses beside eager's, step times vs Inductor
     simulate [--setting S]     cluster-scale predictions of the cost model for the DHelix
                                paper's settings: sequential vs dhelix step time and MFU
+    bench [--rate R] ...       every variant in one interleaved run beside T_compute, T_comm
+                               and the limit max(T_compute, T_comm) (``dhelix_compile.bench.run``)
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_arguments(parser)
     parser.set_defaults(handler=demo.run)
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from dhelix_compile.bench import run as bench_run
+
+    parser = commands.add_parser(
+        "bench", help="every variant in one interleaved run beside T_compute, T_comm and the limit",
+        description=bench_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_run.add_arguments(parser)
+    parser.set_defaults(handler=bench_run.run)
 
 
 def _add_simulate(commands: argparse._SubParsersAction) -> None:
@@ -114,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_report(commands)
     _add_demo(commands)
+    _add_bench(commands)
     _add_simulate(commands)
     return parser
 

@@ -89,7 +89,8 @@ KEEP_ORDER_CONFIG: dict[str, Any] = {
 
 
 class _NoFusionAcrossCollectives(_InductorChoices):
-    """Inductor's fusion heuristics, except that no fused kernel may straddle a collective.
+    """Inductor's fusion heuristics, except that no fused kernel may straddle a collective
+    (or a ``dhelix::exchange`` P2P step).
 
     A fused kernel is emitted at its first member's position and pulls its other members'
     inputs with it; fusing a kernel before a collective issue or wait with one after it would
@@ -101,11 +102,18 @@ class _NoFusionAcrossCollectives(_InductorChoices):
         low = min(node1.min_order, node2.min_order)
         high = max(node1.max_order, node2.max_order)
         for other in scheduler.nodes:
-            if isinstance(getattr(other, "node", None), _inductor_ir._CollectiveKernel) and (
-                low < other.min_order < high
-            ):
+            if _is_communication_kernel(getattr(other, "node", None)) and low < other.min_order < high:
                 return False
         return _InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+
+def _is_communication_kernel(ir_node: Any) -> bool:
+    """A collective kernel, or the fallback kernel of dhelix's P2P exchange op."""
+    if isinstance(ir_node, _inductor_ir._CollectiveKernel):
+        return True
+    return isinstance(ir_node, _inductor_ir.FallbackKernel) and str(getattr(ir_node, "op_overload", "")).startswith(
+        "dhelix.exchange"
+    )
 
 
 def inductor_compile_partition_keeping_order(
@@ -234,6 +242,93 @@ def run_outside_compilation(fn: Callable[[], Any]) -> Any:
     return result[0]
 
 
+def fake_mode_of(values: Sequence[Any]) -> Any:
+    """The fake-tensor mode the ``meta["val"]`` tensors of a graph live in (a fresh one if none).
+
+    Graph passes that add nodes run the new ops under it to give the new nodes ``meta["val"]``.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = detect_fake_mode(tuple(values))
+    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def group_rank(group_name: str) -> int | None:
+    """This process's rank inside the process group ``group_name`` names (``None`` if unknown).
+
+    Functional P2P ops (``_c10d_functional.batch_p2p_ops``) take peers as *group* ranks.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        ranks = group_ranks(group_name)
+    except Exception:  # noqa: BLE001 - an unknown group name: the caller skips with a reason
+        return None
+    me = dist.get_rank()
+    return ranks.index(me) if me in ranks else None
+
+
+
 def profiler_running() -> bool:
     """Whether a ``torch.profiler`` / autograd profiler session is on (torch has no public query)."""
     return bool(torch._C._autograd._profiler_enabled())
+
+
+# ---------------------------------------------------------------------------------- P2P exchange
+#
+# ``_c10d_functional.batch_p2p_ops`` registers the *send input* in the functional-collective work
+# registry (keyed by its storage) and that entry is never cleared by waiting the op's outputs
+# (checked on gloo, torch 2.13: ``_get_work_registry_size()`` stays one higher, and waiting the
+# send input blocks). Inductor reuses storage freely, so a later receive buffer that reuses a sent
+# tensor's storage finds the stale entry, and its ``wait_tensor`` blocks forever (seen as a hang
+# in a TP+SP backward graph; gone with ``allow_buffer_reuse=False``). ``dhelix::exchange`` sends
+# a private copy of its input and receives into a tensor it allocates, and registers exactly its two
+# outputs, so nothing Inductor manages is ever registered.
+
+_IN_FLIGHT_SENDS: list[tuple[Any, torch.Tensor]] = []  # (work, payload) kept alive until done
+
+
+def _resolve_group(group_name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+@torch.library.custom_op("dhelix::exchange", mutates_args=())
+def p2p_exchange(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, group_name: str) -> list[torch.Tensor]:
+    """Send ``send`` to group rank ``to_peer`` and receive a tensor of its shape from ``from_peer``.
+
+    Asynchronous: returns ``[send_done, received]``; complete each with
+    ``_c10d_functional.wait_tensor`` (``send_done`` is an empty placeholder). Works on gloo and
+    NCCL (``batch_isend_irecv`` groups the pair, so two ranks sending to each other first cannot
+    deadlock on NCCL).
+    """
+    import torch.distributed as dist
+
+    group = _resolve_group(group_name)
+    payload = send.contiguous().clone()
+    received = torch.empty_like(payload)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, payload, group=group, group_peer=to_peer, tag=tag),
+        dist.P2POp(dist.irecv, received, group=group, group_peer=from_peer, tag=tag),
+    ])
+    send_work, recv_work = (works[0], works[-1]) if works else (None, None)
+    done = send.new_empty(0)
+    if send_work is not None:
+        torch._C._distributed_c10d._register_work(done, send_work)
+        torch._C._distributed_c10d._register_work(received, recv_work)
+        _IN_FLIGHT_SENDS[:] = [(w, t) for w, t in _IN_FLIGHT_SENDS if not w.is_completed()]
+        _IN_FLIGHT_SENDS.append((send_work, payload))
+    return [done, received]
+
+
+@p2p_exchange.register_fake
+def _p2p_exchange_fake(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, group_name: str) -> list[torch.Tensor]:
+    return [send.new_empty(0), torch.empty_like(send, memory_format=torch.contiguous_format)]
+
+
+#: The op the decompose pass emits (``torch.ops.dhelix.exchange.default``).
+P2P_EXCHANGE = torch.ops.dhelix.exchange.default

@@ -37,6 +37,7 @@ from dhelix_compile.dumps import GraphDumper
 from dhelix_compile.estimation import build_estimator
 from dhelix_compile.measured import MeasurementPlan, profile_first_steps
 from graph_passes import PassContext, PassError, Phase, run_pipeline
+from graph_passes.decompose import DecomposeOptions
 from graph_passes.reorder import ReorderOptions
 
 log = logging.getLogger("dhelix")
@@ -161,6 +162,11 @@ def pass_options(config: DHelixConfig) -> dict[str, Any]:
             memory_budget_ratio=config.memory_budget_ratio,
             max_in_flight=config.max_in_flight,
             max_issue_distance=config.max_issue_distance,
+        ),
+        "decompose": DecomposeOptions(
+            mode=config.decompose,
+            max_chunks=config.decompose_max_chunks,
+            min_gain_ratio=config.decompose_min_gain_ratio,
         ),
     }
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 Codegen = Literal["inductor", "eager"]
 Fallback = Literal["inductor", "error"]
 CostModelKind = Literal["analytic", "profile"]
+DecomposeMode = Literal["off", "auto", "per_peer", "chunked"]
 
 
 class ConfigError(ValueError):
@@ -94,6 +95,20 @@ class DHelixConfig:
     max_issue_distance: int = _option(
         512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."
     )
+    decompose: DecomposeMode = _option(
+        "off",
+        "Collective decomposition (all-gather->matmul, matmul->reduce-scatter as per-peer P2P steps "
+        "or k chunks over partitioned matmuls): 'auto' rewrites a site when the cost model predicts "
+        "a gain, 'per_peer' / 'chunked' force that family wherever it applies, 'off' (the default "
+        "until the P2P path is checked on NCCL) leaves every site alone.",
+        env="DHELIX_DECOMPOSE",
+    )
+    decompose_max_chunks: int = _option(
+        4, "Largest number of chunks the chunked decomposition tries (>= 1)."
+    )
+    decompose_min_gain_ratio: float = _option(
+        0.02, "decompose='auto' rewrites a site only if its predicted time drops by at least this fraction ([0, 1))."
+    )
     consistency_timeout_s: float = _option(
         300.0,
         "How long a rank waits for the others' collective sequences at compile time before "
@@ -149,6 +164,10 @@ class DHelixConfig:
         _check_number("max_in_flight", self.max_in_flight, int, minimum=1)
         _check_number("max_issue_distance", self.max_issue_distance, int, minimum=1)
         _check_number("consistency_timeout_s", self.consistency_timeout_s, float, minimum=1e-3)
+        _check_number("decompose_max_chunks", self.decompose_max_chunks, int, minimum=1)
+        _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)
+        if self.decompose_min_gain_ratio >= 1.0:
+            raise ConfigError(f"dhelix option decompose_min_gain_ratio={self.decompose_min_gain_ratio!r}: must be < 1")
         _check_number("profile_steps", self.profile_steps, int, minimum=0)
         if self.profile_steps > 0 and self.dump_dir is None:
             raise ConfigError(

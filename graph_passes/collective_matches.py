@@ -9,7 +9,8 @@ Contract
 Patterns (aten IR as AOTAutograd hands it to dhelix)::
 
     AllGatherMatmul          x ─ all_gather_into_tensor ─ wait ─[chunk ─ cat(dim=d)]─[views]─ mm/addmm  (one or more)
-    MatmulReduceScatter      mm/addmm ─[views]─[chunk(dim=d) ─ cat]─ reduce_scatter_tensor ─ wait
+                                                                          └─[views]─ t ─ mm(·, y)  (weight grads, optional)
+    MatmulReduceScatter      mm/addmm ─[views]─[add ─ mm ...]─[chunk(dim=d) ─ cat]─ reduce_scatter_tensor ─ wait
     MatmulAllReduce          mm/addmm ─[views]─ all_reduce ─ wait
     AllToAllCompute          x ─ all_to_all_single ─ wait ─[views]─ mm/addmm/bmm  (one or more)
 
@@ -57,6 +58,8 @@ class AllGatherMatmul:
     matmuls: tuple[torch.fx.Node, ...]
     group_size: int
     group_name: str
+    transposed: tuple[torch.fx.Node, ...] = ()
+    """Matmuls ``mm(t(rows), x)`` that contract over the gathered rows (a weight gradient)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,8 @@ class MatmulReduceScatter:
     reduce_op: str
     group_size: int
     group_name: str
+    addends: tuple[torch.fx.Node, ...] = ()
+    """Further matmuls whose outputs (same shape, through views) are added to ``matmul``'s."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,26 @@ def _through_views_to_rows(node: torch.fx.Node, last_dim: int) -> list[torch.fx.
         elif user.target == aten.addmm.default and user.args[1] is node:
             found.append(user)
     return found
+
+
+def _transposed_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Matmuls ``mm(t(v), x)`` with ``v`` = ``node`` or a 2-d view chain of it keeping the last dim."""
+    found: list[torch.fx.Node] = []
+    for user in node.users:
+        if user.target in _VIEWS:
+            found.extend(_transposed_users(user))
+        elif _is_transpose(user) and len(user.users) == 1:
+            (mm,) = user.users
+            if mm.target == aten.mm.default and mm.args[0] is user and mm.args[1] is not user:
+                found.append(mm)
+    return found
+
+
+def _is_transpose(node: torch.fx.Node) -> bool:
+    val = _val(node)
+    if val is None or val.dim() != 2:
+        return False
+    return node.target == aten.t.default or (node.target == aten.permute.default and list(node.args[1]) == [1, 0])  # type: ignore[arg-type]
 
 
 def _chunks(parts: Sequence[object], group_size: int) -> tuple[torch.fx.Node, int] | None:
@@ -205,12 +230,18 @@ def find_all_gather_matmuls(
             _count(skipped, "all_gather: gathers the contraction dim or has no shape")
             continue
         matmuls = _through_views_to_rows(gathered, int(val.shape[-1]))
-        others = [c for c in _all_consumers(gathered) if c not in matmuls and c.op != "output"]
+        transposed = _transposed_users(gathered)
+        transposes = [t for mm in transposed for t in mm.all_input_nodes if _is_transpose(t)]
+        others = [
+            c for c in _all_consumers(gathered) if c not in matmuls and c not in transposes and c.op != "output"
+        ]
         if not matmuls or others:
             _count(skipped, "all_gather: gathered tensor has non-matmul consumers")
             continue
         matches.append(
-            AllGatherMatmul(shard, issue, wait, gathered, gather_dim, tuple(matmuls), group_size, group_name)
+            AllGatherMatmul(
+                shard, issue, wait, gathered, gather_dim, tuple(matmuls), group_size, group_name, tuple(transposed)
+            )
         )
     return matches
 
@@ -233,6 +264,34 @@ def _matmul_behind_views(node: torch.fx.Node) -> torch.fx.Node | None:
     return node if node.target in _MATMULS and len(node.users) == 1 else None
 
 
+def _matmuls_of_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The matmuls whose outputs (through views) ``node`` is, or is the sum of (``add`` trees).
+
+    Every node between them and ``node`` must have one user (the sum is all they feed) and
+    every matmul output must have ``node``'s number of elements. A backward graph's input
+    gradient through two projections (SwiGLU's w1 and w3) is such a sum.
+    """
+    single = _matmul_behind_views(node)
+    if single is not None:
+        return [single]
+    while node.target in _VIEWS:  # (whether the views feed only the collective: the rewrite checks)
+        node = node.args[0]  # type: ignore[assignment]
+    if node.target != aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    out: list[torch.fx.Node] = []
+    for arg in node.args:
+        if not isinstance(arg, torch.fx.Node) or len(arg.users) != 1:
+            return None
+        inner = _matmuls_of_sum(arg)
+        if inner is None:
+            return None
+        out.extend(inner)
+    numel = _val(node).numel() if _val(node) is not None else None  # type: ignore[union-attr]
+    if any(_val(mm) is None or _val(mm).numel() != numel for mm in out):  # type: ignore[union-attr]
+        return None
+    return out
+
+
 def _scatter_source(issue_input: torch.fx.Node, group_size: int) -> tuple[torch.fx.Node, int]:
     """The tensor reduce-scattered and its scatter dim: ``(input, 0)``, or ``(x, d)`` for chunk + cat."""
     if issue_input.target == aten.cat.default and _cat_dim(issue_input) == 0:
@@ -250,11 +309,15 @@ def find_matmul_reduce_scatters(
     for issue, wait in _issues_with_wait(graph, (c10d.reduce_scatter_tensor.default,), "reduce_scatter", skipped):
         reduce_op, group_size, group_name = str(issue.args[1]), int(issue.args[2]), str(issue.args[3])
         source, scatter_dim = _scatter_source(issue.args[0], group_size)
-        matmul = _matmul_behind_views(source)
-        if matmul is None:
-            _count(skipped, "reduce_scatter: input is not a matmul output")
+        summed = _matmuls_of_sum(source)
+        if not summed:
+            _count(skipped, "reduce_scatter: input is not a matmul output (or a sum of them)")
             continue
-        matches.append(MatmulReduceScatter(matmul, issue, wait, scatter_dim, reduce_op, group_size, group_name))
+        matches.append(
+            MatmulReduceScatter(
+                summed[0], issue, wait, scatter_dim, reduce_op, group_size, group_name, tuple(summed[1:])
+            )
+        )
     return matches
 
 

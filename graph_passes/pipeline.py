@@ -29,6 +29,7 @@ import torch.fx
 
 from graph_passes.annotate import annotate_pass
 from graph_passes.context import PassContext
+from graph_passes.decompose import decompose_pass
 from graph_passes.interleave import interleave_pass
 from graph_passes.reorder import reorder_pass
 from graph_passes.verify import verify_pass
@@ -64,6 +65,7 @@ class UnknownPassError(ValueError):
 #: The pipeline, in order. Add a pass by inserting a ``GraphPass`` at the right position.
 PASSES: tuple[GraphPass, ...] = (
     GraphPass("annotate", annotate_pass, "tag every node with meta['dhelix'] (kind, phase, strand)"),
+    GraphPass("decompose", decompose_pass, "all-gather/reduce-scatter next to matmuls -> per-peer or chunked steps"),
     GraphPass("interleave", interleave_pass, "order a merged helix graph's two strands by the DHelix DP"),
     GraphPass("reorder", reorder_pass, "issue collectives early, wait late, within a memory budget"),
     GraphPass("verify", verify_pass, "lint, topological order, every collective has its wait"),

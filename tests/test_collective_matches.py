@@ -108,3 +108,35 @@ def test_backward_graph_has_matmul_reduce_scatter_from_the_forward_all_gather() 
     found, _ = find_all(graphs["bwd"].graph)
     (rs,) = found["matmul_reduce_scatter"]
     assert rs.scatter_dim == 1
+
+
+def _swiglu_backward_graph():
+    """The backward graph of a sequence-parallel SwiGLU MLP (fake 2-rank world)."""
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def mlp(x, w1, w3, w2, group):
+        flat = funcol.all_gather_single(x, 1, group).reshape(-1, 8)
+        h = torch.nn.functional.silu(flat @ w1.t()) * (flat @ w3.t())
+        return funcol.reduce_scatter_single((h @ w2.t()).reshape(2, 8, 8), "sum", 1, group)
+
+    with fake_world(2) as group:
+        fn = aot_function(lambda *a: mlp(*a, group), keep("fwd"), keep("bwd"))
+        args = [torch.randn(2, 4, 8), torch.randn(6, 8), torch.randn(6, 8), torch.randn(8, 6)]
+        fn(*[a.requires_grad_() for a in args]).sum().backward()
+    return graphs
+
+
+def test_backward_weight_gradient_and_summed_input_gradient_are_matched() -> None:
+    graphs = _swiglu_backward_graph()
+    found, skipped = find_all(graphs["bwd"].graph)
+    (ag,) = found["all_gather_matmul"]  # grad of the reduce-scatter: dgrad (rows) and wgrad (t(rows) @ h)
+    assert len(ag.matmuls) == 1 and len(ag.transposed) == 1
+    (rs,) = found["matmul_reduce_scatter"]  # grad of the all-gather: dgrad via w1 plus dgrad via w3
+    assert len(rs.addends) == 1 and rs.scatter_dim == 1
+    assert not skipped

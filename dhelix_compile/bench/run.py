@@ -1,6 +1,7 @@
 """The side-by-side benchmark: every variant in one run, beside the physical limit.
 
     python -m dhelix_compile.bench.run --model small --rate 1gbit --out bench.json
+    python -m dhelix_compile.bench.run --microbatches 4 --variants eager,inductor,dhelix,helix
 
 1. ``--mode compute`` workers on the fake process group: each variant's step with no
    communication -> ``T_compute`` (per variant; the top-level number is Inductor's, the
@@ -38,12 +39,12 @@ def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
         "--out", str(out), "--mode", mode, "--model", args.model, "--parallel", args.parallel,
         "--variants", args.variants, "--repeats", str(args.repeats), "--warmup", str(args.warmup),
         "--threads", str(args.threads), "--dhelix-options", args.dhelix_options,
-        "--time-limit-s", str(args.time_limit_s),
+        "--time-limit-s", str(args.time_limit_s), "--microbatches", str(args.microbatches),
     ]
 
 
 def _launch(out: Path, mode: str, link: LinkSpec, args: argparse.Namespace) -> tuple[dict[str, Any], LaunchResult]:
-    result = launch_ranks(_worker_argv(out, mode, args), 2, link, timeout_s=args.timeout_s)
+    result = launch_ranks(_worker_argv(out, mode, args), args.ranks, link, timeout_s=args.timeout_s)
     if any(result.returncodes) or not out.exists():
         tails = "\n".join(f"--- rank {r} ---\n{err[-3000:]}" for r, err in enumerate(result.stderr))
         raise RuntimeError(f"benchmark workers ({mode}) failed: return codes {result.returncodes}\n{tails}")
@@ -74,6 +75,7 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         "model": link_run["model"],
         "parallel": link_run["parallel"],
         "world_size": link_run["world_size"],
+        "microbatches": link_run.get("microbatches", 1),
         "repeats": link_run["repeats"],
         "t_compute_s": t_compute,
         "t_comm_s": t_comm,
@@ -95,7 +97,8 @@ def markdown(summary: dict[str, Any]) -> str:
     base = summary["variants"].get("inductor", {}).get("step_s_median")
     lines = [
         f"link: {summary['link']}; model {summary['model']} ({summary['parallel']}), "
-        f"{summary['world_size']} ranks, {summary['repeats']} interleaved repeats",
+        f"{summary['world_size']} ranks, {summary.get('microbatches', 1)} micro-batches per step, "
+        f"{summary['repeats']} interleaved repeats",
         "",
         f"T_compute = {summary['t_compute_s'] * 1e3:.1f} ms, T_comm = {summary['t_comm_s'] * 1e3:.1f} ms, "
         f"limit max(T_compute, T_comm) = {limit * 1e3:.1f} ms, "
@@ -123,12 +126,19 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by ``dhelix bench`` and ``python -m dhelix_compile.bench.run``)."""
+    from dhelix_compile.bench.steps import STEP_VARIANTS
+
+    parser.add_argument("--model", default="small", help="model size (dhelix_compile.bench.worker sizes)")
     parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
-    parser.add_argument("--variants", default="eager,inductor,inductor_overlap,dhelix")
+    parser.add_argument(
+        "--variants", default=",".join(v for v in STEP_VARIANTS if v != "dhelix_eager"),
+        help=f"comma-separated, from {', '.join(STEP_VARIANTS)}",
+    )
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of the link; 'none' for plain loopback")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (a rate-limited link joins exactly 2)")
+    parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (helix merges them)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
@@ -136,20 +146,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-limit-s", type=float, default=240.0, help="per mode, for the timed repeats")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per launch, then the ranks are killed")
     parser.add_argument("--out", default=None, help="write the JSON summary here")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def _check(args: argparse.Namespace) -> str | None:
+    """A message naming the bad option, or None."""
+    from dhelix_compile.bench.steps import STEP_VARIANTS
+    from dhelix_compile.bench.worker import MLP_SIZES, MODEL_SIZES
+
+    if args.model not in MODEL_SIZES and args.model not in MLP_SIZES:
+        return f"unknown model size {args.model!r}; choose from {', '.join([*MODEL_SIZES, *MLP_SIZES])}"
+    unknown = [v for v in args.variants.split(",") if v and v not in STEP_VARIANTS]
+    if unknown:
+        return f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(STEP_VARIANTS)}"
+    if args.ranks < 1 or args.microbatches < 1 or args.repeats < 1:
+        return "--ranks, --microbatches and --repeats must be >= 1"
+    if args.rate.lower() != "none" and args.ranks != 2:
+        return "a rate-limited link joins exactly 2 ranks; use --ranks 2 or --rate none"
+    try:
+        json.loads(args.dhelix_options)
+    except json.JSONDecodeError as exc:
+        return f"--dhelix-options is not JSON: {exc}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Both modes, the summary, the table; returns the exit code."""
+    problem = _check(args)
+    if problem:
+        print(f"dhelix bench: {problem}", file=sys.stderr)
+        return 2
     rate = None if args.rate.lower() == "none" else args.rate
     with tempfile.TemporaryDirectory(prefix="dhelix_bench_") as tmp:
-        compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
-        link_run, launched = _launch(Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args)
+        try:
+            print(f"[1/2] T_compute: {args.variants} on the fake process group ...", file=sys.stderr, flush=True)
+            compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
+            print(f"[2/2] on the link (rate {args.rate}): every variant interleaved, then T_comm ...", file=sys.stderr, flush=True)
+            link_run, launched = _launch(Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args)
+        except ValueError as exc:  # a rate tc rejects
+            print(f"dhelix bench: {exc}", file=sys.stderr)
+            return 2
     summary = summarize(link_run, compute_run, launched.link)
     print(markdown(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

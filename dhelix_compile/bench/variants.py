@@ -5,8 +5,15 @@
     inductor_overlap  Inductor with its own overlap scheduler (aten_distributed_optimizations);
                       on CPU with an analytical estimator fed this machine's measured numbers
     dhelix            torch.compile(backend="dhelix"): single strand, reordered, Inductor codegen
+    dhelix_decompose  dhelix with the decompose pass forced to per-peer steps at every site
+                      (option decompose="per_peer"), then reordered, Inductor codegen
     dhelix_eager      dhelix's schedule run op by op (codegen="eager"): what the cost model
                       predicts, for predicted-vs-measured checks
+    helix             dhelix_compile.helix: micro-batch i+1's forward merged with micro-batch
+                      i's backward, ordered by the Strand Interleaving DP (Inductor codegen)
+
+A step runs every micro-batch's forward and backward (``step_function``): the other variants
+loop over the micro-batches, helix takes them all at once.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 
 from dhelix_compile import _torch_compat as compat
 
-VARIANTS: tuple[str, ...] = ("eager", "inductor", "inductor_overlap", "dhelix", "dhelix_eager")
+VARIANTS: tuple[str, ...] = ("eager", "inductor", "inductor_overlap", "dhelix", "dhelix_decompose", "dhelix_eager")
 
 
 def compile_variant(
@@ -34,6 +41,8 @@ def compile_variant(
         return torch.compile(module, backend="inductor", options=dict(compat.INDUCTOR_OVERLAP_CONFIG))
     if name == "dhelix":
         return torch.compile(module, backend="dhelix", options=options)
+    if name == "dhelix_decompose":
+        return torch.compile(module, backend="dhelix", options={**options, "decompose": "per_peer"})
     if name == "dhelix_eager":
         return torch.compile(module, backend="dhelix", options={**options, "codegen": "eager"})
     raise ValueError(f"unknown benchmark variant {name!r}; choose from {', '.join(VARIANTS)}")

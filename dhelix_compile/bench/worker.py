@@ -9,7 +9,11 @@ Launched (by ``dhelix_compile.bench.link.launch_ranks``) with RANK / WORLD_SIZE 
     --mode compute   the "fake" process group (collectives return at once, nothing is sent):
                      the same variants' step times are T_compute, the step without communication.
 
-A step is one forward and backward of the TP+SP Llama-style reference model on one batch.
+A step is one forward and backward per micro-batch (``--microbatches``; gradients accumulate,
+helix merges consecutive micro-batches) of the TP+SP Llama-style reference model, or,
+for ``--model mlp_*``, of one TP+SP SwiGLU MLP block alone (all-gather -> w1, w3 -> w2 ->
+reduce-scatter; its input sequence-sharded and requiring grad, so the backward has the mirror
+pair).
 A step's time is the slowest rank's. Rank 0 writes the JSON; every rank exits 0 on success.
 """
 
@@ -29,9 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dhelix_compile.bench.measure import record_collectives, replay_collectives, time_interleaved
-from dhelix_compile.bench.variants import VARIANTS, compile_variant
-from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
+from dhelix_compile.bench.measure import (
+    record_collectives,
+    replay_collectives,
+    time_interleaved,
+)
+from dhelix_compile.bench.steps import STEP_VARIANTS, step_function
+from dhelix_compile.testing.llama import FeedForward, ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
 
 #: Model sizes by name: (dim, n_heads, n_layers, ffn_hidden, vocab, seq_len, batch)
@@ -42,14 +50,22 @@ MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "large": (1024, 16, 4, 2816, 2048, 256, 4),
 }
 
+#: MLP-block sizes by name: (dim, ffn_hidden, seq_len, batch)
+MLP_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "mlp_small": (256, 768, 128, 4),
+    "mlp_medium": (512, 1536, 256, 4),
+    "mlp_large": (1024, 2816, 256, 4),
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes")
     parser.add_argument("--mode", choices=["link", "compute"], default="link")
-    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small")
+    parser.add_argument("--model", choices=sorted([*MODEL_SIZES, *MLP_SIZES]), default="small")
     parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
     parser.add_argument("--variants", default="eager,inductor,inductor_overlap,dhelix")
+    parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (gradients accumulate)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -61,6 +77,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_config(size: str) -> tuple[ModelConfig, int, int]:
     dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[size]
     return ModelConfig(dim=dim, n_heads=heads, n_layers=layers, ffn_hidden=ffn, vocab_size=vocab, max_seq_len=seq), seq, batch
+
+
+class MLPBlock(torch.nn.Module):
+    """One SwiGLU MLP of the reference model, parallelized as in the TP+SP plan."""
+
+    def __init__(self, dim: int, ffn_hidden: int) -> None:
+        super().__init__()
+        self.feed_forward = FeedForward(ModelConfig(dim=dim, ffn_hidden=ffn_hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(x)
+
+
+def parallelize_mlp(block: MLPBlock, mesh: Any) -> MLPBlock:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    return parallelize_module(block, mesh, plan)  # type: ignore[return-value]
 
 
 def init_process_group(mode: str) -> tuple[int, int]:
@@ -91,15 +136,24 @@ def _agree(ok: bool, mode: str) -> bool:
     return all(flags)
 
 
-def _predicted_step_s(dump_dir: Path, rank: int) -> float | None:
-    """Sum of the reorder pass's predicted makespans of this rank's graphs (fwd + bwd)."""
-    total, found = 0.0, False
+def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | None:
+    """Predicted step time from this rank's graph dumps.
+
+    Single strand: n x (forward + backward), each the reorder pass's predicted makespan.
+    Helix: forward + (n - 1) x merged + backward, the merged graph's from the interleave pass.
+    """
+    makespans: dict[str, float] = {}
     for summary in sorted((dump_dir / f"rank{rank}").glob("*/summary.json")):
-        record = json.loads(summary.read_text()).get("records", {}).get("reorder", {})
-        if "predicted_makespan_s" in record:
-            total += record["predicted_makespan_s"]
-            found = True
-    return total if found else None
+        records = json.loads(summary.read_text()).get("records", {})
+        for pass_name in ("interleave", "reorder"):
+            if "predicted_makespan_s" in records.get(pass_name, {}):
+                makespans[summary.parent.name.rsplit("_", 1)[-1]] = records[pass_name]["predicted_makespan_s"]
+                break
+    if "fwd" not in makespans or "bwd" not in makespans:
+        return None
+    if "merged" in makespans:
+        return makespans["fwd"] + (microbatches - 1) * makespans["merged"] + makespans["bwd"]
+    return microbatches * (makespans["fwd"] + makespans["bwd"])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,33 +164,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     rank, world_size = init_process_group(args.mode)
     torch.set_num_threads(args.threads)
-    config, seq, batch = model_config(args.model)
-    config.validate(world_size)
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     gen = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    targets = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    parallelize = parallelize_tp_sp if args.parallel == "tp_sp" else parallelize_tp
     user_options = json.loads(args.dhelix_options)
     barrier = dist.barrier if args.mode == "link" else None
+    if args.model in MLP_SIZES:
+        dim, ffn, seq, batch = MLP_SIZES[args.model]
+        config = ModelConfig(dim=dim, ffn_hidden=ffn)
+        # this rank's sequence shard (requiring grad, so the backward has the mirror pair) and a probe
+        microbatches: list[tuple[torch.Tensor, ...]] = [
+            (torch.randn(batch, seq // world_size, dim, generator=gen).requires_grad_(),
+             torch.randn(batch, seq // world_size, dim, generator=gen))
+            for _ in range(args.microbatches)
+        ]
 
-    def make() -> torch.nn.Module:
-        return parallelize(Transformer(config), mesh)
+        def make() -> torch.nn.Module:
+            torch.manual_seed(0)
+            return parallelize_mlp(MLPBlock(dim, ffn), mesh)
 
-    def loss_of(logits: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, targets)
+        def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return (model(mb[0]) * mb[1]).sum()
+    else:
+        config, seq, batch = model_config(args.model)
+        config.validate(world_size)
+        microbatches = [
+            (torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+             torch.randint(0, config.vocab_size, (batch, seq), generator=gen))
+            for _ in range(args.microbatches)
+        ]
+        parallelize = parallelize_tp_sp if args.parallel == "tp_sp" else parallelize_tp
+
+        def make() -> torch.nn.Module:
+            return parallelize(Transformer(config), mesh)
+
+        def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return lm_loss(model(mb[0]), mb[1])
+
+    inputs, extra = microbatches[0][:1], microbatches[0][1]
+
+    def loss_of(out: torch.Tensor) -> torch.Tensor:  # one micro-batch's loss, for recording collectives
+        return (out * extra).sum() if args.model in MLP_SIZES else lm_loss(out, extra)
 
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
     for name in [v for v in args.variants.split(",") if v]:
-        if name not in VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        if name not in STEP_VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(STEP_VARIANTS)}")
         module = make()
-        compiled = compile_variant(name, module, {"dump_dir": str(dump_root / name), **user_options})
+        run_step = step_function(name, module, loss_fn, {"dump_dir": str(dump_root / name), **user_options})
 
-        def step(module: torch.nn.Module = module, compiled: Any = compiled) -> None:
+        def step(module: torch.nn.Module = module, run_step: Any = run_step) -> None:
             module.zero_grad(set_to_none=True)
-            loss_of(compiled(tokens)).backward()
+            run_step(microbatches)
 
         ok = True
         try:
@@ -163,16 +242,25 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "batch": batch,
         "seq_len": seq,
         "world_size": world_size,
+        "microbatches": args.microbatches,
         "threads": args.threads,
         "repeats": repeats,
         "step_s": {name: _gather_max(samples, args.mode) for name, samples in times.items()},
         "errors": errors,
     }
     if args.mode == "link":
-        comm = replay_collectives(record_collectives(make(), (tokens,), loss_of))
+        replay = replay_collectives(record_collectives(make(), inputs, loss_of))
+
+        def comm() -> None:  # every micro-batch's collectives, back to back
+            for _ in microbatches:
+                replay()
+
         comm()  # warm-up
         result["t_comm_s"] = _gather_max(time_interleaved({"comm": comm}, repeats, barrier)["comm"], args.mode)
-        predicted = {name: _predicted_step_s(dump_root / name, rank) for name in steps if name.startswith("dhelix")}
+        predicted = {
+            name: _predicted_step_s(dump_root / name, rank, args.microbatches)
+            for name in steps if name.startswith(("dhelix", "helix"))
+        }
         gathered: list[dict[str, float | None] | None] = [None] * world_size
         dist.all_gather_object(gathered, predicted)
         result["predicted_step_s"] = {name: [g[name] for g in gathered] for name in predicted}  # type: ignore[index]

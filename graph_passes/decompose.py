@@ -1,0 +1,672 @@
+"""decompose: all-gather→matmul and matmul→reduce-scatter as per-peer or chunked steps over partitioned compute.
+
+Contract
+    Input: an annotated AOTAutograd partition (functional aten IR, ``meta["val"]`` on every
+    node). New nodes take the strand of the collective they replace; when the pass rewrote
+    anything it re-runs ``annotate`` (its counts go to a scratch context), so every node, new or
+    old, carries ``meta["dhelix"]`` with comm ids numbered in graph order again. For each site that ``collective_matches`` finds, the pass builds the
+    rewrites that apply next to it, prices the original and every rewrite with
+    ``cost_model.simulate`` on ``ctx.estimator``, and keeps the cheapest rewrite only when it is
+    predicted to be at least ``min_gain_ratio`` faster than the original (mode ``"auto"``), or
+    the best of the forced family (modes ``"per_peer"`` / ``"chunked"``). Every decision and skip
+    is counted in ``ctx.stats["decompose"]``; predictions are in ``ctx.records["decompose"]``.
+
+    - Semantics: the result equals the original up to the order of floating-point additions
+      (a reduce-scatter's sum is formed in another order). Shapes that do not split evenly,
+      unknown process groups, non-contiguous operands, or consumers other than the matmuls
+      (and graph outputs) leave the site alone with a counted reason.
+    - Functional: new transfers are ``dhelix::exchange`` (``_torch_compat.P2P_EXCHANGE``: send
+      + receive in one op, peers are *group* ranks, returns ``[send_done, received]``; why not
+      ``_c10d_functional.batch_p2p_ops``: see ``_torch_compat``) and ``all_gather_into_tensor`` /
+      ``reduce_scatter_tensor``; every issue is followed by a ``wait_tensor`` on each of its
+      outputs (the send's wait has no reader: it completes the send). No in-place op is added.
+    - Rank consistency: peers depend on the rank, everything else (which sites, which variant,
+      tags, the order) only on the graph and the agreed costs, so every rank makes the same
+      choices; a rank that did not would issue other collectives, which the compile-time
+      collective-sequence check reports.
+    - Order: issues come before the compute they should hide, waits right before the first use.
+      ``reorder`` may move them further (it keeps a valid order; every rank the same).
+
+Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weight)::
+
+    all-gather -> matmul, per peer (Flash-Overlap order)      matmul -> reduce-scatter, per peer
+      p1 = send x to r-1, recv from r+1                         for s in 1..n-1:
+      y[r] = x @ W                                                y[r+s] = A[rows of r+s] @ W
+      for s in 1..n-1:                                            p_s = send y[r+s] to r+s, recv from r-s
+        xs = wait(p_s)                                          y[r] = A[rows of r] @ W     (local last)
+        p_{s+1} = send x to r-s-1, recv from r+s+1              out = y[r] + wait(p_1) + ... + wait(p_{n-1})
+        y[r+s] = xs @ W
+      out = cat(y[0..n-1] along the gather dim)
+
+    backward forms: a weight gradient ``t(gathered) @ g`` is summed shard by shard
+    (``t(x_j) @ g[rows of j]``, accumulated in arrival order); a reduce-scatter of a *sum* of
+    matmuls (SwiGLU's input gradient via w1 and w3) sends the sum of their partials.
+
+    chunked, k chunks (data slicing)
+      all-gather: the shard split along the gather dim; chunk c+1's all-gather is in flight
+                  while chunk c's matmul runs; rows re-interleaved (rank-major) by one cat
+      reduce-scatter: W's output columns split; chunk c's reduce-scatter is in flight while
+                  chunk c+1's matmul runs; results concatenated along the last dim
+
+Picture (2 ranks, all-gather along the sequence dim feeding Q/K/V)::
+
+    before:  all_gather  wait  split  cat  view  mm_q  mm_k  mm_v        comm: [ag........]
+    after:   exchange  mm_q[r] mm_k[r] mm_v[r]  wait  mm_q[r+1] mm_k[r+1] mm_v[r+1]  cat ×3
+                                                               comm: [p2p.....] (under mm[r])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.fx
+
+from cost_model.estimator import MemoizedEstimator
+from cost_model.op_kinds import kind_of
+from cost_model.simulator import simulate
+from graph_passes.annotate import annotate_pass
+from graph_passes.collective_matches import (
+    AllGatherMatmul,
+    MatmulReduceScatter,
+    find_all_gather_matmuls,
+    find_all_to_all_computes,
+    find_matmul_all_reduces,
+    find_matmul_reduce_scatters,
+)
+from graph_passes.context import PassContext
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+PASS = "decompose"
+Mode = Literal["auto", "per_peer", "chunked", "off"]
+MODES: tuple[str, ...] = ("auto", "per_peer", "chunked", "off")
+
+#: P2P tags: site ``i`` uses ``TAG_BASE + i * TAG_STRIDE + step`` (distinct per step and site).
+TAG_BASE = 1 << 16
+TAG_STRIDE = 1 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class DecomposeOptions:
+    """Knobs of the decompose pass (``pass_options()["decompose"]``)."""
+
+    mode: Mode = "off"
+    """``"auto"``: per site, the cheapest of per-peer and chunked(k), only if the cost model
+    predicts a gain; ``"per_peer"`` / ``"chunked"``: that family wherever it applies, gain or
+    not (tests, benchmarks); ``"off"`` (default until the P2P path is checked on NCCL): the pass
+    does nothing."""
+    max_chunks: int = 4
+    """Largest k tried by the chunked variant (k = 2..max_chunks that divide the shape)."""
+    min_gain_ratio: float = 0.02
+    """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
+    patterns: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter")
+    """Which patterns may be rewritten."""
+
+    def validate(self) -> DecomposeOptions:
+        if self.mode not in MODES:
+            raise ValueError(f"decompose mode {self.mode!r}: choose one of {MODES}")
+        if self.max_chunks < 1:
+            raise ValueError(f"decompose max_chunks={self.max_chunks}: must be >= 1")
+        if not 0.0 <= self.min_gain_ratio < 1.0:
+            raise ValueError(f"decompose min_gain_ratio={self.min_gain_ratio}: must be in [0, 1)")
+        return self
+
+
+class SkipSite(Exception):
+    """A site (or one variant of it) does not qualify; the message is the counted reason."""
+
+
+# ---------------------------------------------------------------------------------- emission
+
+
+def _val(node: Any) -> Any:
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("val")
+    return node
+
+
+class _Emitter:
+    """Inserts new nodes before ``anchor``, each with ``meta["val"]`` (run under the fake mode)."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake_mode: Any, strand: int | None) -> None:
+        self.graph, self.anchor, self.fake_mode, self.strand = graph, anchor, fake_mode, strand
+        self.nodes: list[torch.fx.Node] = []
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        vargs = torch.fx.node.map_aggregate(args, _val)
+        vkwargs = torch.fx.node.map_aggregate(kwargs, _val)
+        if target is operator.getitem:
+            node.meta["val"] = vargs[0][vargs[1]]
+        else:
+            with self.fake_mode:
+                node.meta["val"] = target(*vargs, **vkwargs)
+        if self.strand is not None:
+            node.meta["dhelix"] = {"strand": self.strand}
+        self.nodes.append(node)
+        return node
+
+    def view(self, node: torch.fx.Node, shape: Sequence[int]) -> torch.fx.Node:
+        if list(_val(node).shape) == list(shape):
+            return node
+        return self.call(aten.view.default, node, list(shape))
+
+    def slice(self, node: torch.fx.Node, dim: int, start: int, end: int, *, contiguous: bool = False) -> torch.fx.Node:
+        size = _val(node).shape[dim]
+        out = node if (start, end) == (0, size) else self.call(aten.slice.Tensor, node, dim, start, end)
+        if contiguous and not _val(out).is_contiguous():
+            out = self.call(aten.clone.default, out, memory_format=torch.contiguous_format)
+        return out
+
+    def cat(self, parts: Sequence[torch.fx.Node], dim: int) -> torch.fx.Node:
+        return parts[0] if len(parts) == 1 else self.call(aten.cat.default, list(parts), dim)
+
+    def exchange(
+        self, send: torch.fx.Node, to_peer: int, from_peer: int, tag: int, group_name: str
+    ) -> torch.fx.Node:
+        """Send ``send`` to ``to_peer`` and receive a tensor of its shape from ``from_peer``."""
+        from dhelix_compile._torch_compat import P2P_EXCHANGE
+
+        return self.call(P2P_EXCHANGE, send, to_peer, from_peer, tag, group_name)
+
+    def wait_exchange(self, p2p: torch.fx.Node) -> torch.fx.Node:
+        """Wait for both halves of an exchange; return the received tensor."""
+        self.call(c10d.wait_tensor.default, self.call(operator.getitem, p2p, 0))
+        return self.call(c10d.wait_tensor.default, self.call(operator.getitem, p2p, 1))
+
+
+def _chunk_rows(e: _Emitter, t: torch.fx.Node, lead: Sequence[int], d: int, j: int, n: int) -> torch.fx.Node:
+    """Rows of chunk ``j`` of ``n`` along ``d`` of ``t`` (2-d, rows = ``lead`` dims flattened row-major)."""
+    rows, cols = _val(t).shape
+    if d == 0:
+        return e.slice(t, 0, j * rows // n, (j + 1) * rows // n)
+    size = lead[d] // n
+    part = e.slice(e.view(t, [*lead, cols]), d, j * size, (j + 1) * size, contiguous=True)
+    return e.view(part, [-1, cols])
+
+
+def _full_bias(mm: torch.fx.Node) -> torch.fx.Node | None:
+    """An addmm's bias when it has one value per row (it must then be split like the rows)."""
+    if mm.target != aten.addmm.default:
+        return None
+    bias = _val(mm.args[0])
+    return mm.args[0] if bias.dim() == 2 and bias.shape[0] != 1 else None  # type: ignore[return-value]
+
+
+def _check_bias(mm: torch.fx.Node, d: int) -> None:
+    bias = _full_bias(mm)
+    if bias is not None and d != 0 and not _val(bias).is_contiguous():
+        raise SkipSite("addmm bias with a row per output row is not contiguous")
+
+
+def _matmul(
+    e: _Emitter,
+    mm: torch.fx.Node,
+    rows: torch.fx.Node,
+    chunk: tuple[Sequence[int], int, int, int] | None = None,
+) -> torch.fx.Node:
+    """``mm``'s op with ``rows`` as its row operand; ``chunk = (lead, d, j, n)`` splits a per-row bias too."""
+    if mm.target == aten.mm.default:
+        return e.call(aten.mm.default, rows, mm.args[1])
+    bias, _, w = mm.args[:3]
+    if _full_bias(mm) is not None:
+        if chunk is None:
+            raise SkipSite("addmm bias with a row per output row")
+        bias = _chunk_rows(e, bias, *chunk)  # type: ignore[arg-type]
+    return e.call(aten.addmm.default, bias, rows, w, **dict(mm.kwargs))
+
+
+# ---------------------------------------------------------------------------------- sites
+
+
+@dataclasses.dataclass
+class _Variant:
+    name: str
+    emitter: _Emitter
+    replace: list[tuple[torch.fx.Node, torch.fx.Node]]
+    predicted_s: float = math.inf
+
+    def discard(self) -> None:
+        for node in reversed(self.emitter.nodes):
+            self.emitter.graph.erase_node(node)
+
+
+def _position(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _late_operands(node: Any, anchor: torch.fx.Node, position: dict[torch.fx.Node, int], out: list[torch.fx.Node]) -> None:
+    """Operands defined at or after ``anchor`` that the rewrite must move before its first node.
+
+    Only free views (``t(weight)``) may move; anything else skips the site.
+    """
+    if not isinstance(node, torch.fx.Node) or position[node] < position[anchor] or node in out:
+        return
+    if kind_of(node) != "view":
+        raise SkipSite("a matmul operand is computed after the first matmul")
+    for inp in node.all_input_nodes:
+        _late_operands(inp, anchor, position, out)
+    out.append(node)
+
+
+def _row_operand(mm: torch.fx.Node) -> torch.fx.Node:
+    return mm.args[0] if mm.target == aten.mm.default else mm.args[1]  # type: ignore[return-value]
+
+
+def _chain_to(node: torch.fx.Node, stop: torch.fx.Node) -> list[torch.fx.Node]:
+    """View nodes from ``stop`` (excluded) down to ``node`` (included, unless it is ``stop``)."""
+    chain = []
+    while node is not stop:
+        chain.append(node)
+        node = node.args[0]  # type: ignore[assignment]
+    return chain
+
+
+class _AllGatherSite:
+    def __init__(self, m: AllGatherMatmul, graph: torch.fx.Graph) -> None:
+        self.m, self.graph = m, graph
+        position = _position(graph)
+        self.shard_shape = list(_val(m.shard).shape)
+        self.d = m.gather_dim % len(self.shard_shape)
+        self.k_dim = self.shard_shape[-1]
+        self.transposes = [mm.args[0] for mm in m.transposed]  # t(view(gathered)) nodes
+        self.views = [v for mm in m.matmuls for v in _chain_to(_row_operand(mm), m.gathered)]
+        self.views += [v for t in self.transposes for v in _chain_to(t.args[0], m.gathered)]  # type: ignore[union-attr,arg-type]
+        chunkers = [u for u in m.wait.users] if m.gathered is not m.wait else []
+        getitems = [g for c in chunkers for g in c.users if g.target is operator.getitem]
+        region = {m.issue, m.wait, m.gathered, *chunkers, *getitems, *self.views, *m.matmuls, *self.transposes, *m.transposed}
+        self.old_nodes = sorted(region, key=position.__getitem__)  # type: ignore[arg-type]
+        self.anchor = min([*m.matmuls, *m.transposed], key=position.__getitem__)
+        self.lead = list(_val(m.gathered).shape[:-1])
+        for mm in m.matmuls:
+            if len(_val(_row_operand(mm)).shape) != 2:
+                raise SkipSite("row operand is not 2-d")
+            _check_bias(mm, self.d)
+        for mm in m.transposed:
+            other = _val(mm.args[1])
+            if other.dim() != 2 or other.shape[0] != math.prod(self.lead):
+                raise SkipSite("a weight-gradient matmul's other operand does not have the gathered rows")
+            if self.d != 0 and not other.is_contiguous():
+                raise SkipSite("a weight-gradient matmul's other operand is not contiguous")
+        consumers = _consumers_through_views(m.gathered)
+        self.needs_gathered = any(c not in m.matmuls and c not in self.transposes for c in consumers)
+        self.hoist: list[torch.fx.Node] = []  # moved before the rewrite when it is committed
+        for mm in m.matmuls:
+            for arg in mm.args:
+                if arg is not _row_operand(mm):
+                    _late_operands(arg, self.anchor, position, self.hoist)
+        for mm in m.transposed:
+            _late_operands(mm.args[1], self.anchor, position, self.hoist)
+
+    def _weight_grads(self, e: _Emitter, shard: torch.fx.Node, j: int) -> list[torch.fx.Node]:
+        """Each weight-gradient matmul restricted to the rows of shard ``j``: ``t(rows_j) @ other_j``."""
+        n = self.m.group_size
+        rows = e.view(shard, [-1, self.k_dim])
+        out = []
+        for mm in self.m.transposed:
+            other = _chunk_rows(e, mm.args[1], self.lead, self.d, j, n)  # type: ignore[arg-type]
+            out.append(e.call(aten.mm.default, e.call(aten.permute.default, rows, [1, 0]), other))
+        return out
+
+    def _outputs(self, e: _Emitter, pieces: dict[int, list[torch.fx.Node]], gathered: list[torch.fx.Node]) -> list:
+        """Assemble each matmul's full output from its per-piece outputs (pieces in gathered order)."""
+        lead = list(_val(self.m.gathered).shape[:-1])
+        replace = []
+        for i, mm in enumerate(self.m.matmuls):
+            n_out = _val(mm).shape[-1]
+            parts = [e.view(y, [*_val(g).shape[:-1], n_out]) for y, g in zip(pieces[i], gathered)]
+            full = e.cat(parts, self.d) if self.d != 0 else e.cat(pieces[i], 0)
+            replace.append((mm, e.view(full, [math.prod(lead), n_out])))
+        if self.needs_gathered:
+            replace.append((self.m.gathered, e.cat(gathered, self.d)))
+        return replace
+
+    def per_peer(self, e: _Emitter, rank: int, tag: int) -> _Variant:
+        m, n = self.m, self.m.group_size
+        shards: dict[int, torch.fx.Node] = {rank: m.shard}
+        outs: dict[int, list[torch.fx.Node]] = {}
+        sums: list[torch.fx.Node] = []
+        flight = e.exchange(m.shard, (rank - 1) % n, (rank + 1) % n, tag + 1, m.group_name) if n > 1 else None
+        for s in range(n):
+            peer = (rank + s) % n
+            if s > 0:
+                shards[peer] = e.wait_exchange(flight)  # type: ignore[arg-type]
+                if s + 1 < n:
+                    flight = e.exchange(m.shard, (rank - s - 1) % n, (rank + s + 1) % n, tag + s + 1, m.group_name)
+            rows = e.view(shards[peer], [-1, self.k_dim])
+            outs[peer] = [_matmul(e, mm, rows, (self.lead, self.d, peer, n)) for mm in m.matmuls]
+            partials = self._weight_grads(e, shards[peer], peer)
+            sums = partials if s == 0 else [e.call(aten.add.Tensor, a, b) for a, b in zip(sums, partials)]
+        pieces = {i: [outs[j][i] for j in range(n)] for i in range(len(m.matmuls))}
+        replace = self._outputs(e, pieces, [shards[j] for j in range(n)]) + list(zip(m.transposed, sums))
+        return _Variant("per_peer", e, replace)
+
+    def chunked(self, e: _Emitter, k: int) -> _Variant:
+        m, n, d = self.m, self.m.group_size, self.d
+        if self.shard_shape[d] % k:
+            raise SkipSite(f"shard dim {d} ({self.shard_shape[d]}) not divisible by {k}")
+        if any(_full_bias(mm) is not None for mm in m.matmuls):
+            raise SkipSite("addmm bias with a row per output row")
+        if m.transposed:
+            raise SkipSite("weight-gradient matmuls (only per-peer splits them)")
+        size = self.shard_shape[d] // k
+
+        def issue(c: int) -> torch.fx.Node:
+            part = e.slice(m.shard, d, c * size, (c + 1) * size, contiguous=True)
+            return e.call(c10d.all_gather_into_tensor.default, part, n, m.group_name)
+
+        flights = [issue(0)]
+        gathered_chunks, outs = [], []
+        for c in range(k):
+            if c + 1 < k:
+                flights.append(issue(c + 1))
+            full = e.call(c10d.wait_tensor.default, flights[c])
+            if d != 0:  # rank-major along dim 0 -> along d, as the original graph does
+                split = e.call(aten.split.Tensor, full, _val(full).shape[0] // n)
+                full = e.cat([e.call(operator.getitem, split, j) for j in range(n)], d)
+            gathered_chunks.append(full)
+            rows = e.view(full, [-1, self.k_dim])
+            outs.append([_matmul(e, mm, rows) for mm in m.matmuls])  # a per-row bias: SkipSite
+        # piece (rank j, chunk c) of the gathered tensor is rows [j*size, (j+1)*size) of chunk c along d
+        order = [(j, c) for j in range(n) for c in range(k)]
+        gathered = [e.slice(gathered_chunks[c], d, j * size, (j + 1) * size) for j, c in order]
+        pieces: dict[int, list[torch.fx.Node]] = {}
+        for i, mm in enumerate(m.matmuls):
+            n_out = _val(mm).shape[-1]
+            per_chunk = [e.view(outs[c][i], [*_val(gathered_chunks[c]).shape[:-1], n_out]) for c in range(k)]
+            pieces[i] = [e.slice(per_chunk[c], d, j * size, (j + 1) * size) for j, c in order]
+        lead = list(_val(m.gathered).shape[:-1])
+        replace = []
+        for i, mm in enumerate(m.matmuls):
+            n_out = _val(mm).shape[-1]
+            replace.append((mm, e.view(e.cat(pieces[i], d), [math.prod(lead), n_out])))
+        if self.needs_gathered:
+            replace.append((m.gathered, e.cat(gathered, d)))
+        return _Variant(f"chunked_{k}", e, replace)
+
+    def commit(self, variant: _Variant) -> None:
+        first = variant.emitter.nodes[0]
+        for node in self.hoist:  # dependency order
+            first.prepend(node)
+        gathered_new = None
+        for old, new in variant.replace:
+            if old is self.m.gathered:
+                gathered_new = new
+                continue
+            old.replace_all_uses_with(new)
+        if gathered_new is not None:
+            self.m.gathered.replace_all_uses_with(gathered_new)
+            # views of the gathered tensor that outputs still read now follow the new cat
+            position = _position(self.graph)
+            late = sorted(
+                {v: None for v in self.views if v.users and position[v] < position[gathered_new]},
+                key=position.__getitem__, reverse=True,
+            )
+            for v in late:
+                gathered_new.append(v)
+        _erase_dead(self.graph, self.old_nodes)
+
+
+class _ReduceScatterSite:
+    def __init__(self, m: MatmulReduceScatter, graph: torch.fx.Graph) -> None:
+        self.m, self.graph = m, graph
+        self.matmuls = [m.matmul, *m.addends]
+        if m.reduce_op not in ("sum", "avg"):
+            raise SkipSite(f"reduce op {m.reduce_op!r}")
+        position = _position(graph)
+        region: list[torch.fx.Node] = []
+        stack = [m.issue.args[0]]
+        while stack:  # everything between the matmuls and the issue
+            node = stack.pop()
+            if node in region or node in self.matmuls:
+                continue
+            region.append(node)  # type: ignore[arg-type]
+            stack.extend(node.all_input_nodes)  # type: ignore[union-attr]
+        allowed = (aten.split.Tensor, aten.slice.Tensor, operator.getitem, aten.cat.default, aten.add.Tensor)
+        for node in region:
+            if node.target not in allowed and kind_of(node) != "view":
+                raise SkipSite(f"a {node.target} between the matmul and the reduce-scatter")
+        inside = {*self.matmuls, *region, m.issue}
+        for node in [*self.matmuls, *region]:
+            if any(u not in inside for u in node.users):
+                raise SkipSite("the matmul output (or a view of it) has other consumers")
+        self.old_nodes = sorted([*self.matmuls, *region, m.issue, m.wait], key=position.__getitem__)
+        # the tensor that is chunked along scatter_dim: the matmul output in its viewed shape
+        source = m.issue.args[0]
+        if source.target == aten.cat.default:  # type: ignore[union-attr]
+            first = source.args[0][0]  # type: ignore[union-attr,index]
+            source = first.args[0] if first.target is operator.getitem else first  # type: ignore[union-attr]
+            source = source.args[0]  # the split's / slice's input
+        self.shape = list(_val(source).shape)
+        self.d = m.scatter_dim % len(self.shape)
+        if self.shape[self.d] % m.group_size:
+            raise SkipSite(f"scatter dim {self.d} ({self.shape[self.d]}) not divisible by {m.group_size}")
+        if self.d == len(self.shape) - 1:
+            raise SkipSite("scatters the matmul's output columns")
+        for mm in self.matmuls:
+            rows = _val(_row_operand(mm))
+            if math.prod(self.shape[:-1]) != rows.shape[0] or self.shape[-1] != _val(mm).shape[-1]:
+                raise SkipSite("the matmul output is not viewed by its leading dims only")
+            if not rows.is_contiguous():
+                raise SkipSite("the matmul's row operand is not contiguous")
+            _check_bias(mm, self.d)
+        # every operand of every matmul is defined before the last matmul
+        self.anchor = max(self.matmuls, key=position.__getitem__)
+
+    def _sum(self, e: _Emitter, parts: Sequence[torch.fx.Node]) -> torch.fx.Node:
+        total = parts[0]
+        for part in parts[1:]:
+            total = e.call(aten.add.Tensor, total, part)
+        return total
+
+    def _partial(self, e: _Emitter, j: int) -> torch.fx.Node:
+        """The matmul(s) on the rows of chunk ``j`` (the part of the output rank ``j`` keeps)."""
+        chunk = (self.shape[:-1], self.d, j, self.m.group_size)
+        parts = []
+        for mm in self.matmuls:
+            rows = _chunk_rows(e, _row_operand(mm), *chunk)
+            parts.append(e.view(_matmul(e, mm, rows, chunk), self._chunk_shape()))
+        return self._sum(e, parts)
+
+    def _chunk_shape(self) -> list[int]:
+        shape = list(self.shape)
+        shape[self.d] //= self.m.group_size
+        return shape
+
+    def per_peer(self, e: _Emitter, rank: int, tag: int) -> _Variant:
+        m, n = self.m, self.m.group_size
+        flights = []
+        for s in range(1, n):  # partials for remote ranks first, each sent as soon as it is ready
+            peer = (rank + s) % n
+            flights.append(e.exchange(self._partial(e, peer), peer, (rank - s) % n, tag + s, m.group_name))
+        total = self._partial(e, rank)
+        for flight in flights:
+            total = e.call(aten.add.Tensor, total, e.wait_exchange(flight))
+        if m.reduce_op == "avg":
+            total = e.call(aten.div.Tensor, total, n)
+        return _Variant("per_peer", e, [(m.wait, total)])
+
+    def _columns(self, e: _Emitter, mm: torch.fx.Node, c: int, cols: int) -> torch.fx.Node:
+        """``mm`` restricted to output columns ``[c*cols, (c+1)*cols)``."""
+        n_out = self.shape[-1]
+        weight = mm.args[1] if mm.target == aten.mm.default else mm.args[2]
+        w = e.slice(weight, 1, c * cols, (c + 1) * cols)  # type: ignore[arg-type]
+        if mm.target == aten.mm.default:
+            return e.call(aten.mm.default, _row_operand(mm), w)
+        bias = mm.args[0]
+        if _val(bias).dim() and _val(bias).shape[-1] == n_out:
+            bias = e.slice(bias, _val(bias).dim() - 1, c * cols, (c + 1) * cols)  # type: ignore[arg-type]
+        return e.call(aten.addmm.default, bias, _row_operand(mm), w, **dict(mm.kwargs))
+
+    def chunked(self, e: _Emitter, k: int) -> _Variant:
+        m, n, d = self.m, self.m.group_size, self.d
+        n_out = self.shape[-1]
+        if n_out % k:
+            raise SkipSite(f"matmul output columns ({n_out}) not divisible by {k}")
+        for mm in self.matmuls:
+            bias = _val(mm.args[0]) if mm.target == aten.addmm.default else None
+            if bias is not None and bias.dim() and bias.shape[-1] not in (1, n_out):
+                raise SkipSite("addmm bias of an unexpected shape")
+        cols = n_out // k
+        flights = []
+        for c in range(k):
+            y = self._sum(e, [e.view(self._columns(e, mm, c, cols), [*self.shape[:-1], cols]) for mm in self.matmuls])
+            if d != 0:  # chunks along d stacked along dim 0, as the original graph does
+                split = e.call(aten.split.Tensor, y, self.shape[d] // n, d)
+                y = e.cat([e.call(operator.getitem, split, j) for j in range(n)], 0)
+            flights.append(e.call(c10d.reduce_scatter_tensor.default, y, m.reduce_op, n, m.group_name))
+        outs = [e.call(c10d.wait_tensor.default, f) for f in flights]
+        return _Variant(f"chunked_{k}", e, [(m.wait, e.cat(outs, len(self.shape) - 1))])
+
+    def commit(self, variant: _Variant) -> None:
+        for old, new in variant.replace:
+            old.replace_all_uses_with(new)
+        _erase_dead(self.graph, self.old_nodes)
+
+
+def _consumers_through_views(node: torch.fx.Node) -> list[torch.fx.Node]:
+    out: list[torch.fx.Node] = []
+    for user in node.users:
+        if user.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            out.extend(_consumers_through_views(user))
+        else:
+            out.append(user)
+    return out
+
+
+def _erase_dead(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node]) -> None:
+    """Erase the replaced nodes (last first); views still read by outputs stay."""
+    for node in reversed(nodes):
+        if not node.users:
+            graph.erase_node(node)
+        elif kind_of(node) not in ("view",) and node.op != "placeholder":
+            raise RuntimeError(f"decompose: replaced node {node.name} still has users {list(node.users)}")
+
+
+# ---------------------------------------------------------------------------------- the pass
+
+
+class _Decomposer:
+    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext, options: DecomposeOptions) -> None:
+        from dhelix_compile import (
+            _torch_compat as compat,  # lazily: dhelix_compile imports graph_passes
+        )
+
+        self.compat = compat
+        self.gm, self.ctx, self.options = gm, ctx, options
+        self.graph = gm.graph
+        self.estimator = MemoizedEstimator(ctx.estimator) if ctx.estimator is not None else None
+        vals = [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
+        self.fake_mode = self.compat.fake_mode_of([v for v in vals if isinstance(v, torch.Tensor)])
+        self.sites = 0
+        self.saved_s = 0.0
+        self.rewrote = False
+
+    def count(self, reason: str) -> None:
+        self.ctx.count(PASS, reason)
+
+    def run(self) -> None:
+        skipped: Counter[str] = Counter()
+        patterns = self.options.patterns
+        if "all_gather_matmul" in patterns:
+            for m in find_all_gather_matmuls(self.graph, skipped):
+                self._site("all_gather_matmul", lambda m=m: _AllGatherSite(m, self.graph), m.group_name, m.group_size, m.issue)
+        if "matmul_reduce_scatter" in patterns:
+            for m in find_matmul_reduce_scatters(self.graph, skipped):
+                self._site("matmul_reduce_scatter", lambda m=m: _ReduceScatterSite(m, self.graph), m.group_name, m.group_size, m.issue)
+        for m in find_matmul_all_reduces(self.graph, skipped):
+            self.count("matmul_all_reduce: left alone (not implemented)")
+        for m in find_all_to_all_computes(self.graph, skipped):
+            self.count("all_to_all_compute: left alone (not implemented)")
+        for reason, n in sorted(skipped.items()):
+            self.ctx.count(PASS, f"not matched: {reason}", n)
+        self.ctx.record(PASS, predicted_saved_s=self.saved_s)
+
+    def _simulate(self, nodes: Sequence[torch.fx.Node]) -> float:
+        if self.estimator is None:
+            return math.nan
+        return simulate(nodes, self.estimator).makespan_s
+
+    def _site(self, label: str, make: Any, group_name: str, group_size: int, issue: torch.fx.Node) -> None:
+        index = self.sites
+        self.sites += 1
+        name = f"{label}{index}"
+        try:
+            site = make()
+        except SkipSite as why:
+            self.count(f"{label}: skipped: {why}")
+            return
+        if group_size < 2:
+            self.count(f"{label}: skipped: group of one rank")
+            return
+        mode = self.options.mode
+        if mode == "auto" and self.estimator is None:
+            self.count(f"{label}: skipped: no estimator")
+            return
+        strand = issue.meta.get("dhelix", {}).get("strand")
+        variants: list[_Variant] = []
+
+        def build(family: str, builder: Any, *args: Any) -> None:
+            emitter = _Emitter(self.graph, site.anchor, self.fake_mode, strand)
+            try:
+                variants.append(builder(emitter, *args))
+            except SkipSite as why:
+                _Variant(family, emitter, []).discard()  # whatever was emitted before the skip
+                self.count(f"{label}: {family} skipped: {why}")
+
+        if mode in ("auto", "per_peer"):
+            rank = self.compat.group_rank(group_name)
+            if rank is None:
+                self.count(f"{label}: per_peer skipped: unknown process group {group_name!r}")
+            else:
+                build("per_peer", site.per_peer, rank, TAG_BASE + index * TAG_STRIDE)
+        if mode in ("auto", "chunked"):
+            for k in range(2, self.options.max_chunks + 1):
+                build("chunked", site.chunked, k)
+        if not variants:
+            self.count(f"{label}: skipped: no variant applies")
+            return
+        original_s = self._simulate(site.old_nodes)
+        for v in variants:
+            v.predicted_s = self._simulate(v.emitter.nodes)
+        self.ctx.record(PASS, **{f"{name}_original_s": original_s}, **{f"{name}_{v.name}_s": v.predicted_s for v in variants})
+        if self.estimator is None:  # forced mode without costs: the largest k, else per-peer
+            best = variants[-1]
+        else:
+            best = min(variants, key=lambda v: v.predicted_s)  # stable: first of equals
+        keep = mode != "auto" or best.predicted_s < original_s * (1.0 - self.options.min_gain_ratio)
+        for v in variants:
+            if v is not best or not keep:
+                v.discard()
+        if not keep:
+            self.count(f"{label}: kept: no predicted gain")
+            return
+        site.commit(best)
+        self.rewrote = True
+        if not math.isnan(original_s):
+            self.saved_s += original_s - best.predicted_s
+        self.count(f"{label}: {best.name}")
+        self.ctx.record(PASS, **{f"{name}_chosen_s": best.predicted_s})
+
+
+def decompose_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    """Decompose collectives next to their matmuls; see the module docstring."""
+    options = ctx.pass_options.get(PASS, DecomposeOptions())
+    assert isinstance(options, DecomposeOptions)
+    options.validate()
+    if options.mode == "off":
+        ctx.count(PASS, "off")
+        return gm
+    decomposer = _Decomposer(gm, ctx, options)
+    decomposer.run()
+    if decomposer.rewrote:  # new nodes (and new comm ids): annotate again, counting into a scratch context
+        annotate_pass(gm, PassContext(ctx.graph_name, ctx.phase, ctx.example_inputs, strand=ctx.strand))
+    return gm
