@@ -167,6 +167,8 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     gen = torch.Generator().manual_seed(1234)
     user_options = json.loads(args.dhelix_options)
+    if user_options.get("dump_dir"):  # keep the dumps: one folder per variant under the user's
+        dump_root = Path(user_options.pop("dump_dir"))
     barrier = dist.barrier if args.mode == "link" else None
     if args.model in MLP_SIZES:
         dim, ffn, seq, batch = MLP_SIZES[args.model]
@@ -211,7 +213,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         if name not in STEP_VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(STEP_VARIANTS)}")
         module = make()
-        run_step = step_function(name, module, loss_fn, {"dump_dir": str(dump_root / name), **user_options})
+        run_step = step_function(name, module, loss_fn, {**user_options, "dump_dir": str(dump_root / name)})
 
         def step(module: torch.nn.Module = module, run_step: Any = run_step) -> None:
             module.zero_grad(set_to_none=True)
