@@ -31,8 +31,12 @@ def time_interleaved(
     steps: Mapping[str, Callable[[], Any]],
     repeats: int,
     barrier: Callable[[], Any] | None = None,
+    on_step: Callable[[str], Any] | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds per step, per variant, measured round-robin (see the module docstring)."""
+    """Seconds per step, per variant, measured round-robin (see the module docstring).
+
+    ``on_step(variant)`` is called after each timed step (progress reporting).
+    """
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
@@ -41,6 +45,8 @@ def time_interleaved(
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
+            if on_step is not None:
+                on_step(name)
     return times
 
 

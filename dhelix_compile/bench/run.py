@@ -23,10 +23,13 @@ Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``hidden_share``; to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +47,44 @@ def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
 
 
 def _launch(out: Path, mode: str, link: LinkSpec, args: argparse.Namespace) -> tuple[dict[str, Any], LaunchResult]:
-    result = launch_ranks(_worker_argv(out, mode, args), args.ranks, link, timeout_s=args.timeout_s)
+    progress = out.with_suffix(".progress")
+    argv = [*_worker_argv(out, mode, args), "--progress-file", str(progress)]
+    with _progress_bar(progress, label=f"{mode:>7} steps"):
+        result = launch_ranks(argv, args.ranks, link, timeout_s=args.timeout_s)
     if any(result.returncodes) or not out.exists():
         tails = "\n".join(f"--- rank {r} ---\n{err[-3000:]}" for r, err in enumerate(result.stderr))
         raise RuntimeError(f"benchmark workers ({mode}) failed: return codes {result.returncodes}\n{tails}")
     return json.loads(out.read_text()), result
+
+
+@contextlib.contextmanager
+def _progress_bar(path: Path, label: str, width: int = 30) -> Iterator[None]:
+    """Draw ``label [#####.....] done/total variant`` on stderr from the file rank 0 updates."""
+    done = threading.Event()
+
+    def draw() -> None:
+        shown = ""
+        while not done.wait(0.5):
+            try:
+                count, total, variant = path.read_text().split()
+            except (OSError, ValueError):
+                continue  # compiling and warming up: nothing timed yet
+            filled = width * int(count) // max(int(total), 1)
+            line = f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {count}/{total} {variant:<18}"
+            if line != shown:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+                shown = line
+        if shown:
+            sys.stderr.write("\n")
+
+    thread = threading.Thread(target=draw, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) -> dict[str, Any]:

@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--dhelix-options", default="{}", help="JSON dict of dhelix options")
     parser.add_argument("--time-limit-s", type=float, default=300.0, help="stop repeating after this")
+    parser.add_argument("--progress-file", default=None, help="rank 0 writes 'done total variant' here")
     return parser.parse_args(argv)
 
 
@@ -235,7 +236,8 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
             errors.setdefault(name, "failed on another rank")
 
     repeats = _repeats_within(args.time_limit_s, steps, args.repeats, barrier)
-    times = time_interleaved(steps, repeats, barrier)
+    progress = _Progress(args.progress_file if rank == 0 else None, total=repeats * len(steps))
+    times = time_interleaved(steps, repeats, barrier, on_step=progress.step)
     result: dict[str, Any] = {
         "mode": args.mode,
         "model": args.model,
@@ -268,6 +270,18 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         result["predicted_step_s"] = {name: [g[name] for g in gathered] for name in predicted}  # type: ignore[index]
     dist.barrier() if args.mode == "link" else None
     return result if rank == 0 else {}
+
+
+class _Progress:
+    """Writes ``done total variant`` to a file after each timed step (the parent draws the bar)."""
+
+    def __init__(self, path: str | None, total: int) -> None:
+        self.path, self.total, self.done = path, total, 0
+
+    def step(self, variant: str) -> None:
+        self.done += 1
+        if self.path:
+            Path(self.path).write_text(f"{self.done} {self.total} {variant}\n")
 
 
 def _repeats_within(limit_s: float, steps: dict[str, Any], wanted: int, barrier: Any) -> int:
