@@ -6,9 +6,8 @@ from collections import Counter
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
-from cost_model.testing import fake_world, trace_aten
+from cost_model.testing import aot_partitions, fake_world, trace_aten
 from graph_passes.collective_matches import (
     find_all,
     find_all_gather_matmuls,
@@ -92,33 +91,19 @@ def test_all_to_all_feeding_expert_matmuls() -> None:
 
 def test_backward_graph_has_matmul_reduce_scatter_from_the_forward_all_gather() -> None:
     """The gradient of all_gather -> linear is grad-matmul -> reduce_scatter in the backward."""
-    graphs = {}
-
-    def keep(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-        return compiler
-
     with fake_world(2) as group:
-        fn = aot_function(lambda x, w: (funcol.all_gather_single(x, 1, group).reshape(-1, 8) @ w.t()), keep("fwd"), keep("bwd"))
-        out = fn(torch.randn(2, 4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True))
-        out.sum().backward()
-    assert len(find_all_gather_matmuls(graphs["fwd"].graph)) == 1
-    found, _ = find_all(graphs["bwd"].graph)
+        fwd, bwd = aot_partitions(
+            lambda x, w: funcol.all_gather_single(x, 1, group).reshape(-1, 8) @ w.t(),
+            torch.randn(2, 4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True),
+        )
+    assert len(find_all_gather_matmuls(fwd.graph)) == 1
+    found, _ = find_all(bwd.graph)
     (rs,) = found["matmul_reduce_scatter"]
     assert rs.scatter_dim == 1
 
 
 def _swiglu_backward_graph():
     """The backward graph of a sequence-parallel SwiGLU MLP (fake 2-rank world)."""
-    graphs = {}
-
-    def keep(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-        return compiler
 
     def mlp(x, w1, w3, w2, group):
         flat = funcol.all_gather_single(x, 1, group).reshape(-1, 8)
@@ -126,15 +111,13 @@ def _swiglu_backward_graph():
         return funcol.reduce_scatter_single((h @ w2.t()).reshape(2, 8, 8), "sum", 1, group)
 
     with fake_world(2) as group:
-        fn = aot_function(lambda *a: mlp(*a, group), keep("fwd"), keep("bwd"))
         args = [torch.randn(2, 4, 8), torch.randn(6, 8), torch.randn(6, 8), torch.randn(8, 6)]
-        fn(*[a.requires_grad_() for a in args]).sum().backward()
-    return graphs
+        _, bwd = aot_partitions(lambda *a: mlp(*a, group), *[a.requires_grad_() for a in args])
+    return bwd
 
 
 def test_backward_weight_gradient_and_summed_input_gradient_are_matched() -> None:
-    graphs = _swiglu_backward_graph()
-    found, skipped = find_all(graphs["bwd"].graph)
+    found, skipped = find_all(_swiglu_backward_graph().graph)
     (ag,) = found["all_gather_matmul"]  # grad of the reduce-scatter: dgrad (rows) and wgrad (t(rows) @ h)
     assert len(ag.matmuls) == 1 and len(ag.transposed) == 1
     (rs,) = found["matmul_reduce_scatter"]  # grad of the all-gather: dgrad via w1 plus dgrad via w3

@@ -9,38 +9,21 @@ import warnings
 import pytest
 import torch
 import torch.fx
-from functorch.compile import aot_function, make_boxed_func
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cost_model.estimator import TableEstimator
 from cost_model.simulator import simulate
-from cost_model.testing import fake_world, trace_aten
+from cost_model.strand_plan import Segment, formula_cost, plan_pairs
+from cost_model.testing import aot_partitions, fake_world, trace_aten
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
-from cost_model.strand_plan import Segment, formula_cost, plan_pairs
 from graph_passes.interleave import InterleaveOptions, emit, interleave_pass
 from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND, merge_strands
 from graph_passes.verify import verify_pass
 
 aten = torch.ops.aten
 funcol = torch.distributed._functional_collectives
-
-
-def _partitions(fn, *args):
-    """AOTAutograd's forward and backward graphs of ``fn`` (the helix capture, minus Inductor)."""
-    graphs = {}
-
-    def capture(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
-    compiled = aot_function(fn, fw_compiler=capture("fwd"), bw_compiler=capture("bwd"))
-    compiled(*args).backward()
-    return graphs["fwd"], graphs["bwd"]
 
 
 def _mlp_loss(w1, w2, x):
@@ -52,7 +35,7 @@ def test_merged_graph_computes_both_strands_and_shares_parameters() -> None:
     w1 = torch.randn(8, 16, generator=gen, requires_grad=True)
     w2 = torch.randn(16, 4, generator=gen, requires_grad=True)
     x0, x1 = torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)
-    fwd, bwd = _partitions(_mlp_loss, w1, w2, x0)
+    fwd, bwd = aot_partitions(_mlp_loss, w1, w2, x0)
     merged = merge_strands(fwd, bwd, shared_fwd_inputs=[0, 1])
 
     # B's saved weights read F's placeholders; the saved data input (x) does not
