@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,6 @@ from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND, merge_strands
 from graph_passes.verify import verify_pass
 
 aten = torch.ops.aten
-funcol = torch.distributed._functional_collectives
 
 
 def _mlp_loss(w1, w2, x):
