@@ -124,7 +124,13 @@ def live_bytes_profile(
     """Live bytes through ``order`` (see module docstring for the rules)."""
     position = {node: i for i, node in enumerate(order)}
     end = len(order)
-    roots = {node: storage_root(node) for node in order}
+    freeable = set(freeable_inputs)
+    roots: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def root_of(node: torch.fx.Node) -> torch.fx.Node:
+        if node not in roots:
+            roots[node] = storage_root(node)
+        return roots[node]
 
     # Graph inputs: placeholders/get_attr in the order, or read by it.
     inputs: dict[torch.fx.Node, None] = {}
@@ -132,7 +138,7 @@ def live_bytes_profile(
         if node.op in ("placeholder", "get_attr"):
             inputs[node] = None
         for inp in node.all_input_nodes:
-            root = storage_root(inp)
+            root = root_of(inp)
             if root.op in ("placeholder", "get_attr"):
                 inputs[root] = None
     input_bytes = sum(output_bytes(n) for n in inputs)
@@ -141,7 +147,7 @@ def live_bytes_profile(
     for node in order:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
-        root = roots[node]
+        root = root_of(node)
         last_use[root] = max(last_use.get(root, -1), position[node])
         for user in node.users:
             if user.op == "output" or user not in position:
@@ -150,8 +156,8 @@ def live_bytes_profile(
                 last_use[root] = max(last_use[root], position[user])
     for node in order:
         for inp in node.all_input_nodes:
-            root = storage_root(inp)
-            if root in freeable_inputs:
+            root = root_of(inp)
+            if root in freeable:
                 used_at = end if node.op == "output" else position[node]
                 last_use[root] = max(last_use.get(root, -1), used_at)
     frees_at: dict[int, list[torch.fx.Node]] = {}
@@ -163,12 +169,12 @@ def live_bytes_profile(
     profile: list[int] = []
     after_free: list[int] = []
     for i, node in enumerate(order):
-        if node.op not in ("placeholder", "get_attr", "output") and roots[node] is node:
+        if node.op not in ("placeholder", "get_attr", "output") and root_of(node) is node:
             live += output_bytes(node)
         profile.append(live)
         peak = max(peak, live)
         for root in frees_at.get(i, ()):
-            if root in freeable_inputs or (root.op not in ("placeholder", "get_attr") and root in position):
+            if root in freeable or (root.op not in ("placeholder", "get_attr") and root in position):
                 live -= output_bytes(root)
         after_free.append(live)
     return LiveProfile(tuple(profile), tuple(after_free), input_bytes, peak)

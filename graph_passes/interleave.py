@@ -8,8 +8,9 @@ communication runs under the other strand's compute.
 Contract
     Input: an annotated graph and ``ctx.estimator``. A graph with fewer than two strands is
     left alone; a merged graph without an estimator (nothing to hide: no collectives) gets
-    the sequential order below. Output: the same nodes, each strand in its own
-    order, the strands interleaved segment by segment — or, when the simulator predicts no
+    the sequential order below. Output: the same nodes, the forward strand in its own
+    order, the backward strand in its own order or with its weight gradients deferred
+    (``deferral.defer_off_chain``; a valid order), the strands interleaved segment by segment — or, when the simulator predicts no
     gain or the plan would exceed the memory budget, the *sequential* order: the backward
     strand first, then the forward strand (the eager loop's order, which frees the saved
     activations before new ones are made).
@@ -33,7 +34,11 @@ Algorithm::
         profile from ``cost_model.memory`` with the backward's saved inputs freed at last use)
     emit the path: each pair as B_j's nodes then F_i's nodes (B's transfer flies under F's
         compute, F's under the next pair's B compute)
-    judge: ``simulate`` the sequential order, the DP's order and the reorder pass's list
+    defer: for each distance d in ``defer_weight_grads`` (default 1), plan again with a
+        backward whose off-chain work -- weight gradients, which no later transfer needs --
+        moved d segments later, creating compute where communication needs it (DHelix does
+        this by hand); candidate ``dp_defer{d}``
+    judge: ``simulate`` the sequential order, the DP's orders and the reorder pass's list
         scheduler run over both strands (a second opinion: the DP's additive pair costs do
         not see a wait that a chain of transfers leaves exposed); keep the shortest predicted
         makespan whose peak live bytes (the backward's saved inputs freed at last use) stay
@@ -58,9 +63,10 @@ from cost_model.estimator import Estimator, MemoizedEstimator
 from cost_model.memory import live_bytes_profile
 from cost_model.op_kinds import is_comm
 from cost_model.simulator import simulate
-from cost_model.strand_plan import Pair, Segment, formula_cost, plan_pairs
+from cost_model.strand_plan import Pair, PairCost, Segment, formula_cost, plan_pairs
 from graph_passes.annotate import META_KEY
 from graph_passes.context import PassContext
+from graph_passes.deferral import defer_off_chain
 from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND
 from graph_passes.node_order import apply_order
 from graph_passes.reorder import ReorderOptions, overlap_schedule
@@ -72,6 +78,10 @@ class InterleaveOptions:
 
     memory_budget_ratio: float = 1.15
     """Live bytes of the interleaved order may be at most this times the sequential order's peak."""
+
+    defer_weight_grads: tuple[int, ...] = (1,)
+    """For each distance d, the DP also plans a backward whose off-chain work (weight gradients:
+    nodes no later transfer depends on) moved d segments later (``deferral.defer_off_chain``)."""
 
 
 def strand_segments(
@@ -142,50 +152,62 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     assert isinstance(options, InterleaveOptions)
     estimator = MemoizedEstimator(ctx.estimator)
     factor = float(getattr(estimator, "contention_factor", 1.0))
-    start_s = time.perf_counter()
-    bwd_inputs = [n for n in nodes if n.op == "placeholder" and _strand_of(n) == BWD_STRAND]
-    fwd_segments = strand_segments(fwd_nodes, estimator)
-    bwd_segments = strand_segments(bwd_nodes, estimator, freeable_inputs=bwd_inputs)
-    bwd_base = sum(estimator.node_cost(n).output_bytes for n in bwd_inputs)
-    sequential_path: list[Pair] = [(None, j) for j in range(len(bwd_segments))] + [
-        (i, None) for i in range(len(fwd_segments))
-    ]
-    sequential_peak = max(
-        [bwd_base, *(s.peak_bytes for s in bwd_segments)]
-        + [s.peak_bytes + (bwd_segments[-1].live_after_bytes if bwd_segments else bwd_base) for s in fwd_segments]
-    )
-    cost = formula_cost(fwd_segments, bwd_segments, factor)
     measure = getattr(estimator, "segment_pair_times", None)  # cost_model="profile"
+    start_s = time.perf_counter()
+    measure_s = 0.0
+    measured_pairs = 0
+    bwd_inputs = [n for n in nodes if n.op == "placeholder" and _strand_of(n) == BWD_STRAND]
+    bwd_base = sum(estimator.node_cost(n).output_bytes for n in bwd_inputs)
+    fwd_segments = strand_segments(fwd_nodes, estimator)
+    bwd_orders = {"dp": bwd_nodes}
+    for distance in options.defer_weight_grads:
+        deferred = defer_off_chain(bwd_nodes, lambda n: is_comm(estimator.node_cost(n).kind), distance)
+        if deferred != bwd_nodes and deferred not in bwd_orders.values():
+            bwd_orders[f"dp_defer{distance}"] = deferred
+    plans: dict[str, list[torch.fx.Node]] = {}
+    sequential_path: list[Pair] = []
+    sequential_peak = 0.0
+    paired_in_dp = 0
+    for name, bwd_order in bwd_orders.items():
+        bwd_segments = strand_segments(bwd_order, estimator, freeable_inputs=bwd_inputs)
+        if name == "dp":  # the sequential order, and the peak the memory budget is relative to
+            sequential_path = [(None, j) for j in range(len(bwd_segments))] + [(i, None) for i in range(len(fwd_segments))]
+            sequential = emit(sequential_path, fwd_segments, bwd_segments)
+            sequential_peak = max(
+                [bwd_base, *(s.peak_bytes for s in bwd_segments)]
+                + [s.peak_bytes + (bwd_segments[-1].live_after_bytes if bwd_segments else bwd_base) for s in fwd_segments]
+            )
+        cost = formula_cost(fwd_segments, bwd_segments, factor)
+        if measure is not None:
+            measure_start_s = time.perf_counter()
+            measured = measure([s.nodes for s in fwd_segments], [s.nodes for s in bwd_segments])
+            measure_s += time.perf_counter() - measure_start_s
+            measured_pairs += len(measured)
+            if measured:
+                cost = _measured_or(measured, cost)
+        path, planned_s = plan_pairs(
+            fwd_segments,
+            bwd_segments,
+            cost=cost,
+            budget_bytes=options.memory_budget_ratio * sequential_peak,
+            bwd_base_bytes=bwd_base,
+        )
+        plans[name] = emit(path, fwd_segments, bwd_segments)
+        paired = sum(1 for f, b in path if f is not None and b is not None)
+        paired_in_dp = paired if name == "dp" else paired_in_dp
+        ctx.record("interleave", **{f"{name}_predicted_s": planned_s, f"{name}_paired_segments": paired})
     if measure is not None:
-        measure_start_s = time.perf_counter()
-        measured = measure([s.nodes for s in fwd_segments], [s.nodes for s in bwd_segments])
-        measure_s = time.perf_counter() - measure_start_s
-        start_s += measure_s  # plan_time_s is the planning; the measuring is reported apart
-        ctx.record("interleave", measured_pairs=len(measured), pair_measure_s=measure_s)
-        if measured:
-            formula = cost
-
-            def cost(i: int | None, j: int | None) -> float:
-                value = measured.get((i, j))
-                return value if value is not None else formula(i, j)
-
-    path, planned_s = plan_pairs(
-        fwd_segments,
-        bwd_segments,
-        cost=cost,
-        budget_bytes=options.memory_budget_ratio * sequential_peak,
-        bwd_base_bytes=bwd_base,
-    )
-    plan_time_s = time.perf_counter() - start_s
+        ctx.record("interleave", measured_pairs=measured_pairs, pair_measure_s=measure_s)
+    plan_time_s = time.perf_counter() - start_s - measure_s  # the planning; the measuring is reported apart
 
     head = [n for n in nodes if n.op == "placeholder"]
     tail = [n for n in nodes if n.op == "output"]
     reorder_options = ctx.pass_options.get("reorder", ReorderOptions())
     candidates = {
-        "sequential": emit(sequential_path, fwd_segments, bwd_segments),
-        "dp": emit(path, fwd_segments, bwd_segments),
+        "sequential": sequential,
+        **plans,
         # the single-strand list scheduler over both strands: a second opinion the simulator weighs
-        "list": overlap_schedule(emit(sequential_path, fwd_segments, bwd_segments), estimator, reorder_options),
+        "list": overlap_schedule(sequential, estimator, reorder_options),
     }
     results = {name: simulate(head + order + tail, estimator) for name, order in candidates.items()}
     peaks = {
@@ -196,14 +218,12 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     }
     fits = [n for n in candidates if n == "sequential" or peaks[n] <= options.memory_budget_ratio * peaks["sequential"]]
     chosen = min(fits, key=lambda n: (results[n].makespan_s, list(candidates).index(n)))
-    pairs = sum(1 for f, b in path if f is not None and b is not None)
     ctx.record(
         "interleave",
         fwd_segments=len(fwd_segments),
-        bwd_segments=len(bwd_segments),
-        paired_segments=pairs,
+        bwd_segments=len(sequential_path) - len(fwd_segments),
+        paired_segments=paired_in_dp,
         plan_time_s=plan_time_s,
-        dp_predicted_s=planned_s,
         predicted_makespan_s=results[chosen].makespan_s,
         **{f"predicted_makespan_{n}_s": r.makespan_s for n, r in results.items()},
         **{f"predicted_exposed_comm_{n}_s": r.exposed_comm_s for n, r in results.items()},
@@ -219,6 +239,16 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
             ctx.count("interleave", f"{name} order over the memory budget")
     ctx.count("interleave", "nodes moved", apply_order(gm.graph, candidates[chosen]))
     return gm
+
+
+def _measured_or(measured: dict[Pair, float], formula: PairCost) -> PairCost:
+    """``P`` measured where a measurement exists, else the formula's."""
+
+    def cost(i: int | None, j: int | None) -> float:
+        value = measured.get((i, j))
+        return value if value is not None else formula(i, j)
+
+    return cost
 
 
 def _strand_of(node: torch.fx.Node) -> int:
