@@ -40,10 +40,10 @@ import torch.fx
 from cost_model.op_kinds import kind_of
 from cost_model.profile import (
     ProfiledEstimator,
-    _agree_max,
-    _check_same_signatures,
-    _device_of_nodes,
-    _median_run_s,
+    agree_max,
+    check_same_signatures,
+    device_of_nodes,
+    median_run_s,
 )
 from cost_model.symbolic import size_hints
 
@@ -63,7 +63,7 @@ def segment_signature(profiled: ProfiledEstimator, nodes: Segment) -> SegmentSig
             return None
         if kind not in ("compute", "collective"):
             continue
-        reason = profiled._skip_reason(node)
+        reason = profiled.skip_reason(node)
         if reason == "free":
             continue
         if reason is not None:
@@ -103,15 +103,15 @@ def segment_pair_times(
     todo = [sig for sig in first_of if sig not in cache]
     if len(first_of) > max_pairs:
         return {}
-    group = profiled._agreement_group()
-    _check_same_signatures(["|".join(f) + "||" + "|".join(b) for f, b in todo], group)
+    group = profiled.agreement_group()
+    check_same_signatures(["|".join(f) + "||" + "|".join(b) for f, b in todo], group)
     if todo:
         def measure_all() -> list[float]:
             times = []
             for sig in todo:
                 i, j = first_of[sig]
                 times.append(_measure_pair(profiled, fwd[i] if i is not None else (), bwd[j] if j is not None else ()))
-            return _agree_max([t if not math.isnan(t) else -1.0 for t in times], group)
+            return agree_max([t if not math.isnan(t) else -1.0 for t in times], group)
 
         measured = runner(measure_all) if runner is not None else measure_all()
         for sig, t in zip(todo, measured, strict=True):
@@ -127,14 +127,14 @@ def _measure_pair(profiled: ProfiledEstimator, fwd: Segment, bwd: Segment) -> fl
     try:
         for node in (*bwd, *fwd):
             kind = kind_of(node)
-            if kind not in ("compute", "collective") or profiled._skip_reason(node) == "free":
+            if kind not in ("compute", "collective") or profiled.skip_reason(node) == "free":
                 continue
             hints = size_hints([node, *node.all_input_nodes])
-            args, kwargs = profiled._real_args(node, hints, kind == "collective")
+            args, kwargs = profiled.real_args(node, hints, kind == "collective")
             calls.append((node, args, kwargs, kind == "collective"))
     except Exception:  # noqa: BLE001 - an op that cannot get inputs: not measurable
         return math.nan
-    device = _device_of_nodes([c[0] for c in calls])
+    device = device_of_nodes([c[0] for c in calls])
 
     def run() -> None:
         in_flight = []
@@ -146,9 +146,9 @@ def _measure_pair(profiled: ProfiledEstimator, fwd: Segment, bwd: Segment) -> fl
             c10d.wait_tensor(t)
 
     try:
-        group = profiled._agreement_group()
+        group = profiled.agreement_group()
         if group is not None:
             dist.barrier(group=group)
-        return _median_run_s(run, profiled.warmup, profiled.repeats, device)
+        return median_run_s(run, profiled.warmup, profiled.repeats, device)
     except Exception:  # noqa: BLE001
         return math.nan

@@ -179,7 +179,8 @@ def _is_collective_sig(sig: str) -> bool:
     return sig.startswith("_c10d_functional.")
 
 
-def _device_of_nodes(nodes: Iterable[torch.fx.Node]) -> torch.device:
+def device_of_nodes(nodes: Iterable[torch.fx.Node]) -> torch.device:
+    """The device of the first tensor value among ``nodes`` (CPU if none has one)."""
     for node in nodes:
         for t in tensors_in(node.meta.get("val")):
             return torch.device(t.device)
@@ -353,16 +354,16 @@ class ProfiledEstimator:
         """Measure the graph's ops and collectives; see the module docstring."""
         t_start = time.perf_counter()
         nodes = node_list(gm)
-        device = _device_of_nodes(nodes)
+        device = device_of_nodes(nodes)
         key = self.device_name or device_key(device)
         cache = self._load_cache(key)
-        agree_group = self._agreement_group()
+        agree_group = self.agreement_group()
 
         skipped: dict[str, int] = {}
         items: list[_Item] = []
         seen: dict[str, None] = {}
         for node in nodes:
-            reason = self._skip_reason(node)
+            reason = self.skip_reason(node)
             if reason is not None:
                 if reason != "free":
                     skipped[reason] = skipped.get(reason, 0) + 1
@@ -373,12 +374,12 @@ class ProfiledEstimator:
             seen[sig] = None
             items.append(_Item(sig, node, kind_of(node) == "collective"))
 
-        _check_same_signatures([it.sig for it in items], agree_group)
+        check_same_signatures([it.sig for it in items], agree_group)
         # Collectives depend on the link, which the cache key cannot name: they come only from
         # this process's own measurements, never from (or into) the disk cache.
         known = {**{k: v for k, v in cache.items() if not _is_collective_sig(k)}, **self.measurements}
         missing = [0.0 if it.sig in known else 1.0 for it in items]
-        missing = _agree_max(missing, agree_group)
+        missing = agree_max(missing, agree_group)
 
         times: list[float] = []
         measured = cached = 0
@@ -399,7 +400,7 @@ class ProfiledEstimator:
                 times.append(t if not math.isnan(t) else _FAILED)
         finally:
             bar.close()
-        times = _agree_max(times, agree_group)
+        times = agree_max(times, agree_group)
 
         for item, t in zip(items, times, strict=True):
             if t == _FAILED:
@@ -423,7 +424,8 @@ class ProfiledEstimator:
             seconds=time.perf_counter() - t_start,
         )
 
-    def _skip_reason(self, node: torch.fx.Node) -> str | None:
+    def skip_reason(self, node: torch.fx.Node) -> str | None:
+        """Why ``node`` is not measured (``"free"``: costs nothing), or None when it is."""
         kind = kind_of(node)
         if kind == "p2p":
             return "p2p not profiled"
@@ -462,7 +464,8 @@ class ProfiledEstimator:
             return self.progress
         return sys.stderr.isatty() and total >= 8
 
-    def _agreement_group(self) -> Any:
+    def agreement_group(self) -> Any:
+        """The process group measurements are agreed over (None: a single process)."""
         if self.process_group is not None:
             return self.process_group
         try:
@@ -480,9 +483,9 @@ class ProfiledEstimator:
         """Median seconds of one signature; NaN when it cannot run."""
         node = item.node
         hints = size_hints([node, *node.all_input_nodes])
-        device = _device_of_nodes([node])
+        device = device_of_nodes([node])
         try:
-            args, kwargs = self._real_args(node, hints, item.is_collective)
+            args, kwargs = self.real_args(node, hints, item.is_collective)
         except Exception:
             return math.nan
         if item.is_collective:
@@ -497,7 +500,7 @@ class ProfiledEstimator:
 
             try:
                 dist.barrier(group=group)
-                return _median_run_s(run, self.warmup, self.repeats, device)
+                return median_run_s(run, self.warmup, self.repeats, device)
             except Exception:
                 return math.nan
 
@@ -505,13 +508,15 @@ class ProfiledEstimator:
             return node.target(*args, **kwargs)
 
         try:
-            return _median_run_s(run_compute, self.warmup, self.repeats, device)
+            return median_run_s(run_compute, self.warmup, self.repeats, device)
         except Exception:
             return math.nan
 
-    def _real_args(
+    def real_args(
         self, node: torch.fx.Node, hints: dict[sympy.Symbol, int], is_collective: bool
     ) -> tuple[list[Any], dict[str, Any]]:
+        """Real arguments for running ``node`` alone: random tensors of its inputs' shapes at
+        ``hints``; a collective's group arguments resolved to the live group when ``is_collective``."""
         made: dict[torch.fx.Node, Any] = {}
 
         def real(value: Any) -> Any:
@@ -578,17 +583,17 @@ class ProfiledEstimator:
             f"|backend={_backend_name(group)}|size={_group_size(group)}"
         )
         # Every rank must take the same branch: measure unless the key is cached everywhere.
-        if not _agree_max([0.0 if key in cache else 1.0], group)[0]:
-            factor = _agree_max([cache[key]], group)[0]
+        if not agree_max([0.0 if key in cache else 1.0], group)[0]:
+            factor = agree_max([cache[key]], group)[0]
             cache[key] = factor
             return factor
         import torch.distributed as dist
 
         node = item.node
         hints = size_hints([node, *node.all_input_nodes])
-        device = _device_of_nodes([node])
+        device = device_of_nodes([node])
         try:
-            args, kwargs = self._real_args(node, hints, False)
+            args, kwargs = self.real_args(node, hints, False)
         except Exception:
             args = None
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=_comm_device(group, device))
@@ -613,7 +618,7 @@ class ProfiledEstimator:
             work.wait()
         base = statistics.median(alone)
         local = max(1.0, statistics.median(busy) / base) if base > 0 else 1.0
-        factor = _agree_max([local], group)[0]
+        factor = agree_max([local], group)[0]
         cache[key] = factor
         return factor
 
@@ -684,9 +689,10 @@ def _comm_nbytes(node: torch.fx.Node) -> int:
     return int(evaluate(nbytes, size_hints([node, *node.all_input_nodes])))
 
 
-def _median_run_s(
+def median_run_s(
     fn: Callable[[], object], warmup: int, repeats: int, device: torch.device
 ) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` after ``warmup`` calls (device synchronized)."""
     for _ in range(warmup):
         fn()
     _synchronize(device)
@@ -699,7 +705,7 @@ def _median_run_s(
     return statistics.median(samples)
 
 
-def _agree_max(values: Sequence[float], group: Any) -> list[float]:
+def agree_max(values: Sequence[float], group: Any) -> list[float]:
     """Element-wise max over the ranks of ``group`` (identity without a group)."""
     values = [float(v) for v in values]
     if group is None or not values:
@@ -714,14 +720,14 @@ def _agree_max(values: Sequence[float], group: Any) -> list[float]:
     return [float(v) for v in t.cpu().tolist()]
 
 
-def _check_same_signatures(sigs: Sequence[str], group: Any) -> None:
+def check_same_signatures(sigs: Sequence[str], group: Any) -> None:
     """Raise (never hang) when ranks are about to measure different signature lists."""
     if group is None or _group_size(group) in (None, 1) or _backend_name(group) == "fake":
         return
     digest = hashlib.sha256("\n".join(sigs).encode()).digest()
     h = float(int.from_bytes(digest[:6], "little"))  # exact in float64
     n = float(len(sigs))
-    agreed = _agree_max([h, -h, n, -n], group)
+    agreed = agree_max([h, -h, n, -n], group)
     if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:
         raise RuntimeError(
             "ProfiledEstimator.calibrate: ranks are calibrating different graphs "
