@@ -11,6 +11,7 @@
                       predicts, for predicted-vs-measured checks
     helix             dhelix_compile.helix: micro-batch i+1's forward merged with micro-batch
                       i's backward, ordered by the Strand Interleaving DP (Inductor codegen)
+    helix_decompose   helix with decompose="per_peer" (``steps.HELIX_VARIANTS``)
 
 A step runs every micro-batch's forward and backward (``step_function``): the other variants
 loop over the micro-batches, helix takes them all at once.
