@@ -12,6 +12,18 @@ with a backward strand's so that each strand's transfer runs under the other's c
 with moves whose live bytes exceed a budget forbidden. ``graph_passes.interleave`` builds the
 segments from a merged FX graph (and may measure ``P``); ``cost_model.cluster`` builds them
 from a transformer layer's analytic costs. Deterministic: ties go to the first move tried.
+
+``P`` is additive: it cannot see that a transfer left in flight at the end of one step runs
+under the next step's compute, nor a wait that a chain of transfers leaves exposed.
+``refine_path`` corrects the DP's path by local search against ``path_time``, a simulation of a
+whole path at segment granularity (one compute stream, one channel, transfers in issue order,
+a segment's first wait blocking until its strand's previous transfer is done)::
+
+    moves, each keeping both strands' orders:
+      split a pair      (i, j)              -> (∅, j), (i, ∅)   or   (i, ∅), (∅, j)
+      join two singles  (i, ∅), (∅, j)      -> (i, j)           (either order)
+      swap two singles  (i, ∅), (∅, j)      -> (∅, j), (i, ∅)
+    first improvement, scanning left to right, until none improves or ``max_evals``
 """
 
 from __future__ import annotations
@@ -37,6 +49,11 @@ class Segment:
     comm_s: float
     live_after_bytes: int
     peak_bytes: int
+    lead_s: float = 0.0
+    """Compute before the segment's first wait on its strand's earlier transfers (0: it waits
+    first, or has no wait and ``waits`` is False)."""
+    waits: bool = True
+    """Whether the segment waits for its strand's previous transfer (conservatively True)."""
 
 
 Pair = tuple[int | None, int | None]
@@ -136,3 +153,111 @@ def _relax(
     if peak_bytes <= budget_bytes and cost < best[i][j]:
         best[i][j] = cost
         step[i][j] = pair
+
+
+def path_time(
+    path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment], contention_factor: float = 1.0
+) -> float:
+    """Makespan of a path run as ``interleave.emit`` orders it, at segment granularity.
+
+    Each pair runs B's segment, then F's. A segment computes ``lead_s``, then (if ``waits``)
+    blocks until its strand's latest transfer has finished, computes the rest and issues its
+    transfer, which starts when the one channel is free. Compute while the channel is busy
+    runs ``contention_factor`` times slower.
+    """
+    now = 0.0
+    channel = 0.0  # the channel is busy, without a gap, from before ``now`` until ``channel``
+    done = [0.0, 0.0]  # per strand (0 = forward, 1 = backward): its latest transfer's end
+
+    def run(start: float, work: float) -> float:
+        if work <= 0.0:
+            return start
+        if start < channel:
+            wall = min(channel - start, work * contention_factor)
+            return start + wall + (work - wall / contention_factor)
+        return start + work
+
+    for i, j in path:
+        for side, segment in ((1, bwd[j] if j is not None else None), (0, fwd[i] if i is not None else None)):
+            if segment is None:
+                continue
+            lead = min(segment.lead_s, segment.compute_s)
+            now = run(now, lead)
+            if segment.waits:
+                now = max(now, done[side])
+            now = run(now, segment.compute_s - lead)
+            if segment.comm_s > 0.0:
+                channel = max(now, channel) + segment.comm_s
+                done[side] = channel
+    return max(now, channel)
+
+
+def path_peak_bytes(
+    path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment], fwd_base_bytes: int = 0, bwd_base_bytes: int = 0
+) -> int:
+    """Peak live bytes of a path, as ``plan_pairs`` counts them for each move."""
+    f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
+    b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
+    fi = bj = 0
+    peak = 0
+    for i, j in path:
+        if i is not None and j is not None:
+            peak = max(peak, f_after[fi] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[bj + 1])
+        elif i is not None:
+            peak = max(peak, fwd[i].peak_bytes + b_after[bj])
+        elif j is not None:
+            peak = max(peak, f_after[fi] + bwd[j].peak_bytes)
+        fi, bj = fi + (i is not None), bj + (j is not None)
+    return peak
+
+
+def _neighbours(path: list[Pair], k: int) -> list[list[Pair]]:
+    """Paths one move away at position ``k`` (see the module docstring), both orders kept."""
+    out: list[list[Pair]] = []
+    i, j = path[k]
+    if i is not None and j is not None:
+        out.append(path[:k] + [(None, j), (i, None)] + path[k + 1 :])
+        out.append(path[:k] + [(i, None), (None, j)] + path[k + 1 :])
+    if k + 1 < len(path):
+        a, b = path[k], path[k + 1]
+        singles = (a[0] is None) != (a[1] is None) and (b[0] is None) != (b[1] is None)
+        if singles and (a[0] is None) != (b[0] is None):  # one forward single, one backward single
+            fi = a[0] if a[0] is not None else b[0]
+            bj = a[1] if a[1] is not None else b[1]
+            out.append(path[:k] + [(fi, bj)] + path[k + 2 :])
+            out.append(path[:k] + [b, a] + path[k + 2 :])
+    return out
+
+
+def refine_path(
+    path: Sequence[Pair],
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    *,
+    contention_factor: float = 1.0,
+    budget_bytes: float = math.inf,
+    fwd_base_bytes: int = 0,
+    bwd_base_bytes: int = 0,
+    max_evals: int = 4000,
+) -> tuple[list[Pair], float]:
+    """Local search from ``path`` against :func:`path_time` within the memory budget.
+
+    Returns the best path found and its ``path_time``; deterministic (a fixed evaluation
+    budget, never a time limit, so every rank finds the same path).
+    """
+    best = list(path)
+    best_s = path_time(best, fwd, bwd, contention_factor)
+    evals = 0
+    k = 0
+    while k < len(best) and evals < max_evals:
+        improved = False
+        for candidate in _neighbours(best, k):
+            evals += 1
+            if path_peak_bytes(candidate, fwd, bwd, fwd_base_bytes, bwd_base_bytes) > budget_bytes:
+                continue
+            value = path_time(candidate, fwd, bwd, contention_factor)
+            if value < best_s - 1e-12:
+                best, best_s, improved = candidate, value, True
+                break
+        k = max(k - 1, 0) if improved else k + 1
+    return best, best_s

@@ -38,6 +38,9 @@ Algorithm::
         backward whose off-chain work -- weight gradients, which no later transfer needs --
         moved d segments later, creating compute where communication needs it (DHelix does
         this by hand); candidate ``dp_defer{d}``
+    refine: from each DP path, a local search against a whole-path simulation at segment
+        granularity (``strand_plan.refine_path``: split, join or swap moves) corrects what
+        the additive pair costs cannot see; candidate ``{dp}_refined`` when it moved
     judge: ``simulate`` the sequential order, the DP's orders and the reorder pass's list
         scheduler run over both strands (a second opinion: the DP's additive pair costs do
         not see a wait that a chain of transfers leaves exposed); keep the shortest predicted
@@ -63,7 +66,7 @@ from cost_model.estimator import Estimator, MemoizedEstimator
 from cost_model.memory import live_bytes_profile
 from cost_model.op_kinds import is_comm
 from cost_model.simulator import simulate
-from cost_model.strand_plan import Pair, PairCost, Segment, formula_cost, plan_pairs
+from cost_model.strand_plan import Pair, PairCost, Segment, formula_cost, plan_pairs, refine_path
 from graph_passes.annotate import META_KEY
 from graph_passes.context import PassContext
 from graph_passes.deferral import defer_off_chain
@@ -82,6 +85,9 @@ class InterleaveOptions:
     defer_weight_grads: tuple[int, ...] = (1,)
     """For each distance d, the DP also plans a backward whose off-chain work (weight gradients:
     nodes no later transfer depends on) moved d segments later (``deferral.defer_off_chain``)."""
+
+    refine_evals: int = 4000
+    """Evaluations of the local search (``strand_plan.refine_path``) from each DP path; 0: off."""
 
 
 def strand_segments(
@@ -102,6 +108,8 @@ def strand_segments(
             continue
         piece = nodes[start : index + 1]
         costs = [estimator.node_cost(n) for n in piece]
+        first_wait = next((k for k, c in enumerate(costs) if c.kind == "wait"), None)
+        lead = costs if first_wait is None else costs[:first_wait]
         segments.append(
             Segment(
                 strand=_strand_of(node),
@@ -110,6 +118,8 @@ def strand_segments(
                 comm_s=math.fsum(c.time_s for c in costs if is_comm(c.kind)),
                 live_after_bytes=profile.live_after_free_bytes[index] - base,
                 peak_bytes=max(profile.live_after_alloc_bytes[start : index + 1]) - base,
+                lead_s=math.fsum(c.time_s for c in lead if c.kind == "compute"),
+                waits=first_wait is not None,
             )
         )
         start = index + 1
@@ -193,6 +203,18 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
             bwd_base_bytes=bwd_base,
         )
         plans[name] = emit(path, fwd_segments, bwd_segments)
+        if options.refine_evals > 0:
+            refined, _ = refine_path(
+                path,
+                fwd_segments,
+                bwd_segments,
+                contention_factor=factor,
+                budget_bytes=options.memory_budget_ratio * sequential_peak,
+                bwd_base_bytes=bwd_base,
+                max_evals=options.refine_evals,
+            )
+            if refined != path:
+                plans[f"{name}_refined"] = emit(refined, fwd_segments, bwd_segments)
         paired = sum(1 for f, b in path if f is not None and b is not None)
         paired_in_dp = paired if name == "dp" else paired_in_dp
         ctx.record("interleave", **{f"{name}_predicted_s": planned_s, f"{name}_paired_segments": paired})

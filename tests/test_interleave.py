@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cost_model.estimator import TableEstimator
 from cost_model.simulator import simulate
-from cost_model.strand_plan import Segment, formula_cost, plan_pairs
+from cost_model.strand_plan import Segment, formula_cost, path_peak_bytes, path_time, plan_pairs, refine_path
 from cost_model.testing import aot_partitions, fake_world, trace_aten
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
@@ -153,6 +153,53 @@ def _brute_force(price, a: int, b: int) -> float:
         if i == a and j == b:
             best = min(best, total)
     return best
+
+
+def test_refinement_sees_a_transfer_the_additive_pair_costs_leave_at_the_end() -> None:
+    # F_1's transfer runs after both strands' compute in the DP's pair (1, 1); the pair costs
+    # (max(4 + 4, 4 + 0) = 8) do not see it, the whole-path simulation does
+    fwd = [_seg(0, 0.0, 0.0), _seg(0, 4.0, 4.0)]
+    bwd = [_seg(1, 0.0, 2.0), _seg(1, 4.0, 0.0)]
+    path, _ = plan_pairs(fwd, bwd)
+    assert path == [(0, 0), (1, 1)] and path_time(path, fwd, bwd) == pytest.approx(14.0)
+    refined, refined_s = refine_path(path, fwd, bwd)
+    assert refined == [(0, 0), (1, None), (None, 1)]  # F_1 issues its transfer, then B_1 computes under it
+    assert refined_s == pytest.approx(8.0) == path_time(refined, fwd, bwd)
+
+
+def test_path_time_counts_lead_compute_before_a_wait() -> None:
+    fwd = [_seg(0, 1.0, 0.0)]
+    waits_first = [_seg(1, 0.0, 3.0), Segment(1, (), 2.0, 0.0, 0, 0, lead_s=0.0, waits=True)]
+    lead_first = [_seg(1, 0.0, 3.0), Segment(1, (), 2.0, 0.0, 0, 0, lead_s=2.0, waits=True)]
+    no_wait = [_seg(1, 0.0, 3.0), Segment(1, (), 2.0, 0.0, 0, 0, waits=False)]
+    path = [(None, 0), (None, 1), (0, None)]
+    assert path_time(path, fwd, waits_first) == pytest.approx(3.0 + 2.0 + 1.0)
+    assert path_time(path, fwd, lead_first) == pytest.approx(3.0 + 1.0)  # 2 s of it under the transfer
+    assert path_time(path, fwd, no_wait) == pytest.approx(3.0)
+    # twice as slow under the transfer: its 3 s do 1.5 s of the lead's work, 0.5 s after it, then F's 1 s
+    assert path_time(path, fwd, lead_first, contention_factor=2.0) == pytest.approx(3.0 + 0.5 + 1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 3)), min_size=1, max_size=5),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 3)), min_size=1, max_size=5),
+    st.sampled_from([1.0, 1.5]),
+    st.sampled_from([math.inf, 6]),
+)
+def test_refinement_never_worsens_keeps_both_orders_and_the_budget(f_costs, b_costs, factor, budget) -> None:
+    fwd = [_seg(0, float(c), float(x), live=m, peak=m + 1) for c, x, m in f_costs]
+    bwd = [_seg(1, float(c), float(x), live=m, peak=m + 1) for c, x, m in b_costs]
+    path, _ = plan_pairs(fwd, bwd, budget_bytes=budget)
+    before = path_time(path, fwd, bwd, factor)
+    refined, refined_s = refine_path(path, fwd, bwd, contention_factor=factor, budget_bytes=budget)
+    assert _path_is_valid(refined, len(fwd), len(bwd))
+    assert refined_s <= before + 1e-9 and refined_s == pytest.approx(path_time(refined, fwd, bwd, factor))
+    if path_peak_bytes(path, fwd, bwd) <= budget:
+        assert path_peak_bytes(refined, fwd, bwd) <= budget
+    compute = sum(s.compute_s for s in fwd + bwd)
+    comm = sum(s.comm_s for s in fwd + bwd)
+    assert max(compute, comm) - 1e-9 <= refined_s <= compute * factor + comm + 1e-9
 
 
 # ---------------------------------------------------------------------- the pass

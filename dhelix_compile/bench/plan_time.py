@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TP+SP transformer, {args.layers} layers, fake 2-rank group")
     print(f"merged graph: {record['fwd_segments']:.0f} forward + {record['bwd_segments']:.0f} backward segments, "
           f"{record['paired_segments']:.0f} paired")
-    print(f"plan (segments + DP): {record['plan_time_s']:.3f} s; "
+    makespans = {k[len("predicted_makespan_"):-2] or "chosen": v for k, v in record.items()
+                 if k.startswith("predicted_makespan_") and k.endswith("_s")}
+    print("predicted makespan per candidate order (ms): "
+          + ", ".join(f"{name} {value * 1e3:.2f}" for name, value in makespans.items()))
+    print(f"plan (segments + DP + refinement): {record['plan_time_s']:.3f} s; "
           f"interleave pass: {summary['pass_seconds']['interleave']:.3f} s; whole first step incl. compile: {total_s:.1f} s")
     dist.destroy_process_group()
     return 0
