@@ -254,6 +254,18 @@ def fake_mode_of(values: Sequence[Any]) -> Any:
     return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def group_size(group_name: str) -> int | None:
+    """Ranks in the process group ``group_name`` names (``None`` if unknown)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return len(group_ranks(group_name))
+    except Exception:  # noqa: BLE001 - an unknown group name: the caller skips with a reason
+        return None
+
+
 def group_rank(group_name: str) -> int | None:
     """This process's rank inside the process group ``group_name`` names (``None`` if unknown).
 

@@ -1,4 +1,4 @@
-"""decompose: all-gather→matmul and matmul→reduce-scatter as per-peer or chunked steps over partitioned compute.
+"""decompose: all-gather→matmul, matmul→reduce-scatter and matmul→all-reduce as per-peer or chunked steps over partitioned compute.
 
 Contract
     Input: an annotated AOTAutograd partition (functional aten IR, ``meta["val"]`` on every
@@ -48,6 +48,16 @@ Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weigh
       reduce-scatter: W's output columns split; chunk c's reduce-scatter is in flight while
                   chunk c+1's matmul runs; results concatenated along the last dim
 
+    matmul -> all-reduce (TP without SP), the matmul's output rows split
+      per peer: the reduce-scatter above on row blocks (remote blocks first, each sent when
+                ready, local last), then the reduced block sent to every peer while theirs
+                arrive; out = cat(blocks). Same bytes as a ring all-reduce; the scatter half
+                runs under the matmul.
+      chunked:  k row blocks; block c's all_reduce is in flight while block c+1's matmul runs
+
+    all_to_all_single -> expert compute: found and counted, left alone (the expert compute
+    behind a token permutation is not row-separable in general).
+
 Picture (2 ranks, all-gather along the sequence dim feeding Q/K/V)::
 
     before:  all_gather  wait  split  cat  view  mm_q  mm_k  mm_v        comm: [ag........]
@@ -73,6 +83,7 @@ from cost_model.simulator import simulate
 from graph_passes.annotate import annotate_pass
 from graph_passes.collective_matches import (
     AllGatherMatmul,
+    MatmulAllReduce,
     MatmulReduceScatter,
     find_all_gather_matmuls,
     find_all_to_all_computes,
@@ -106,7 +117,7 @@ class DecomposeOptions:
     """Largest k tried by the chunked variant (k = 2..max_chunks that divide the shape)."""
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
-    patterns: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter")
+    patterns: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
     """Which patterns may be rewritten."""
 
     def validate(self) -> DecomposeOptions:
@@ -532,6 +543,75 @@ class _ReduceScatterSite:
         _erase_dead(self.graph, self.old_nodes)
 
 
+class _AllReduceSite:
+    """``wait(all_reduce(matmul))``, the matmul's output rows split (Megatron TP without SP)."""
+
+    def __init__(self, m: MatmulAllReduce, graph: torch.fx.Graph, group_size: int) -> None:
+        self.m, self.graph, self.n = m, graph, group_size
+        if m.issue.target != c10d.all_reduce.default:
+            raise SkipSite(f"{m.issue.target} (only the functional all_reduce)")
+        if m.reduce_op not in ("sum", "avg"):
+            raise SkipSite(f"reduce op {m.reduce_op!r}")
+        chain: list[torch.fx.Node] = []
+        node = m.issue.args[0]
+        while node is not m.matmul:  # views from the all-reduce's input back to the matmul
+            chain.append(node)  # type: ignore[arg-type]
+            node = node.args[0]  # type: ignore[union-attr]
+        inside = {*chain, m.issue}
+        for node in [m.matmul, *chain]:
+            if any(u not in inside for u in node.users):
+                raise SkipSite("the matmul output (or a view of it) has other consumers")
+        if len(_val(_row_operand(m.matmul)).shape) != 2:
+            raise SkipSite("row operand is not 2-d")
+        position = _position(graph)
+        self.old_nodes = sorted([m.matmul, *chain, m.issue, m.wait], key=position.__getitem__)
+        self.anchor = m.matmul
+        self.rows = int(_val(m.matmul).shape[0])
+
+    def _part(self, e: _Emitter, j: int, parts: int) -> torch.fx.Node:
+        """The matmul on row block ``j`` of ``parts``."""
+        mm = self.m.matmul
+        rows = _chunk_rows(e, _row_operand(mm), [self.rows], 0, j, parts)
+        return _matmul(e, mm, rows, ([self.rows], 0, j, parts))
+
+    def _result(self, e: _Emitter, blocks: Sequence[torch.fx.Node]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+        return [(self.m.wait, e.view(e.cat(blocks, 0), list(_val(self.m.wait).shape)))]
+
+    def per_peer(self, e: _Emitter, rank: int, tag: int) -> _Variant:
+        """Reduce-scatter per peer (remote row blocks first, local last), then all-gather per peer."""
+        m, n = self.m, self.n
+        if self.rows % n:
+            raise SkipSite(f"rows ({self.rows}) not divisible by {n}")
+        flights = []
+        for s in range(1, n):
+            peer = (rank + s) % n
+            flights.append(e.exchange(self._part(e, peer, n), peer, (rank - s) % n, tag + s, m.group_name))
+        mine = self._part(e, rank, n)
+        for flight in flights:
+            mine = e.call(aten.add.Tensor, mine, e.wait_exchange(flight))
+        if m.reduce_op == "avg":
+            mine = e.call(aten.div.Tensor, mine, n)
+        gathers = [e.exchange(mine, (rank + s) % n, (rank - s) % n, tag + n + s, m.group_name) for s in range(1, n)]
+        blocks = {rank: mine}
+        for s, flight in enumerate(gathers, start=1):
+            blocks[(rank - s) % n] = e.wait_exchange(flight)
+        return _Variant("per_peer", e, self._result(e, [blocks[j] for j in range(n)]))
+
+    def chunked(self, e: _Emitter, k: int) -> _Variant:
+        """k row blocks: block c's all-reduce in flight while block c+1's matmul runs."""
+        if self.rows % k:
+            raise SkipSite(f"rows ({self.rows}) not divisible by {k}")
+        op = c10d.all_reduce.default
+        flights = [e.call(op, self._part(e, c, k), self.m.reduce_op, self.m.group_name) for c in range(k)]
+        outs = [e.call(c10d.wait_tensor.default, f) for f in flights]
+        return _Variant(f"chunked_{k}", e, self._result(e, outs))
+
+    def commit(self, variant: _Variant) -> None:
+        for old, new in variant.replace:
+            old.replace_all_uses_with(new)
+        _erase_dead(self.graph, self.old_nodes)
+
+
 def _consumers_through_views(node: torch.fx.Node) -> list[torch.fx.Node]:
     out: list[torch.fx.Node] = []
     for user in node.users:
@@ -582,10 +662,15 @@ class _Decomposer:
         if "matmul_reduce_scatter" in patterns:
             for m in find_matmul_reduce_scatters(self.graph, skipped):
                 self._site("matmul_reduce_scatter", lambda m=m: _ReduceScatterSite(m, self.graph), m.group_name, m.group_size, m.issue)
-        for m in find_matmul_all_reduces(self.graph, skipped):
-            self.count("matmul_all_reduce: left alone (not implemented)")
+        if "matmul_all_reduce" in patterns:
+            for m in find_matmul_all_reduces(self.graph, skipped):
+                size = self.compat.group_size(m.group_name)
+                if size is None:
+                    self.count(f"matmul_all_reduce: skipped: unknown process group {m.group_name!r}")
+                    continue
+                self._site("matmul_all_reduce", lambda m=m, size=size: _AllReduceSite(m, self.graph, size), m.group_name, size, m.issue)
         for m in find_all_to_all_computes(self.graph, skipped):
-            self.count("all_to_all_compute: left alone (not implemented)")
+            self.count("all_to_all_compute: left alone (no rewrite splits expert compute by source rank yet)")
         for reason, n in sorted(skipped.items()):
             self.ctx.count(PASS, f"not matched: {reason}", n)
         self.ctx.record(PASS, predicted_saved_s=self.saved_s)

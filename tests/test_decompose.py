@@ -51,6 +51,12 @@ def _row_out(h, w, group, scatter_dim=1):
     return funcol.reduce_scatter_single(y, "sum", scatter_dim, group)
 
 
+def _row_ar(h, w, group):
+    """Megatron TP's row-parallel output: matmul -> all-reduce."""
+    y = h.reshape(-1, h.shape[-1]) @ w.t()
+    return funcol.all_reduce(y.reshape(h.shape[0], h.shape[1], -1), "sum", group)
+
+
 def _traced(fn, *shapes, world=2, rank=0):
     with fake_world(world, rank) as group:
         return trace_aten(lambda *a: fn(*a, group), *[torch.randn(s) for s in shapes])
@@ -68,9 +74,10 @@ def _run(gm, estimator=SLOW_LINK, world=2, rank=0, **options) -> PassContext:
 
 
 def _ops(gm) -> list[str]:
-    """Transfers, waits and matmuls in order: ``p2p``, ``ag``, ``rs``, ``wait``, ``mm``."""
+    """Transfers, waits and matmuls in order: ``p2p``, ``ag``, ``rs``, ``ar``, ``wait``, ``mm``."""
     names = {P2P_EXCHANGE: "p2p", c10d.all_gather_into_tensor.default: "ag",
-             c10d.reduce_scatter_tensor.default: "rs", c10d.wait_tensor.default: "wait",
+             c10d.reduce_scatter_tensor.default: "rs", c10d.all_reduce.default: "ar",
+             c10d.wait_tensor.default: "wait",
              aten.mm.default: "mm", aten.addmm.default: "mm"}
     return [names[n.target] for n in gm.graph.nodes if n.target in names]
 
@@ -113,6 +120,35 @@ def test_chunked_variants_keep_k_collectives_in_flight_order() -> None:
     ctx = _run(gm, mode="chunked", max_chunks=2)
     assert ctx.stats["decompose"]["matmul_reduce_scatter: chunked_2"] == 1
     assert _ops(gm) == ["mm", "rs", "mm", "rs", "wait", "wait"]
+
+
+def test_all_reduce_chunked_keeps_k_row_blocks_in_flight_and_per_peer_scatters_then_gathers() -> None:
+    gm = _traced(_row_ar, (2, 8, 8), (6, 8))
+    ctx = _run(gm, mode="chunked", max_chunks=2)
+    assert ctx.stats["decompose"]["matmul_all_reduce: chunked_2"] == 1
+    # block c+1's matmul runs while block c's all-reduce is in flight
+    assert _ops(gm) == ["mm", "ar", "mm", "ar", "wait", "wait"]
+    blocks = [n for n in gm.graph.nodes if n.target == aten.slice.Tensor]
+    assert [(n.args[1], n.args[2], n.args[3]) for n in blocks] == [(0, 0, 8), (0, 8, 16)]
+
+    gm = _traced(_row_ar, (2, 8, 8), (6, 8), world=4, rank=1)
+    ctx = _run(gm, world=4, rank=1, mode="per_peer")
+    assert ctx.stats["decompose"]["matmul_all_reduce: per_peer"] == 1
+    # remote row blocks sent as soon as each is computed, the local block last; then the reduced
+    # block goes to every peer while theirs arrive
+    assert _ops(gm) == ["mm", "p2p", "mm", "p2p", "mm", "p2p", "mm"] + ["wait"] * 6 + ["p2p"] * 3 + ["wait"] * 6
+    assert _p2p_peers(gm) == [[2, 0], [3, 3], [0, 2], [2, 0], [3, 3], [0, 2]]
+    assert not any(n.target == c10d.all_reduce.default for n in gm.graph.nodes)
+
+
+def test_all_reduce_with_rows_that_do_not_split_is_left_alone_with_reasons() -> None:
+    gm = _traced(_row_ar, (1, 3, 8), (6, 8))  # 3 rows: neither 2 ranks nor 2 chunks divide them
+    before = str(gm.graph)
+    ctx = _run(gm, mode="auto", max_chunks=2)
+    stats = ctx.stats["decompose"]
+    assert stats["matmul_all_reduce: per_peer skipped: rows (3) not divisible by 2"] == 1
+    assert stats["matmul_all_reduce: chunked skipped: rows (3) not divisible by 2"] == 1
+    assert stats["matmul_all_reduce: skipped: no variant applies"] == 1 and str(gm.graph) == before
 
 
 def test_auto_rewrites_only_with_a_predicted_gain_and_records_predictions() -> None:
@@ -209,13 +245,21 @@ def _check_case(rank: int, n: int, backend, seed: int, case: tuple) -> None:
         y = flat @ w.t() if seed % 2 == 0 else torch.addmm(per_row_bias, flat, w.t())  # bias per row
         return funcol.reduce_scatter_single(y.reshape(*h.shape[:-1], n_out), "sum", dim, group)
 
+    def ar(h, w):
+        flat = h.reshape(-1, k)
+        y = flat @ w.t() if seed % 2 == 0 else torch.addmm(per_row_bias, flat, w.t())  # bias per row
+        return funcol.all_reduce(y.reshape(*h.shape[:-1], n_out), "sum", group)
+
     def loss_ag(o):
         return (o[0] * probe_ag).sum() + (o[1] * probe_ag).sum()
 
     def loss_rs(o):
         return (o * probe_rs).sum()
 
-    for fn, args, loss in ((ag, (xs[rank], w1, w2), loss_ag), (rs, (hs[rank], w1), loss_rs)):
+    probe_ar = torch.randn(*rs_shape[:-1], n_out, generator=gen)
+    cases = ((ag, (xs[rank], w1, w2), loss_ag), (rs, (hs[rank], w1), loss_rs),
+             (ar, (hs[rank], w1), lambda o: (o * probe_ar).sum()))
+    for fn, args, loss in cases:
         results = []
         for run in (fn, torch.compile(fn, backend=backend)):
             leaves = [a.clone().requires_grad_() for a in args]
@@ -240,6 +284,7 @@ def _assert_rewrote(stats: dict[str, int], mode: str, cases: int) -> None:
         return sum(v for k, v in stats.items() if k.startswith(pattern) and (k.endswith(": per_peer") or ": chunked_" in k))
     assert done("all_gather_matmul") >= (2 if mode == "per_peer" else 1) * cases, stats
     assert done("matmul_reduce_scatter") >= 2 * cases, stats
+    assert done("matmul_all_reduce") >= cases, stats
     assert not any(k.endswith(": per_peer") for k in stats) or mode == "per_peer", stats
 
 
@@ -261,7 +306,7 @@ def test_standalone_per_peer_equals_undecomposed_on_4_ranks(cases) -> None:
         _assert_rewrote(stats, "per_peer", len(cases))
 
 
-def _tp_sp(rank: int, world_size: int, mode: str, codegen: str) -> dict[str, int]:
+def _tp_sp(rank: int, world_size: int, mode: str, codegen: str, kind: str = "tp_sp") -> dict[str, int]:
     import dhelix_compile
     from dhelix_compile.testing.checks import check_against_reference
 
@@ -269,7 +314,7 @@ def _tp_sp(rank: int, world_size: int, mode: str, codegen: str) -> dict[str, int
         backend = dhelix_compile.backend(
             codegen=codegen, fallback="error", dump_dir=dump_dir, decompose=mode, decompose_max_chunks=2
         )
-        check_against_reference(rank, world_size, "tp_sp", backend)
+        check_against_reference(rank, world_size, kind, backend)
         return _decompose_stats(dump_dir, rank)
 
 
@@ -285,6 +330,16 @@ def test_tp_sp_reference_model_with_per_peer_decomposition(world_size: int, code
         # every block's attention and MLP, forward and backward (2 layers)
         assert stats.get("all_gather_matmul: per_peer", 0) >= 8, stats
         assert stats.get("matmul_reduce_scatter: per_peer", 0) >= 8, stats
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["per_peer", "chunked"])
+def test_tp_reference_model_with_decomposed_all_reduces(mode: str) -> None:
+    """Megatron TP (no SP): every matmul -> all-reduce site rewritten, results as undecomposed."""
+    for stats in run_on_ranks(_tp_sp, 2, mode, "eager", "tp", timeout_s=540):
+        done = sum(v for k, v in stats.items() if k.startswith("matmul_all_reduce: ") and (k.endswith("per_peer") or "chunked_" in k))
+        assert done >= 4, stats  # attention and MLP outputs of both layers, at least
 
 
 @pytest.mark.multirank
