@@ -28,8 +28,11 @@ Signature: ``op | args | kwargs | -> output`` where tensors appear as
 by rank, cost does not); collectives add the group size and backend but not the group's name.
 Cache file: ``<cache_dir>/<device name>.json`` with ``{"entries": {signature: seconds}}``.
 
-Nodes that cannot be measured (P2P, unknown groups, a fake process group, an op that
-raises on random inputs) keep the base estimate; ``CalibrationReport.skipped`` counts why.
+Nodes that cannot be measured (unknown groups, a fake process group, an op that raises on
+random inputs) keep the base estimate; ``CalibrationReport.skipped`` counts why. P2P
+transfers are not measured (the decompose pass creates them after calibration); they get
+the base estimate times ``link_scale``, the median over every collective measured so far of
+measured / base time -- the link as measured, agreed like the times it comes from.
 With the measured time ``t`` and the base estimate ``b(sizes)``, ``time_expr`` becomes
 ``b(sizes) * t / b(hints)``: exact at the hints, the base model's growth elsewhere.
 """
@@ -268,6 +271,7 @@ class ProfiledEstimator:
         self.runner = runner
         self.measurements: dict[str, float] = {}
         self.measured_contention_factor: float | None = None
+        self._link_ratios: dict[str, float] = {}  # collective signature -> measured / base time
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
 
     # ------------------------------------------------------------------ estimator API
@@ -278,8 +282,17 @@ class ProfiledEstimator:
             return self.measured_contention_factor
         return float(getattr(self.base, "contention_factor", 1.0))
 
+    @property
+    def link_scale(self) -> float | None:
+        """Median measured / base time of the collectives measured so far (None before any)."""
+        return statistics.median(self._link_ratios.values()) if self._link_ratios else None
+
     def node_cost(self, node: torch.fx.Node) -> NodeCost:
         cost = self.base.node_cost(node)
+        if cost.kind == "p2p" and self._link_ratios:
+            scale = self.link_scale
+            assert scale is not None
+            return dataclasses.replace(cost, time_s=cost.time_s * scale, time_expr=cost.time_expr * sympy.Float(scale))
         if not self.measurements or cost.kind not in ("compute", "collective"):
             return cost
         sig = self.signature(node)
@@ -409,6 +422,10 @@ class ProfiledEstimator:
             self.measurements[item.sig] = t
             if not item.is_collective:
                 cache[item.sig] = t
+            else:
+                base_s = self.base.node_cost(item.node).time_s
+                if base_s > 0:
+                    self._link_ratios[item.sig] = t / base_s
 
         contention = None
         if self.measure_contention:
@@ -428,7 +445,7 @@ class ProfiledEstimator:
         """Why ``node`` is not measured (``"free"``: costs nothing), or None when it is."""
         kind = kind_of(node)
         if kind == "p2p":
-            return "p2p not profiled"
+            return "p2p: base estimate times link_scale"
         if kind == "compute":
             if is_schema_view(node):
                 return "free"

@@ -117,7 +117,16 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
                                   repeats=1, progress=False, measure_contention=False)
     skewed.calibrate(gm)
     issue = next(n for n in gm.graph.nodes if n.target == c10d.all_reduce.default)
+    from dhelix_compile._torch_compat import P2P_EXCHANGE
+
+    exchange = trace_aten(lambda x: P2P_EXCHANGE(x, 1 - rank, 1 - rank, 3, dist.group.WORLD.group_name),
+                          torch.randn(64, 64))
+    p2p = next(n for n in exchange.graph.nodes if n.target == P2P_EXCHANGE)
     return {
+        "link_scale": real.link_scale,
+        "p2p_s": real.node_cost(p2p).time_s,
+        "p2p_base_s": base.node_cost(p2p).time_s,
+        "allreduce_base_s": base.node_cost(issue).time_s,
         "measured": report.measured,
         "contention": report.contention_factor,
         "real": real.measurements,
@@ -141,6 +150,9 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     # the max over ranks wins: rank 1 "measured" 2 ms
     assert r0["skewed"] == r1["skewed"] and set(r0["skewed"].values()) == {2e-3}
     assert not math.isnan(r0["allreduce_s"])
+    # P2P (not measured) is priced on the link as the measured all-reduce found it
+    assert r0["link_scale"] == r1["link_scale"] == pytest.approx(r0["allreduce_s"] / r0["allreduce_base_s"])
+    assert r0["p2p_s"] == pytest.approx(r0["p2p_base_s"] * r0["link_scale"]) and r0["p2p_s"] > 0
 
 
 def test_rank_dependent_scalars_do_not_change_signatures(tmp_path: pathlib.Path) -> None:
