@@ -162,62 +162,42 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     assert isinstance(options, InterleaveOptions)
     estimator = MemoizedEstimator(ctx.estimator)
     factor = float(getattr(estimator, "contention_factor", 1.0))
-    measure = getattr(estimator, "segment_pair_times", None)  # cost_model="profile"
     start_s = time.perf_counter()
-    measure_s = 0.0
-    measured_pairs = 0
     bwd_inputs = [n for n in nodes if n.op == "placeholder" and _strand_of(n) == BWD_STRAND]
     bwd_base = sum(estimator.node_cost(n).output_bytes for n in bwd_inputs)
     fwd_segments = strand_segments(fwd_nodes, estimator)
-    bwd_orders = {"dp": bwd_nodes}
-    for distance in options.defer_weight_grads:
-        deferred = defer_off_chain(bwd_nodes, lambda n: is_comm(estimator.node_cost(n).kind), distance)
-        if deferred != bwd_nodes and deferred not in bwd_orders.values():
-            bwd_orders[f"dp_defer{distance}"] = deferred
+    bwd_segments = {
+        name: strand_segments(order, estimator, freeable_inputs=bwd_inputs)
+        for name, order in _backward_orders(bwd_nodes, estimator, options.defer_weight_grads).items()
+    }
+    captured = bwd_segments["dp"]  # the backward as captured: the sequential order, the budget's base
+    sequential_path: list[Pair] = [(None, j) for j in range(len(captured))] + [(i, None) for i in range(len(fwd_segments))]
+    sequential = emit(sequential_path, fwd_segments, captured)
+    budget_bytes = options.memory_budget_ratio * _sequential_peak(fwd_segments, captured, bwd_base)
+    measure = getattr(estimator, "segment_pair_times", None)  # cost_model="profile"
+    measure_s = 0.0
+    measured_pairs = 0
     plans: dict[str, list[torch.fx.Node]] = {}
-    sequential_path: list[Pair] = []
-    sequential_peak = 0.0
-    paired_in_dp = 0
-    for name, bwd_order in bwd_orders.items():
-        bwd_segments = strand_segments(bwd_order, estimator, freeable_inputs=bwd_inputs)
-        if name == "dp":  # the sequential order, and the peak the memory budget is relative to
-            sequential_path = [(None, j) for j in range(len(bwd_segments))] + [(i, None) for i in range(len(fwd_segments))]
-            sequential = emit(sequential_path, fwd_segments, bwd_segments)
-            sequential_peak = max(
-                [bwd_base, *(s.peak_bytes for s in bwd_segments)]
-                + [s.peak_bytes + (bwd_segments[-1].live_after_bytes if bwd_segments else bwd_base) for s in fwd_segments]
-            )
-        cost = formula_cost(fwd_segments, bwd_segments, factor)
+    paired: dict[str, int] = {}
+    for name, segments in bwd_segments.items():
+        cost = formula_cost(fwd_segments, segments, factor)
         if measure is not None:
             measure_start_s = time.perf_counter()
-            measured = measure([s.nodes for s in fwd_segments], [s.nodes for s in bwd_segments])
+            measured = measure([s.nodes for s in fwd_segments], [s.nodes for s in segments])
             measure_s += time.perf_counter() - measure_start_s
             measured_pairs += len(measured)
-            if measured:
-                cost = _measured_or(measured, cost)
-        path, planned_s = plan_pairs(
-            fwd_segments,
-            bwd_segments,
-            cost=cost,
-            budget_bytes=options.memory_budget_ratio * sequential_peak,
-            bwd_base_bytes=bwd_base,
-        )
-        plans[name] = emit(path, fwd_segments, bwd_segments)
+            cost = _measured_or(measured, cost) if measured else cost
+        path, planned_s = plan_pairs(fwd_segments, segments, cost=cost, budget_bytes=budget_bytes, bwd_base_bytes=bwd_base)
+        plans[name] = emit(path, fwd_segments, segments)
+        paired[name] = sum(1 for f, b in path if f is not None and b is not None)
+        ctx.record("interleave", **{f"{name}_predicted_s": planned_s, f"{name}_paired_segments": paired[name]})
         if options.refine_evals > 0:
             refined, _ = refine_path(
-                path,
-                fwd_segments,
-                bwd_segments,
-                contention_factor=factor,
-                budget_bytes=options.memory_budget_ratio * sequential_peak,
-                bwd_base_bytes=bwd_base,
-                max_evals=options.refine_evals,
+                path, fwd_segments, segments, contention_factor=factor, budget_bytes=budget_bytes,
+                bwd_base_bytes=bwd_base, max_evals=options.refine_evals,
             )
             if refined != path:
-                plans[f"{name}_refined"] = emit(refined, fwd_segments, bwd_segments)
-        paired = sum(1 for f, b in path if f is not None and b is not None)
-        paired_in_dp = paired if name == "dp" else paired_in_dp
-        ctx.record("interleave", **{f"{name}_predicted_s": planned_s, f"{name}_paired_segments": paired})
+                plans[f"{name}_refined"] = emit(refined, fwd_segments, segments)
     if measure is not None:
         ctx.record("interleave", measured_pairs=measured_pairs, pair_measure_s=measure_s)
     plan_time_s = time.perf_counter() - start_s - measure_s  # the planning; the measuring is reported apart
@@ -243,8 +223,8 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     ctx.record(
         "interleave",
         fwd_segments=len(fwd_segments),
-        bwd_segments=len(sequential_path) - len(fwd_segments),
-        paired_segments=paired_in_dp,
+        bwd_segments=len(captured),
+        paired_segments=paired["dp"],
         plan_time_s=plan_time_s,
         predicted_makespan_s=results[chosen].makespan_s,
         **{f"predicted_makespan_{n}_s": r.makespan_s for n, r in results.items()},
@@ -261,6 +241,24 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
             ctx.count("interleave", f"{name} order over the memory budget")
     ctx.count("interleave", "nodes moved", apply_order(gm.graph, candidates[chosen]))
     return gm
+
+
+def _backward_orders(
+    bwd_nodes: list[torch.fx.Node], estimator: Estimator, distances: Sequence[int]
+) -> dict[str, list[torch.fx.Node]]:
+    """The backward as captured (``"dp"``) and, per distance, with its weight gradients deferred."""
+    orders = {"dp": bwd_nodes}
+    for distance in distances:
+        deferred = defer_off_chain(bwd_nodes, lambda n: is_comm(estimator.node_cost(n).kind), distance)
+        if deferred != bwd_nodes and deferred not in orders.values():
+            orders[f"dp_defer{distance}"] = deferred
+    return orders
+
+
+def _sequential_peak(fwd: Sequence[Segment], bwd: Sequence[Segment], bwd_base: int) -> int:
+    """Peak live bytes of all of the backward, then all of the forward (what the budget scales)."""
+    bwd_end = bwd[-1].live_after_bytes if bwd else bwd_base
+    return max([bwd_base, *(s.peak_bytes for s in bwd)] + [s.peak_bytes + bwd_end for s in fwd])
 
 
 def _measured_or(measured: dict[Pair, float], formula: PairCost) -> PairCost:
