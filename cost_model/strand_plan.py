@@ -117,13 +117,13 @@ def plan_pairs(
             if here == inf:
                 continue
             if i < a:  # F_{i+1} alone
-                peak = fwd[i].peak_bytes + b_after[j]
+                peak = _move_peak(i, j, True, False, fwd, bwd, f_after, b_after)
                 _relax(best, step, i + 1, j, here + cost(i, None), (i, None), peak, budget_bytes)
             if j < b:  # B_{j+1} alone
-                peak = f_after[i] + bwd[j].peak_bytes
+                peak = _move_peak(i, j, False, True, fwd, bwd, f_after, b_after)
                 _relax(best, step, i, j + 1, here + cost(None, j), (None, j), peak, budget_bytes)
             if i < a and j < b:  # B_{j+1} then F_{i+1}
-                peak = max(f_after[i] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[j + 1])
+                peak = _move_peak(i, j, True, True, fwd, bwd, f_after, b_after)
                 _relax(best, step, i + 1, j + 1, here + cost(i, j), (i, j), peak, budget_bytes)
     if best[a][b] == inf:  # nothing fits the budget: the sequential order
         path: list[Pair] = [(None, j) for j in range(b)] + [(i, None) for i in range(a)]
@@ -137,6 +137,27 @@ def plan_pairs(
         i, j = i - (pair[0] is not None), j - (pair[1] is not None)
     path.reverse()
     return path, best[a][b]
+
+
+def _move_peak(
+    i: int,
+    j: int,
+    with_f: bool,
+    with_b: bool,
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    f_after: Sequence[int],
+    b_after: Sequence[int],
+) -> int:
+    """Live bytes of the move from state ``(i, j)``: F_i alone, B_j alone, or B_j then F_i.
+
+    ``f_after[i]`` / ``b_after[j]``: each strand's live bytes after its first i / j segments.
+    """
+    if with_f and with_b:
+        return max(f_after[i] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[j + 1])
+    if with_f:
+        return fwd[i].peak_bytes + b_after[j]
+    return f_after[i] + bwd[j].peak_bytes
 
 
 def _relax(
@@ -201,12 +222,8 @@ def path_peak_bytes(
     fi = bj = 0
     peak = 0
     for i, j in path:
-        if i is not None and j is not None:
-            peak = max(peak, f_after[fi] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[bj + 1])
-        elif i is not None:
-            peak = max(peak, fwd[i].peak_bytes + b_after[bj])
-        elif j is not None:
-            peak = max(peak, f_after[fi] + bwd[j].peak_bytes)
+        if i is not None or j is not None:
+            peak = max(peak, _move_peak(fi, bj, i is not None, j is not None, fwd, bwd, f_after, b_after))
         fi, bj = fi + (i is not None), bj + (j is not None)
     return peak
 
