@@ -238,6 +238,24 @@ def _matmul(
 # ---------------------------------------------------------------------------------- sites
 
 
+def _reduce_per_peer(
+    e: _Emitter, partial: Any, rank: int, n: int, tag: int, group_name: str, reduce_op: str
+) -> torch.fx.Node:
+    """This rank's block of a sum over ranks, per peer: ``partial(j)`` (the rows rank ``j`` keeps)
+    for each remote rank first, each sent as soon as it is ready, the local one last; then the
+    received partials are added (divided by ``n`` for ``"avg"``). Tags ``tag + 1 .. tag + n - 1``."""
+    flights = []
+    for s in range(1, n):
+        peer = (rank + s) % n
+        flights.append(e.exchange(partial(peer), peer, (rank - s) % n, tag + s, group_name))
+    total = partial(rank)
+    for flight in flights:
+        total = e.call(aten.add.Tensor, total, e.wait_exchange(flight))
+    if reduce_op == "avg":
+        total = e.call(aten.div.Tensor, total, n)
+    return total
+
+
 @dataclasses.dataclass
 class _Variant:
     name: str
@@ -426,7 +444,19 @@ class _AllGatherSite:
         _erase_dead(self.graph, self.old_nodes)
 
 
-class _ReduceScatterSite:
+class _ReplacesOutput:
+    """A site whose variants replace its result node (the wait); ``commit`` drops the old nodes."""
+
+    graph: torch.fx.Graph
+    old_nodes: list[torch.fx.Node]
+
+    def commit(self, variant: _Variant) -> None:
+        for old, new in variant.replace:
+            old.replace_all_uses_with(new)
+        _erase_dead(self.graph, self.old_nodes)
+
+
+class _ReduceScatterSite(_ReplacesOutput):
     def __init__(self, m: MatmulReduceScatter, graph: torch.fx.Graph) -> None:
         self.m, self.graph = m, graph
         self.matmuls = [m.matmul, *m.addends]
@@ -493,16 +523,8 @@ class _ReduceScatterSite:
         return shape
 
     def per_peer(self, e: _Emitter, rank: int, tag: int) -> _Variant:
-        m, n = self.m, self.m.group_size
-        flights = []
-        for s in range(1, n):  # partials for remote ranks first, each sent as soon as it is ready
-            peer = (rank + s) % n
-            flights.append(e.exchange(self._partial(e, peer), peer, (rank - s) % n, tag + s, m.group_name))
-        total = self._partial(e, rank)
-        for flight in flights:
-            total = e.call(aten.add.Tensor, total, e.wait_exchange(flight))
-        if m.reduce_op == "avg":
-            total = e.call(aten.div.Tensor, total, n)
+        m = self.m
+        total = _reduce_per_peer(e, lambda j: self._partial(e, j), rank, m.group_size, tag, m.group_name, m.reduce_op)
         return _Variant("per_peer", e, [(m.wait, total)])
 
     def _columns(self, e: _Emitter, mm: torch.fx.Node, c: int, cols: int) -> torch.fx.Node:
@@ -537,13 +559,9 @@ class _ReduceScatterSite:
         outs = [e.call(c10d.wait_tensor.default, f) for f in flights]
         return _Variant(f"chunked_{k}", e, [(m.wait, e.cat(outs, len(self.shape) - 1))])
 
-    def commit(self, variant: _Variant) -> None:
-        for old, new in variant.replace:
-            old.replace_all_uses_with(new)
-        _erase_dead(self.graph, self.old_nodes)
 
 
-class _AllReduceSite:
+class _AllReduceSite(_ReplacesOutput):
     """``wait(all_reduce(matmul))``, the matmul's output rows split (Megatron TP without SP)."""
 
     def __init__(self, m: MatmulAllReduce, graph: torch.fx.Graph, group_size: int) -> None:
@@ -582,15 +600,7 @@ class _AllReduceSite:
         m, n = self.m, self.n
         if self.rows % n:
             raise SkipSite(f"rows ({self.rows}) not divisible by {n}")
-        flights = []
-        for s in range(1, n):
-            peer = (rank + s) % n
-            flights.append(e.exchange(self._part(e, peer, n), peer, (rank - s) % n, tag + s, m.group_name))
-        mine = self._part(e, rank, n)
-        for flight in flights:
-            mine = e.call(aten.add.Tensor, mine, e.wait_exchange(flight))
-        if m.reduce_op == "avg":
-            mine = e.call(aten.div.Tensor, mine, n)
+        mine = _reduce_per_peer(e, lambda j: self._part(e, j, n), rank, n, tag, m.group_name, m.reduce_op)
         gathers = [e.exchange(mine, (rank + s) % n, (rank - s) % n, tag + n + s, m.group_name) for s in range(1, n)]
         blocks = {rank: mine}
         for s, flight in enumerate(gathers, start=1):
@@ -606,10 +616,6 @@ class _AllReduceSite:
         outs = [e.call(c10d.wait_tensor.default, f) for f in flights]
         return _Variant(f"chunked_{k}", e, self._result(e, outs))
 
-    def commit(self, variant: _Variant) -> None:
-        for old, new in variant.replace:
-            old.replace_all_uses_with(new)
-        _erase_dead(self.graph, self.old_nodes)
 
 
 def _consumers_through_views(node: torch.fx.Node) -> list[torch.fx.Node]:
