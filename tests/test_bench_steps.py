@@ -1,0 +1,29 @@
+"""The benchmark's step variants: each hands the user's dhelix options on, plus its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dhelix_compile
+from dhelix_compile.bench.steps import HELIX_VARIANTS, STEP_VARIANTS, step_function
+
+
+@pytest.mark.parametrize("name", sorted(HELIX_VARIANTS))
+def test_helix_variants_pass_user_options_and_their_own(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict = {}
+
+    def fake_helix(model, loss_fn, **options):
+        seen.update(options)
+        return lambda microbatches: [torch.zeros(()) for _ in microbatches]
+
+    monkeypatch.setattr(dhelix_compile, "helix", fake_helix)
+    step = step_function(name, torch.nn.Linear(2, 2), lambda m, mb: m(mb).sum(), {"cost_model": "profile"})
+    step([torch.randn(1, 2)])
+    assert seen == {"cost_model": "profile", **HELIX_VARIANTS[name]}
+    assert name in STEP_VARIANTS
+
+
+def test_unknown_variant_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown benchmark variant 'nope'"):
+        step_function("nope", torch.nn.Linear(2, 2), lambda m, mb: m(mb).sum())
