@@ -33,6 +33,11 @@ random inputs) keep the base estimate; ``CalibrationReport.skipped`` counts why.
 transfers are not measured (the decompose pass creates them after calibration); they get
 the base estimate times ``link_scale``, the median over every collective measured so far of
 measured / base time -- the link as measured, agreed like the times it comes from.
+The decompose pass measures its variants' new compute nodes (``measure_new``) before it
+prices them. A compute node that was never measured gets the base estimate times ``compute_scale``: the
+median measured / base time of the measured nodes of its op (of all compute nodes when none
+has it), so that a half-size matmul costs about half the measured whole one rather than the
+base model's peak-FLOP guess.
 With the measured time ``t`` and the base estimate ``b(sizes)``, ``time_expr`` becomes
 ``b(sizes) * t / b(hints)``: exact at the hints, the base model's growth elsewhere.
 """
@@ -178,6 +183,17 @@ def _scalar_free_sig(value: Any, hints: dict[sympy.Symbol, int]) -> str:
     return _arg_sig(value, hints)
 
 
+def _op_name(node: torch.fx.Node) -> str:
+    return str(node.target)
+
+
+def _scaled(cost: NodeCost, scale: float | None) -> NodeCost:
+    """``cost`` with its time (and time expression) multiplied by ``scale`` (unchanged for None)."""
+    if scale is None:
+        return cost
+    return dataclasses.replace(cost, time_s=cost.time_s * scale, time_expr=cost.time_expr * sympy.Float(scale))
+
+
 def _is_collective_sig(sig: str) -> bool:
     return sig.startswith("_c10d_functional.")
 
@@ -272,6 +288,7 @@ class ProfiledEstimator:
         self.measurements: dict[str, float] = {}
         self.measured_contention_factor: float | None = None
         self._link_ratios: dict[str, float] = {}  # collective signature -> measured / base time
+        self._compute_ratios: dict[str, dict[str, float]] = {}  # op -> {signature: measured / base time}
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
 
     # ------------------------------------------------------------------ estimator API
@@ -287,24 +304,35 @@ class ProfiledEstimator:
         """Median measured / base time of the collectives measured so far (None before any)."""
         return statistics.median(self._link_ratios.values()) if self._link_ratios else None
 
+    def compute_scale(self, node: torch.fx.Node) -> float | None:
+        """Median measured / base time of the measured compute nodes of ``node``'s op (of every
+        measured compute node when none has that op); None before any was measured."""
+        ratios = self._compute_ratios.get(_op_name(node))
+        if not ratios:
+            ratios = {sig: r for by_sig in self._compute_ratios.values() for sig, r in by_sig.items()}
+        return statistics.median(ratios.values()) if ratios else None
+
     def node_cost(self, node: torch.fx.Node) -> NodeCost:
         cost = self.base.node_cost(node)
         if cost.kind == "p2p" and self._link_ratios:
-            scale = self.link_scale
-            assert scale is not None
-            return dataclasses.replace(cost, time_s=cost.time_s * scale, time_expr=cost.time_expr * sympy.Float(scale))
+            return _scaled(cost, self.link_scale)
         if not self.measurements or cost.kind not in ("compute", "collective"):
             return cost
         sig = self.signature(node)
         measured = self.measurements.get(sig) if sig is not None else None
         if measured is None:
-            return cost
+            return _scaled(cost, self.compute_scale(node)) if cost.kind == "compute" else cost
         expr: sympy.Expr
         if cost.time_s > 0 and cost.time_expr.free_symbols:
             expr = cost.time_expr * sympy.Float(measured / cost.time_s)
         else:
             expr = sympy.Float(measured)
         return dataclasses.replace(cost, time_s=measured, time_expr=expr)
+
+    def measure_new(self, nodes: Sequence[torch.fx.Node]) -> CalibrationReport:
+        """``calibrate`` nodes a pass created after calibration (the decompose pass's variants),
+        through ``runner``; every rank must call it with the same signatures, in the same order."""
+        return self.runner(lambda: self.calibrate(nodes)) if self.runner is not None else self.calibrate(nodes)
 
     def segment_pair_times(
         self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
@@ -420,12 +448,13 @@ class ProfiledEstimator:
                 skipped["measurement failed"] = skipped.get("measurement failed", 0) + 1
                 continue
             self.measurements[item.sig] = t
+            base_s = self.base.node_cost(item.node).time_s
             if not item.is_collective:
                 cache[item.sig] = t
-            else:
-                base_s = self.base.node_cost(item.node).time_s
                 if base_s > 0:
-                    self._link_ratios[item.sig] = t / base_s
+                    self._compute_ratios.setdefault(_op_name(item.node), {})[item.sig] = t / base_s
+            elif base_s > 0:
+                self._link_ratios[item.sig] = t / base_s
 
         contention = None
         if self.measure_contention:

@@ -166,6 +166,7 @@ def pass_options(config: DHelixConfig) -> dict[str, Any]:
         "decompose": DecomposeOptions(
             mode=config.decompose,
             max_chunks=config.decompose_max_chunks,
+            pieces=config.decompose_pieces,
             min_gain_ratio=config.decompose_min_gain_ratio,
         ),
     }

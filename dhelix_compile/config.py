@@ -106,6 +106,11 @@ class DHelixConfig:
     decompose_max_chunks: int = _option(
         4, "Largest number of chunks the chunked decomposition tries (>= 1)."
     )
+    decompose_pieces: int = _option(
+        0,
+        "How many pieces each per-peer transfer is split into, so that the compute on one piece "
+        "runs while the next is in flight: 0 lets the cost model pick 1, 2 or 4; 1..16 forces it.",
+    )
     decompose_min_gain_ratio: float = _option(
         0.02, "decompose='auto' rewrites a site only if its predicted time drops by at least this fraction ([0, 1))."
     )
@@ -165,6 +170,9 @@ class DHelixConfig:
         _check_number("max_issue_distance", self.max_issue_distance, int, minimum=1)
         _check_number("consistency_timeout_s", self.consistency_timeout_s, float, minimum=1e-3)
         _check_number("decompose_max_chunks", self.decompose_max_chunks, int, minimum=1)
+        _check_number("decompose_pieces", self.decompose_pieces, int, minimum=0)
+        if self.decompose_pieces > 16:
+            raise ConfigError(f"dhelix option decompose_pieces={self.decompose_pieces!r}: must be <= 16")
         _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)
         if self.decompose_min_gain_ratio >= 1.0:
             raise ConfigError(f"dhelix option decompose_min_gain_ratio={self.decompose_min_gain_ratio!r}: must be < 1")

@@ -38,6 +38,11 @@ Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weigh
         y[r+s] = xs @ W
       out = cat(y[0..n-1] along the gather dim)
 
+    in P pieces (``pieces``; by default P in ``AUTO_PIECES``, chosen with the rest): each step's shard
+    goes as P exchanges of 1/P of it along the gather (scatter) dim; the matmul on a received
+    piece runs while the next piece is in flight, and a remote partial is computed and sent
+    piece by piece, so the first bytes leave after 1/P of its compute.
+
     backward forms: a weight gradient ``t(gathered) @ g`` is summed shard by shard
     (``t(x_j) @ g[rows of j]``, accumulated in arrival order); a reduce-scatter of a *sum* of
     matmuls (SwiGLU's input gradient via w1 and w3) sends the sum of their partials.
@@ -99,9 +104,14 @@ PASS = "decompose"
 Mode = Literal["auto", "per_peer", "chunked", "off"]
 MODES: tuple[str, ...] = ("auto", "per_peer", "chunked", "off")
 
-#: P2P tags: site ``i`` uses ``TAG_BASE + i * TAG_STRIDE + step`` (distinct per step and site).
+#: P2P tags: site ``i`` uses ``TAG_BASE + i * TAG_STRIDE + 1 + j`` for its ``j``-th transfer
+#: (``_tag``: distinct per step, piece and site, as long as a site has fewer than
+#: ``TAG_STRIDE`` transfers; ``MAX_PIECES`` keeps it so for groups of up to 32 ranks).
 TAG_BASE = 1 << 16
 TAG_STRIDE = 1 << 10
+MAX_PIECES = 16
+#: The piece counts the cost model chooses from when ``DecomposeOptions.pieces`` is 0.
+AUTO_PIECES: tuple[int, ...] = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +125,11 @@ class DecomposeOptions:
     does nothing."""
     max_chunks: int = 4
     """Largest k tried by the chunked variant (k = 2..max_chunks that divide the shape)."""
+    pieces: int = 0
+    """How many pieces each per-peer transfer is split into: ``0`` lets the cost model pick among
+    ``AUTO_PIECES`` (those that divide the shape), ``P >= 1`` forces P. The compute on piece p of
+    a peer's shard runs while piece p+1 is in flight, and a remote partial's piece is sent as
+    soon as it is computed."""
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
     patterns: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
@@ -125,6 +140,8 @@ class DecomposeOptions:
             raise ValueError(f"decompose mode {self.mode!r}: choose one of {MODES}")
         if self.max_chunks < 1:
             raise ValueError(f"decompose max_chunks={self.max_chunks}: must be >= 1")
+        if not 0 <= self.pieces <= MAX_PIECES:
+            raise ValueError(f"decompose pieces={self.pieces}: must be in [0, {MAX_PIECES}] (0: the cost model picks)")
         if not 0.0 <= self.min_gain_ratio < 1.0:
             raise ValueError(f"decompose min_gain_ratio={self.min_gain_ratio}: must be in [0, 1)")
         return self
@@ -238,22 +255,46 @@ def _matmul(
 # ---------------------------------------------------------------------------------- sites
 
 
+def _tag(base: int, j: int) -> int:
+    """The tag of a site's ``j``-th transfer (``base``: the site's, see ``TAG_BASE``)."""
+    if not 0 <= j < TAG_STRIDE - 1:
+        raise SkipSite(f"more than {TAG_STRIDE - 1} transfers in one site")
+    return base + 1 + j
+
+
 def _reduce_per_peer(
-    e: _Emitter, partial: Any, rank: int, n: int, tag: int, group_name: str, reduce_op: str
+    e: _Emitter, partial: Any, dim: int, rank: int, n: int, pieces: int, tag: int, group_name: str, reduce_op: str
 ) -> torch.fx.Node:
-    """This rank's block of a sum over ranks, per peer: ``partial(j)`` (the rows rank ``j`` keeps)
-    for each remote rank first, each sent as soon as it is ready, the local one last; then the
-    received partials are added (divided by ``n`` for ``"avg"``). Tags ``tag + 1 .. tag + n - 1``."""
+    """This rank's block of a sum over ranks, per peer.
+
+    ``partial(i, count)`` is block ``i`` of ``count`` along ``dim`` of this rank's summand (block
+    ``j`` of ``n`` is what rank ``j`` keeps). For each remote rank, first, its block is computed in
+    ``pieces`` pieces, each sent as soon as it is ready; the local block is computed last; then
+    the received blocks are added (divided by ``n`` for ``"avg"``). Tags: transfers ``0 ..
+    (n-1)*pieces - 1`` of ``tag``.
+    """
     flights = []
     for s in range(1, n):
         peer = (rank + s) % n
-        flights.append(e.exchange(partial(peer), peer, (rank - s) % n, tag + s, group_name))
-    total = partial(rank)
-    for flight in flights:
-        total = e.call(aten.add.Tensor, total, e.wait_exchange(flight))
+        flights.append([
+            e.exchange(partial(peer * pieces + p, n * pieces), peer, (rank - s) % n, _tag(tag, (s - 1) * pieces + p), group_name)
+            for p in range(pieces)
+        ])
+    total = partial(rank, n)
+    for step in flights:
+        total = e.call(aten.add.Tensor, total, e.cat([e.wait_exchange(f) for f in step], dim))
     if reduce_op == "avg":
         total = e.call(aten.div.Tensor, total, n)
     return total
+
+
+def _ways(n: int, pieces: int) -> str:
+    """How a per-peer split divides a dim, for skip reasons: ``"2"`` or ``"2 x 4 pieces"``."""
+    return f"{n}" if pieces == 1 else f"{n} x {pieces} pieces"
+
+
+def _per_peer_name(pieces: int) -> str:
+    return "per_peer" if pieces == 1 else f"per_peer_{pieces}"
 
 
 @dataclasses.dataclass
@@ -335,48 +376,72 @@ class _AllGatherSite:
         for mm in m.transposed:
             _late_operands(mm.args[1], self.anchor, position, self.hoist)
 
-    def _weight_grads(self, e: _Emitter, shard: torch.fx.Node, j: int) -> list[torch.fx.Node]:
-        """Each weight-gradient matmul restricted to the rows of shard ``j``: ``t(rows_j) @ other_j``."""
-        n = self.m.group_size
-        rows = e.view(shard, [-1, self.k_dim])
+    def _weight_grads(self, e: _Emitter, rows: torch.fx.Node, i: int, count: int) -> list[torch.fx.Node]:
+        """Each weight-gradient matmul on block ``i`` of ``count`` of the gathered rows (``rows``
+        holds them, 2-d): ``t(rows) @ other[block i]``."""
         out = []
         for mm in self.m.transposed:
-            other = _chunk_rows(e, mm.args[1], self.lead, self.d, j, n)  # type: ignore[arg-type]
+            other = _chunk_rows(e, mm.args[1], self.lead, self.d, i, count)  # type: ignore[arg-type]
             out.append(e.call(aten.mm.default, e.call(aten.permute.default, rows, [1, 0]), other))
         return out
 
-    def _outputs(self, e: _Emitter, pieces: dict[int, list[torch.fx.Node]], gathered: list[torch.fx.Node]) -> list:
-        """Assemble each matmul's full output from its per-piece outputs (pieces in gathered order)."""
+    def _outputs(self, e: _Emitter, outputs: dict[int, list[torch.fx.Node]], gathered: list[torch.fx.Node]) -> list:
+        """Assemble each matmul's full output from its outputs on the ``gathered`` row blocks (in gathered order)."""
         lead = list(_val(self.m.gathered).shape[:-1])
         replace = []
         for i, mm in enumerate(self.m.matmuls):
             n_out = _val(mm).shape[-1]
-            parts = [e.view(y, [*_val(g).shape[:-1], n_out]) for y, g in zip(pieces[i], gathered)]
-            full = e.cat(parts, self.d) if self.d != 0 else e.cat(pieces[i], 0)
+            parts = [e.view(y, [*_val(g).shape[:-1], n_out]) for y, g in zip(outputs[i], gathered)]
+            full = e.cat(parts, self.d) if self.d != 0 else e.cat(outputs[i], 0)
             replace.append((mm, e.view(full, [math.prod(lead), n_out])))
         if self.needs_gathered:
             replace.append((self.m.gathered, e.cat(gathered, self.d)))
         return replace
 
-    def per_peer(self, e: _Emitter, rank: int, tag: int) -> _Variant:
-        m, n = self.m, self.m.group_size
-        shards: dict[int, torch.fx.Node] = {rank: m.shard}
-        outs: dict[int, list[torch.fx.Node]] = {}
+    def per_peer(self, e: _Emitter, rank: int, tag: int, pieces: int = 1) -> _Variant:
+        m, n, d = self.m, self.m.group_size, self.d
+        if self.shard_shape[d] % pieces:
+            raise SkipSite(f"shard dim {d} ({self.shard_shape[d]}) not divisible by {pieces} pieces")
+        size = self.shard_shape[d] // pieces
+
+        def issue(s: int) -> list[torch.fx.Node]:
+            """Step ``s``: the local shard, piece by piece, to rank r-s; rank r+s's pieces from it."""
+            return [
+                e.exchange(
+                    e.slice(m.shard, d, p * size, (p + 1) * size),
+                    (rank - s) % n, (rank + s) % n, _tag(tag, (s - 1) * pieces + p), m.group_name,
+                )
+                for p in range(pieces)
+            ]
+
+        # (rank, piece) -> (its rows of the gathered tensor, each matmul's output on them); the
+        # outputs are assembled in gathered order, so their cat reads pieces of one shape on every
+        # rank (the profiled cost model measures new ops only when all ranks agree on them)
+        parts: dict[tuple[int, int], tuple[torch.fx.Node, list[torch.fx.Node]]] = {}
         sums: list[torch.fx.Node] = []
-        flight = e.exchange(m.shard, (rank - 1) % n, (rank + 1) % n, tag + 1, m.group_name) if n > 1 else None
-        for s in range(n):
+
+        def compute(key: tuple[int, int], shard: torch.fx.Node, i: int, count: int) -> None:
+            nonlocal sums
+            rows = e.view(shard, [-1, self.k_dim])
+            parts[key] = (shard, [_matmul(e, mm, rows, (self.lead, d, i, count)) for mm in m.matmuls])
+            partials = self._weight_grads(e, rows, i, count)
+            sums = [e.call(aten.add.Tensor, a, b) for a, b in zip(sums, partials)] if sums else partials
+
+        flights = issue(1)
+        for p in range(pieces):  # the local shard in pieces too: every rank then runs ops of the same shapes
+            compute((rank, p), e.slice(m.shard, d, p * size, (p + 1) * size, contiguous=True), rank * pieces + p, n * pieces)
+        for s in range(1, n):
             peer = (rank + s) % n
-            if s > 0:
-                shards[peer] = e.wait_exchange(flight)  # type: ignore[arg-type]
-                if s + 1 < n:
-                    flight = e.exchange(m.shard, (rank - s - 1) % n, (rank + s + 1) % n, tag + s + 1, m.group_name)
-            rows = e.view(shards[peer], [-1, self.k_dim])
-            outs[peer] = [_matmul(e, mm, rows, (self.lead, self.d, peer, n)) for mm in m.matmuls]
-            partials = self._weight_grads(e, shards[peer], peer)
-            sums = partials if s == 0 else [e.call(aten.add.Tensor, a, b) for a, b in zip(sums, partials)]
-        pieces = {i: [outs[j][i] for j in range(n)] for i in range(len(m.matmuls))}
-        replace = self._outputs(e, pieces, [shards[j] for j in range(n)]) + list(zip(m.transposed, sums))
-        return _Variant("per_peer", e, replace)
+            arriving, flights = flights, []
+            for p, flight in enumerate(arriving):
+                shard = e.wait_exchange(flight)
+                if p == pieces - 1 and s + 1 < n:
+                    flights = issue(s + 1)
+                compute((peer, p), shard, peer * pieces + p, n * pieces)
+        order = sorted(parts)  # gathered order: by rank, then piece
+        outputs = {i: [parts[key][1][i] for key in order] for i in range(len(m.matmuls))}
+        replace = self._outputs(e, outputs, [parts[key][0] for key in order]) + list(zip(m.transposed, sums))
+        return _Variant(_per_peer_name(pieces), e, replace)
 
     def chunked(self, e: _Emitter, k: int) -> _Variant:
         m, n, d = self.m, self.m.group_size, self.d
@@ -508,24 +573,25 @@ class _ReduceScatterSite(_ReplacesOutput):
             total = e.call(aten.add.Tensor, total, part)
         return total
 
-    def _partial(self, e: _Emitter, j: int) -> torch.fx.Node:
-        """The matmul(s) on the rows of chunk ``j`` (the part of the output rank ``j`` keeps)."""
-        chunk = (self.shape[:-1], self.d, j, self.m.group_size)
+    def _partial(self, e: _Emitter, i: int, count: int) -> torch.fx.Node:
+        """The matmul(s) on block ``i`` of ``count`` along the scatter dim (block ``j`` of
+        ``group_size``: the part of the output rank ``j`` keeps)."""
+        chunk = (self.shape[:-1], self.d, i, count)
+        shape = list(self.shape)
+        shape[self.d] //= count
         parts = []
         for mm in self.matmuls:
             rows = _chunk_rows(e, _row_operand(mm), *chunk)
-            parts.append(e.view(_matmul(e, mm, rows, chunk), self._chunk_shape()))
+            parts.append(e.view(_matmul(e, mm, rows, chunk), shape))
         return self._sum(e, parts)
 
-    def _chunk_shape(self) -> list[int]:
-        shape = list(self.shape)
-        shape[self.d] //= self.m.group_size
-        return shape
-
-    def per_peer(self, e: _Emitter, rank: int, tag: int) -> _Variant:
-        m = self.m
-        total = _reduce_per_peer(e, lambda j: self._partial(e, j), rank, m.group_size, tag, m.group_name, m.reduce_op)
-        return _Variant("per_peer", e, [(m.wait, total)])
+    def per_peer(self, e: _Emitter, rank: int, tag: int, pieces: int = 1) -> _Variant:
+        m, n = self.m, self.m.group_size
+        if self.shape[self.d] % (n * pieces):
+            raise SkipSite(f"scatter dim {self.d} ({self.shape[self.d]}) not divisible by {_ways(n, pieces)}")
+        partial = lambda i, count: self._partial(e, i, count)  # noqa: E731
+        total = _reduce_per_peer(e, partial, self.d, rank, n, pieces, tag, m.group_name, m.reduce_op)
+        return _Variant(_per_peer_name(pieces), e, [(m.wait, total)])
 
     def _columns(self, e: _Emitter, mm: torch.fx.Node, c: int, cols: int) -> torch.fx.Node:
         """``mm`` restricted to output columns ``[c*cols, (c+1)*cols)``."""
@@ -595,17 +661,21 @@ class _AllReduceSite(_ReplacesOutput):
     def _result(self, e: _Emitter, blocks: Sequence[torch.fx.Node]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
         return [(self.m.wait, e.view(e.cat(blocks, 0), list(_val(self.m.wait).shape)))]
 
-    def per_peer(self, e: _Emitter, rank: int, tag: int) -> _Variant:
-        """Reduce-scatter per peer (remote row blocks first, local last), then all-gather per peer."""
+    def per_peer(self, e: _Emitter, rank: int, tag: int, pieces: int = 1) -> _Variant:
+        """Reduce-scatter per peer (remote row blocks first, in pieces, local last), then all-gather per peer."""
         m, n = self.m, self.n
-        if self.rows % n:
-            raise SkipSite(f"rows ({self.rows}) not divisible by {n}")
-        mine = _reduce_per_peer(e, lambda j: self._part(e, j, n), rank, n, tag, m.group_name, m.reduce_op)
-        gathers = [e.exchange(mine, (rank + s) % n, (rank - s) % n, tag + n + s, m.group_name) for s in range(1, n)]
+        if self.rows % (n * pieces):
+            raise SkipSite(f"rows ({self.rows}) not divisible by {_ways(n, pieces)}")
+        partial = lambda i, count: self._part(e, i, count)  # noqa: E731
+        mine = _reduce_per_peer(e, partial, 0, rank, n, pieces, tag, m.group_name, m.reduce_op)
+        gathers = [
+            e.exchange(mine, (rank + s) % n, (rank - s) % n, _tag(tag, (n - 1) * pieces + s - 1), m.group_name)
+            for s in range(1, n)
+        ]
         blocks = {rank: mine}
         for s, flight in enumerate(gathers, start=1):
             blocks[(rank - s) % n] = e.wait_exchange(flight)
-        return _Variant("per_peer", e, self._result(e, [blocks[j] for j in range(n)]))
+        return _Variant(_per_peer_name(pieces), e, self._result(e, [blocks[j] for j in range(n)]))
 
     def chunked(self, e: _Emitter, k: int) -> _Variant:
         """k row blocks: block c's all-reduce in flight while block c+1's matmul runs."""
@@ -681,6 +751,12 @@ class _Decomposer:
             self.ctx.count(PASS, f"not matched: {reason}", n)
         self.ctx.record(PASS, predicted_saved_s=self.saved_s)
 
+    def _measure(self, nodes: Sequence[torch.fx.Node]) -> None:
+        """Let a profiled estimator measure the variants' new ops (same sites, same order on every rank)."""
+        measure_new = getattr(self.ctx.estimator, "measure_new", None)
+        if measure_new is not None:
+            measure_new(nodes)
+
     def _simulate(self, nodes: Sequence[torch.fx.Node]) -> float:
         if self.estimator is None:
             return math.nan
@@ -718,19 +794,21 @@ class _Decomposer:
             if rank is None:
                 self.count(f"{label}: per_peer skipped: unknown process group {group_name!r}")
             else:
-                build("per_peer", site.per_peer, rank, TAG_BASE + index * TAG_STRIDE)
+                for pieces in (self.options.pieces,) if self.options.pieces else AUTO_PIECES:
+                    build("per_peer", site.per_peer, rank, TAG_BASE + index * TAG_STRIDE, pieces)
         if mode in ("auto", "chunked"):
             for k in range(2, self.options.max_chunks + 1):
                 build("chunked", site.chunked, k)
         if not variants:
             self.count(f"{label}: skipped: no variant applies")
             return
+        self._measure([n for v in variants for n in v.emitter.nodes])
         original_s = self._simulate(site.old_nodes)
         for v in variants:
             v.predicted_s = self._simulate(v.emitter.nodes)
         self.ctx.record(PASS, **{f"{name}_original_s": original_s}, **{f"{name}_{v.name}_s": v.predicted_s for v in variants})
-        if self.estimator is None:  # forced mode without costs: the largest k, else per-peer
-            best = variants[-1]
+        if self.estimator is None:  # forced mode without costs: the largest k, or per-peer in one piece
+            best = variants[-1] if mode == "chunked" else variants[0]
         else:
             best = min(variants, key=lambda v: v.predicted_s)  # stable: first of equals
         keep = mode != "auto" or best.predicted_s < original_s * (1.0 - self.options.min_gain_ratio)

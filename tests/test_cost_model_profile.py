@@ -54,6 +54,24 @@ def test_calibrate_measures_then_hits_the_cache(tmp_path: pathlib.Path) -> None:
     assert simulate(gm.graph, again).compute_s == pytest.approx(sum(again.measurements.values()))
 
 
+def test_unmeasured_compute_costs_the_base_estimate_times_its_ops_measured_ratio(tmp_path: pathlib.Path) -> None:
+    measured = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    halves = trace_aten(lambda x, w: torch.relu(x @ w).sum(0) + torch.sigmoid(x).sum(), torch.randn(16, 16), torch.randn(16, 8))
+    base = AnalyticEstimator(DEVICE, LINK)
+    est = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False)
+    assert est.node_cost(next(n for n in halves.graph.nodes if n.target == aten.mm.default)) == base.node_cost(
+        next(n for n in halves.graph.nodes if n.target == aten.mm.default))  # nothing measured yet
+    est.calibrate(measured)
+    ratio = {str(n.target): est.node_cost(n).time_s / base.node_cost(n).time_s
+             for n in measured.graph.nodes if n.op == "call_function"}
+    mm = next(n for n in halves.graph.nodes if n.target == aten.mm.default)
+    assert est.node_cost(mm).time_s == pytest.approx(base.node_cost(mm).time_s * ratio[str(aten.mm.default)])
+    assert est.compute_scale(mm) == pytest.approx(ratio[str(aten.mm.default)])
+    sigmoid = next(n for n in halves.graph.nodes if n.target == aten.sigmoid.default)  # no sigmoid was measured
+    assert est.compute_scale(sigmoid) == pytest.approx(sorted(ratio.values())[1])  # the median of all three
+    assert est.node_cost(sigmoid).time_s == pytest.approx(base.node_cost(sigmoid).time_s * est.compute_scale(sigmoid))
+
+
 def test_symbolic_graph_shares_signatures_and_scales_expression(tmp_path: pathlib.Path) -> None:
     args = (torch.randn(32, 16), torch.randn(16, 8))
     static = trace_aten(_mlp, *args)

@@ -21,7 +21,9 @@ import torch.fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cost_model.estimator import TableEstimator
+from cost_model import ProfiledEstimator
+from cost_model.estimator import AnalyticEstimator, TableEstimator
+from cost_model.hardware import Device, Link
 from cost_model.testing import fake_world, trace_aten
 from dhelix_compile._torch_compat import P2P_EXCHANGE
 from dhelix_compile.testing.multirank import run_on_ranks
@@ -55,6 +57,12 @@ def _row_ar(h, w, group):
     """Megatron TP's row-parallel output: matmul -> all-reduce."""
     y = h.reshape(-1, h.shape[-1]) @ w.t()
     return funcol.all_reduce(y.reshape(h.shape[0], h.shape[1], -1), "sum", group)
+
+
+def _wgrad_in(g, h, w, group):
+    """A backward all-gather: the gathered gradient feeds an input gradient and a weight gradient."""
+    flat = funcol.all_gather_single(g, 1, group).reshape(-1, g.shape[-1])
+    return flat @ w.t(), flat.t() @ h
 
 
 def _traced(fn, *shapes, world=2, rank=0):
@@ -109,6 +117,83 @@ def test_reduce_scatter_per_peer_sends_remote_partials_first_and_local_last() ->
     assert _ops(gm) == ["mm", "p2p", "mm", "p2p", "mm", "p2p", "mm"] + ["wait"] * 6
     # partial for r+s goes to r+s; the partial for me comes from r-s
     assert _p2p_peers(gm) == [[3, 1], [0, 0], [1, 3]]
+
+
+def test_all_gather_in_pieces_computes_each_piece_while_the_next_is_in_flight() -> None:
+    gm = _traced(_sp_in, (2, 4, 8), (6, 8), (6, 8), world=4, rank=1)
+    ctx = _run(gm, world=4, rank=1, mode="per_peer", pieces=2)
+    assert ctx.stats["decompose"]["all_gather_matmul: per_peer_2"] == 1
+    piece = ["wait", "wait", "mm", "mm"]
+    # step s: both pieces issued together; step s+1 issued after step s's last piece arrived
+    assert _ops(gm) == (["p2p", "p2p", "mm", "mm", "mm", "mm"] + piece + ["wait", "wait", "p2p", "p2p", "mm", "mm"]
+                        + piece + ["wait", "wait", "p2p", "p2p", "mm", "mm"] + piece + piece)
+    assert _p2p_peers(gm) == [[0, 2]] * 2 + [[3, 3]] * 2 + [[2, 0]] * 2
+    sends = [n.args[0] for n in gm.graph.nodes if n.target == P2P_EXCHANGE]
+    assert [(n.args[1], n.args[2], n.args[3]) for n in sends[:2]] == [(1, 0, 2), (1, 2, 4)]  # halves along dim 1
+    tags = [n.args[3] for n in gm.graph.nodes if n.target == P2P_EXCHANGE]
+    assert len(set(tags)) == 6
+
+
+def test_reduce_scatter_in_pieces_sends_each_piece_of_a_remote_partial_when_it_is_ready() -> None:
+    gm = _traced(_row_out, (2, 8, 8), (8, 8), world=2, rank=0)
+    ctx = _run(gm, mode="per_peer", pieces=2)
+    assert ctx.stats["decompose"]["matmul_reduce_scatter: per_peer_2"] == 1
+    assert _ops(gm) == ["mm", "p2p", "mm", "p2p", "mm"] + ["wait"] * 4
+    assert _p2p_peers(gm) == [[1, 1], [1, 1]]
+    # the remote block (rows 4..8 of the scatter dim) in two pieces of 2 rows; the local block whole
+    rows = [(n.args[1], n.args[2], n.args[3]) for n in gm.graph.nodes if n.target == aten.slice.Tensor]
+    assert rows == [(1, 4, 6), (1, 6, 8), (1, 0, 4)]
+
+
+def test_pieces_that_do_not_divide_the_shape_leave_the_site_alone_with_a_reason() -> None:
+    gm = _traced(_row_out, (1, 6, 8), (8, 8))  # 3 rows per rank: not 2 pieces
+    before = str(gm.graph)
+    ctx = _run(gm, mode="per_peer", pieces=2)
+    assert ctx.stats["decompose"]["matmul_reduce_scatter: per_peer skipped: scatter dim 1 (6) not divisible by 2 x 2 pieces"] == 1
+    assert str(gm.graph) == before
+    with pytest.raises(ValueError, match="pieces=17"):
+        DecomposeOptions(pieces=17).validate()
+
+
+def test_pieces_are_chosen_by_the_cost_model() -> None:
+    # One half-matmul pair takes 1 s; the 256-byte shard takes 2 s on the link. In one piece the
+    # peer's matmuls wait for the whole shard (3 s); in 4 pieces only the last piece's (2.25 s).
+    device = Device("slow", {torch.float32: 2 * 16 * 8 * 64}, mem_bandwidth_bytes_per_s=1e12,
+                    launch_overhead_s=0.0, source="unit test")
+    link = Link("slow_link", bandwidth_bytes_per_s=128.0, latency_s=1e-3, source="unit test")
+    gm = _traced(_sp_in, (2, 4, 8), (64, 8), (64, 8))
+    ctx = _run(gm, estimator=AnalyticEstimator(device, link), mode="per_peer")
+    assert ctx.stats["decompose"]["all_gather_matmul: per_peer_4"] == 1, ctx.stats["decompose"]
+    record = ctx.records["decompose"]
+    assert record["all_gather_matmul0_per_peer_4_s"] < record["all_gather_matmul0_per_peer_2_s"] < record["all_gather_matmul0_per_peer_s"]
+
+
+class _SignatureSpy:
+    """An estimator that records the signatures ``measure_new`` is asked to measure."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.profiled = ProfiledEstimator(AnalyticEstimator("cpu", "loopback"), tmp_path, progress=False)
+        self.asked: list[list[str | None]] = []
+
+    def node_cost(self, node):
+        return self.profiled.node_cost(node)
+
+    def measure_new(self, nodes) -> None:
+        self.asked.append([self.profiled.signature(n) for n in nodes if self.profiled.skip_reason(n) is None])
+
+
+@pytest.mark.parametrize("fn", [_sp_in, _row_out, _row_ar, _wgrad_in])
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_asks_to_measure_the_same_signatures(fn, world, tmp_path: Path) -> None:
+    # the profiled cost model measures the variants' new ops only if all ranks agree on them
+    shapes = {_sp_in: ((2, 4, 8), (6, 8), (6, 8)), _row_out: ((2, 8, 8), (8, 8)), _row_ar: ((2, 8, 8), (6, 8)),
+              _wgrad_in: ((2, 4, 8), (2 * 4 * world, 6), (6, 8))}[fn]
+    asked = []
+    for rank in range(world):
+        spy = _SignatureSpy(tmp_path)
+        _run(_traced(fn, *shapes, world=world, rank=rank), estimator=spy, world=world, rank=rank, mode="auto")
+        asked.append(spy.asked)
+    assert asked[0] and all(a == asked[0] for a in asked)
 
 
 def test_chunked_variants_keep_k_collectives_in_flight_order() -> None:
@@ -211,13 +296,16 @@ def _decompose_stats(dump_dir: str, rank: int) -> dict[str, int]:
     return total
 
 
-def _standalone(rank: int, world_size: int, cases: list[tuple], mode: str, codegen: str) -> dict[str, int]:
-    """Per case: all-gather->2 matmuls and matmul->reduce-scatter, compiled vs eager, fwd + bwd."""
+def _standalone(
+    rank: int, world_size: int, cases: list[tuple], mode: str, codegen: str, pieces: int = 0, options: dict | None = None
+) -> dict[str, int]:
+    """Per case: all-gather->2 matmuls, matmul->reduce-scatter and matmul->all-reduce, compiled vs eager, fwd + bwd."""
     import dhelix_compile
 
     with tempfile.TemporaryDirectory() as dump_dir:
         backend = dhelix_compile.backend(
-            codegen=codegen, fallback="error", dump_dir=dump_dir, decompose=mode, decompose_max_chunks=2
+            codegen=codegen, fallback="error", dump_dir=dump_dir, decompose=mode, decompose_max_chunks=2,
+            decompose_pieces=pieces, **(options or {}),
         )
         for seed, case in enumerate(cases):
             _check_case(rank, world_size, backend, seed, case)
@@ -276,16 +364,25 @@ def _check_case(rank: int, n: int, backend, seed: int, case: tuple) -> None:
 _case = st.tuples(
     st.integers(1, 2), st.sampled_from([2, 4]), st.integers(2, 9), st.sampled_from([2, 4, 6]), st.sampled_from([0, 1])
 )
+#: (b, s, k, n_out, dim) with b and s even: every site splits into 2 pieces per peer.
+_even_case = st.tuples(
+    st.just(2), st.sampled_from([2, 4]), st.integers(2, 9), st.sampled_from([2, 4, 6]), st.sampled_from([0, 1])
+)
 
 
 def _assert_rewrote(stats: dict[str, int], mode: str, cases: int) -> None:
     """Forward and backward sites were rewritten (chunked leaves weight-gradient all-gathers alone)."""
     def done(pattern: str) -> int:
-        return sum(v for k, v in stats.items() if k.startswith(pattern) and (k.endswith(": per_peer") or ": chunked_" in k))
+        return sum(v for k, v in stats.items() if k.startswith(pattern) and (_per_peer_choice(k) or ": chunked_" in k))
     assert done("all_gather_matmul") >= (2 if mode == "per_peer" else 1) * cases, stats
     assert done("matmul_reduce_scatter") >= 2 * cases, stats
     assert done("matmul_all_reduce") >= cases, stats
-    assert not any(k.endswith(": per_peer") for k in stats) or mode == "per_peer", stats
+    assert not any(_per_peer_choice(k) for k in stats) or mode == "per_peer", stats
+
+
+def _per_peer_choice(stat: str) -> bool:
+    """``"<pattern>: per_peer"`` or ``"<pattern>: per_peer_<P>"`` (a rewrite, not a skip)."""
+    return stat.rsplit(": ", 1)[-1].split("_")[:2] == ["per", "peer"] and "skipped" not in stat
 
 
 @pytest.mark.multirank
@@ -304,6 +401,26 @@ def test_standalone_decomposed_equals_undecomposed_on_2_ranks(cases, mode) -> No
 def test_standalone_per_peer_equals_undecomposed_on_4_ranks(cases) -> None:
     for stats in run_on_ranks(_standalone, 4, cases, "per_peer", "eager", timeout_s=240):
         _assert_rewrote(stats, "per_peer", len(cases))
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(cases=st.lists(_even_case, min_size=1, max_size=1))
+def test_per_peer_in_pieces_equals_undecomposed(world_size, cases) -> None:
+    for stats in run_on_ranks(_standalone, world_size, cases, "per_peer", "eager", 2, timeout_s=240):
+        _assert_rewrote(stats, "per_peer", len(cases))
+        assert all(k.endswith("per_peer_2") for k in stats if _per_peer_choice(k)), stats
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_profiled_cost_model_measures_the_variants_on_every_rank(tmp_path: Path) -> None:
+    # every rank measures the same new ops (agreed), picks the same variants, and stays exact
+    options = {"cost_model": "profile", "cache_dir": str(tmp_path)}
+    for stats in run_on_ranks(_standalone, 2, [(2, 4, 8, 6, 1)], "per_peer", "eager", 0, options, timeout_s=240):
+        _assert_rewrote(stats, "per_peer", 1)
 
 
 def _tp_sp(rank: int, world_size: int, mode: str, codegen: str, kind: str = "tp_sp") -> dict[str, int]:
@@ -394,6 +511,14 @@ def test_pass_runs_after_annotate_before_reorder_and_is_off_by_default() -> None
     assert pass_options(DHelixConfig())["decompose"] == DecomposeOptions() and DecomposeOptions().mode == "off"
     forced = pass_options(DHelixConfig.from_options({"decompose": "chunked", "decompose_max_chunks": 3}))["decompose"]
     assert forced == DecomposeOptions(mode="chunked", max_chunks=3)
+    pieces = pass_options(DHelixConfig.from_options({"decompose": "per_peer", "decompose_pieces": 2}))["decompose"]
+    assert pieces == DecomposeOptions(mode="per_peer", pieces=2)
+    from dhelix_compile.config import ConfigError
+    from graph_passes.decompose import MAX_PIECES
+
+    DHelixConfig.from_options({"decompose_pieces": MAX_PIECES})
+    with pytest.raises(ConfigError, match="decompose_pieces"):
+        DHelixConfig.from_options({"decompose_pieces": MAX_PIECES + 1})
     with pytest.raises(ValueError, match="decompose mode"):
         DecomposeOptions(mode="sometimes").validate()  # type: ignore[arg-type]
 

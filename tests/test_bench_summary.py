@@ -1,0 +1,27 @@
+"""The benchmark's summary table: ratios and both hidden shares beside the seconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from dhelix_compile.bench.run import hidden_share, markdown
+
+
+def _variant(step_s: float, t_compute_s: float) -> dict:
+    return {"step_s_median": step_s, "step_s_min": step_s, "step_s_max": step_s, "t_compute_s": t_compute_s,
+            "hidden_share": hidden_share(step_s, t_compute_s, 0.050), "predicted_step_s": None}
+
+
+def test_hidden_share_is_zero_when_sequential_and_one_at_the_limit() -> None:
+    assert hidden_share(0.150, 0.100, 0.050) == pytest.approx(0.0)
+    assert hidden_share(0.100, 0.100, 0.050) == pytest.approx(1.0)
+
+
+def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> None:
+    summary = {"link": "veth", "model": "m", "parallel": "tp_sp", "world_size": 2, "repeats": 3,
+               "t_compute_s": 0.100, "t_comm_s": 0.050, "limit_s": 0.100,
+               "variants": {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110)}}
+    row = next(line for line in markdown(summary).splitlines() if line.startswith("| dhelix_decompose"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "1.25x"  # vs Inductor
+    assert cells[5:] == ["80%", "110.0", "60%"]  # own T_compute: (160-120)/50; Inductor's: (150-120)/50
