@@ -107,9 +107,11 @@ class DHelixConfig:
         4, "Largest number of chunks the chunked decomposition tries (>= 1)."
     )
     decompose_pieces: int = _option(
-        0,
+        1,
         "How many pieces each per-peer transfer is split into, so that the compute on one piece "
-        "runs while the next is in flight: 0 lets the cost model pick 1, 2 or 4; 1..16 forces it.",
+        "runs while the next is in flight: 1..16 forces it, 0 lets the cost model pick 1, 2 or 4 "
+        "(it misses the overhead of small pieces: measured faster on a dim-512 MLP block, slower "
+        "on a dim-256 model; see BENCHMARKS.md).",
     )
     decompose_min_gain_ratio: float = _option(
         0.02, "decompose='auto' rewrites a site only if its predicted time drops by at least this fraction ([0, 1))."

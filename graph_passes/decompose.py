@@ -38,7 +38,7 @@ Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weigh
         y[r+s] = xs @ W
       out = cat(y[0..n-1] along the gather dim)
 
-    in P pieces (``pieces``; by default P in ``AUTO_PIECES``, chosen with the rest): each step's shard
+    in P pieces (option ``pieces``, or P in ``AUTO_PIECES`` chosen with the rest): each step's shard
     goes as P exchanges of 1/P of it along the gather (scatter) dim; the matmul on a received
     piece runs while the next piece is in flight, and a remote partial is computed and sent
     piece by piece, so the first bytes leave after 1/P of its compute.
@@ -125,11 +125,13 @@ class DecomposeOptions:
     does nothing."""
     max_chunks: int = 4
     """Largest k tried by the chunked variant (k = 2..max_chunks that divide the shape)."""
-    pieces: int = 0
-    """How many pieces each per-peer transfer is split into: ``0`` lets the cost model pick among
-    ``AUTO_PIECES`` (those that divide the shape), ``P >= 1`` forces P. The compute on piece p of
-    a peer's shard runs while piece p+1 is in flight, and a remote partial's piece is sent as
-    soon as it is computed."""
+    pieces: int = 1
+    """How many pieces each per-peer transfer is split into: ``P >= 1`` forces P, ``0`` lets the
+    cost model pick among ``AUTO_PIECES`` (those that divide the shape). The compute on piece p
+    of a peer's shard runs while piece p+1 is in flight, and a remote partial's piece is sent as
+    soon as it is computed. One piece by default: measured, pieces pay on the dim-512 MLP block
+    and cost more than they hide on the dim-256 TP+SP model, where the cost model misses the
+    overhead of the smaller kernels (BENCHMARKS.md)."""
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
     patterns: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")

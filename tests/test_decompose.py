@@ -162,7 +162,7 @@ def test_pieces_are_chosen_by_the_cost_model() -> None:
                     launch_overhead_s=0.0, source="unit test")
     link = Link("slow_link", bandwidth_bytes_per_s=128.0, latency_s=1e-3, source="unit test")
     gm = _traced(_sp_in, (2, 4, 8), (64, 8), (64, 8))
-    ctx = _run(gm, estimator=AnalyticEstimator(device, link), mode="per_peer")
+    ctx = _run(gm, estimator=AnalyticEstimator(device, link), mode="per_peer", pieces=0)
     assert ctx.stats["decompose"]["all_gather_matmul: per_peer_4"] == 1, ctx.stats["decompose"]
     record = ctx.records["decompose"]
     assert record["all_gather_matmul0_per_peer_4_s"] < record["all_gather_matmul0_per_peer_2_s"] < record["all_gather_matmul0_per_peer_s"]
@@ -191,7 +191,7 @@ def test_every_rank_asks_to_measure_the_same_signatures(fn, world, tmp_path: Pat
     asked = []
     for rank in range(world):
         spy = _SignatureSpy(tmp_path)
-        _run(_traced(fn, *shapes, world=world, rank=rank), estimator=spy, world=world, rank=rank, mode="auto")
+        _run(_traced(fn, *shapes, world=world, rank=rank), estimator=spy, world=world, rank=rank, mode="auto", pieces=0)
         asked.append(spy.asked)
     assert asked[0] and all(a == asked[0] for a in asked)
 
@@ -297,7 +297,7 @@ def _decompose_stats(dump_dir: str, rank: int) -> dict[str, int]:
 
 
 def _standalone(
-    rank: int, world_size: int, cases: list[tuple], mode: str, codegen: str, pieces: int = 0, options: dict | None = None
+    rank: int, world_size: int, cases: list[tuple], mode: str, codegen: str, pieces: int = 1, options: dict | None = None
 ) -> dict[str, int]:
     """Per case: all-gather->2 matmuls, matmul->reduce-scatter and matmul->all-reduce, compiled vs eager, fwd + bwd."""
     import dhelix_compile
