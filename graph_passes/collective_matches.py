@@ -12,7 +12,7 @@ Patterns (aten IR as AOTAutograd hands it to dhelix)::
                                                                           └─[views]─ t ─ mm(·, y)  (weight grads, optional)
     MatmulReduceScatter      mm/addmm ─[views]─[add ─ mm ...]─[chunk(dim=d) ─ cat]─ reduce_scatter_tensor ─ wait
     MatmulAllReduce          mm/addmm ─[views]─ all_reduce ─ wait
-    AllToAllCompute          x ─ all_to_all_single ─ wait ─[views]─ mm/addmm/bmm  (one or more)
+    AllToAllCompute          x ─ all_to_all_single ─ wait ─[views, transposes, clones]─ mm/addmm/bmm
 
 ``all_gather_into_tensor`` always gathers along dim 0; a gather along dim ``d`` (sequence
 parallelism gathers the sequence dim) appears as the dim-0 gather followed by
@@ -246,12 +246,12 @@ def find_all_gather_matmuls(
     return matches
 
 
-def _all_consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Non-view consumers of ``node``, looking through view chains."""
+def _all_consumers(node: torch.fx.Node, through: tuple[object, ...] = _VIEWS) -> list[torch.fx.Node]:
+    """Consumers of ``node`` other than ``through`` (views), looking through chains of those."""
     out: list[torch.fx.Node] = []
     for user in node.users:
-        if user.target in _VIEWS:
-            out.extend(_all_consumers(user))
+        if user.target in through:
+            out.extend(_all_consumers(user, through))
         else:
             out.append(user)
     return out
@@ -342,7 +342,8 @@ def find_all_to_all_computes(
     """All-to-alls (expert parallelism) whose output feeds matmuls, through views."""
     matches = []
     for issue, wait in _issues_with_wait(graph, (c10d.all_to_all_single.default,), "all_to_all", skipped):
-        consumers = _all_consumers(wait)
+        # tokens regrouped per expert: a view, a transpose, and the copy a reshape of it makes
+        consumers = _all_consumers(wait, (*_VIEWS, aten.permute.default, aten.transpose.int, aten.clone.default))
         compute = tuple(c for c in consumers if c.target in (*_MATMULS, aten.bmm.default))
         if not compute:
             _count(skipped, "all_to_all: output feeds no matmul")

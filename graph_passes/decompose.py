@@ -1,4 +1,4 @@
-"""decompose: all-gather→matmul, matmul→reduce-scatter and matmul→all-reduce as per-peer or chunked steps over partitioned compute.
+"""decompose: all-gather→matmul, matmul→reduce-scatter, matmul→all-reduce and all-to-all→bmm as per-peer or chunked steps over partitioned compute.
 
 Contract
     Input: an annotated AOTAutograd partition (functional aten IR, ``meta["val"]`` on every
@@ -60,8 +60,11 @@ Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weigh
                 runs under the matmul.
       chunked:  k row blocks; block c's all_reduce is in flight while block c+1's matmul runs
 
-    all_to_all_single -> expert compute: found and counted, left alone (the expert compute
-    behind a token permutation is not row-separable in general).
+    all_to_all_single -> bmm (expert parallelism's dispatch), per peer: the received tensor viewed
+    [W, A, B, ...] (source rank first), the first two dims swapped and merged into [A, W*B, ...]
+    (per local expert, each source's B slots) -> every chunk sent up front; bmm on the local
+    chunk, then on each source's chunk as it lands; outputs concatenated along dim 1. Any other
+    layout (a source dim that does not become a row block) is left alone with its reason.
 
 Picture (2 ranks, all-gather along the sequence dim feeding Q/K/V)::
 
@@ -88,6 +91,7 @@ from cost_model.simulator import simulate
 from graph_passes.annotate import annotate_pass
 from graph_passes.collective_matches import (
     AllGatherMatmul,
+    AllToAllCompute,
     MatmulAllReduce,
     MatmulReduceScatter,
     find_all_gather_matmuls,
@@ -134,7 +138,7 @@ class DecomposeOptions:
     overhead of the smaller kernels (BENCHMARKS.md)."""
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
-    patterns: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+    patterns: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_to_all_compute")
     """Which patterns may be rewritten."""
 
     def validate(self) -> DecomposeOptions:
@@ -690,6 +694,114 @@ class _AllReduceSite(_ReplacesOutput):
 
 
 
+class _AllToAllSite(_ReplacesOutput):
+    """``wait(all_to_all_single(x))`` -> view ``[W, A, B, ...]`` -> swap the first two dims ->
+    reshape ``[A, W*B, ...]`` -> ``bmm`` (expert parallelism's dispatch: W source ranks, A local
+    experts, B slots each).
+
+    Rows ``[j*B, (j+1)*B)`` of every expert's batch are source ``j``'s chunk of the received
+    tensor viewed ``[A, B, ...]``, so a ``bmm`` whose first operand is that tensor is computed per
+    source as the chunk arrives and its outputs concatenated along dim 1. Other readers of the
+    layout (a weight gradient reading it as its second operand, a graph output) get it
+    concatenated from the chunks.
+    """
+
+    def __init__(self, m: AllToAllCompute, graph: torch.fx.Graph, group_size: int) -> None:
+        self.m, self.graph, self.n = m, graph, group_size
+        n = group_size
+        inp = m.issue.args[0]
+        out_splits, in_splits = m.issue.args[1], m.issue.args[2]
+        rows = int(_val(inp).shape[0])  # type: ignore[arg-type]
+        for splits in (out_splits, in_splits):
+            if splits is not None and (len(splits) != n or len(set(splits)) != 1 or sum(splits) != rows):  # type: ignore[arg-type]
+                raise SkipSite(f"split sizes {splits} are not {n} equal parts of {rows} rows")
+        if rows % n:
+            raise SkipSite(f"rows ({rows}) not divisible by {n}")
+        self.chunk_rows = rows // n
+        # the chain: view [W, A, B, ...] -> permute [1, 0, ...] -> (clone) -> view [A, W*B, ...]
+        view = _only_user(m.wait, (aten.view.default, aten._unsafe_view.default, aten.reshape.default))
+        shape = list(_val(view).shape)
+        if len(shape) < 3 or shape[0] != n:
+            raise SkipSite("the received tensor is not viewed with the source rank first")
+        swap = _only_user(view, (aten.permute.default, aten.transpose.int))
+        perm = list(swap.args[1]) if swap.target == aten.permute.default else _transposition(len(shape), *swap.args[1:3])  # type: ignore[arg-type]
+        if perm != [1, 0, *range(2, len(shape))]:
+            raise SkipSite(f"the source dim is permuted by {perm}, not swapped with the next")
+        node = swap
+        chain = [view, swap]
+        copy = _only_user(node, (aten.clone.default,), required=False)
+        if copy is not None:
+            chain.append(copy)
+            node = copy
+        merged = _only_user(node, (aten.view.default, aten._unsafe_view.default, aten.reshape.default))
+        chain.append(merged)
+        self.block_shape = [shape[1], *shape[2:]]  # one source's part: [A, B, ...]
+        if list(_val(merged).shape) != [shape[1], n * shape[2], *shape[3:]]:
+            raise SkipSite("the swapped tensor is not reshaped to [A, W*B, ...]")
+        self.merged = merged
+        self.bmms = [u for u in merged.users if u.target == aten.bmm.default and u.args[0] is merged]
+        if not self.bmms:
+            raise SkipSite("no bmm reads the received tokens as its first operand")
+        position = _position(graph)
+        others = [u for u in merged.users if u not in self.bmms] + [u for u in m.wait.users if u is not view]
+        self.anchor = min([*self.bmms, *others], key=position.__getitem__)  # the first reader
+        self.hoist: list[torch.fx.Node] = []
+        for mm in self.bmms:
+            _late_operands(mm.args[1], self.anchor, position, self.hoist)
+        self.old_nodes = sorted([m.issue, m.wait, *chain, *self.bmms], key=position.__getitem__)
+
+    def per_peer(self, e: _Emitter, rank: int, tag: int, pieces: int = 1) -> _Variant:
+        """Send each peer its chunk (all at once), compute on the local chunk, then on each peer's
+        chunk as it arrives."""
+        if pieces != 1:
+            raise SkipSite("pieces (all-to-all sites send whole chunks)")
+        m, n, size = self.m, self.n, self.chunk_rows
+        inp = m.issue.args[0]
+        flights = {
+            (rank - s) % n: e.exchange(e.slice(inp, 0, (rank + s) % n * size, ((rank + s) % n + 1) * size),  # type: ignore[arg-type]
+                                      (rank + s) % n, (rank - s) % n, _tag(tag, s - 1), m.group_name)
+            for s in range(1, n)
+        }
+        chunks = {rank: e.slice(inp, 0, rank * size, (rank + 1) * size, contiguous=True)}  # type: ignore[arg-type]
+        blocks, outs = {}, {}
+        for j in [rank, *flights]:
+            if j != rank:
+                chunks[j] = e.wait_exchange(flights[j])
+            blocks[j] = e.view(chunks[j], self.block_shape)
+            outs[j] = [e.call(aten.bmm.default, blocks[j], mm.args[1]) for mm in self.bmms]
+        replace = [(mm, e.cat([outs[j][i] for j in range(n)], 1)) for i, mm in enumerate(self.bmms)]
+        if any(u not in self.bmms for u in self.merged.users):
+            replace.append((self.merged, e.cat([blocks[j] for j in range(n)], 1)))
+        if len(m.wait.users) > 1:
+            replace.append((m.wait, e.cat([chunks[j] for j in range(n)], 0)))
+        return _Variant("per_peer", e, replace)
+
+    def chunked(self, e: _Emitter, k: int) -> _Variant:
+        raise SkipSite("no chunked form (per-peer only)")
+
+    def commit(self, variant: _Variant) -> None:
+        first = variant.emitter.nodes[0]
+        for node in self.hoist:  # dependency order
+            first.prepend(node)
+        super().commit(variant)
+
+
+def _only_user(node: torch.fx.Node, targets: tuple[Any, ...], *, required: bool = True) -> Any:
+    """``node``'s single user when it is one of ``targets``; else None (``required``: SkipSite)."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].target in targets:
+        return users[0]
+    if required:
+        raise SkipSite(f"{node.name} is read by {[u.name for u in users]}, not by one of {[str(t) for t in targets]}")
+    return None
+
+
+def _transposition(rank: int, a: int, b: int) -> list[int]:
+    perm = list(range(rank))
+    perm[a % rank], perm[b % rank] = perm[b % rank], perm[a % rank]
+    return perm
+
+
 def _consumers_through_views(node: torch.fx.Node) -> list[torch.fx.Node]:
     out: list[torch.fx.Node] = []
     for user in node.users:
@@ -747,8 +859,13 @@ class _Decomposer:
                     self.count(f"matmul_all_reduce: skipped: unknown process group {m.group_name!r}")
                     continue
                 self._site("matmul_all_reduce", lambda m=m, size=size: _AllReduceSite(m, self.graph, size), m.group_name, size, m.issue)
-        for m in find_all_to_all_computes(self.graph, skipped):
-            self.count("all_to_all_compute: left alone (no rewrite splits expert compute by source rank yet)")
+        if "all_to_all_compute" in patterns:
+            for m in find_all_to_all_computes(self.graph, skipped):
+                size = self.compat.group_size(m.group_name)
+                if size is None:
+                    self.count(f"all_to_all_compute: skipped: unknown process group {m.group_name!r}")
+                    continue
+                self._site("all_to_all_compute", lambda m=m, size=size: _AllToAllSite(m, self.graph, size), m.group_name, size, m.issue)
         for reason, n in sorted(skipped.items()):
             self.ctx.count(PASS, f"not matched: {reason}", n)
         self.ctx.record(PASS, predicted_saved_s=self.saved_s)

@@ -65,6 +65,16 @@ def _wgrad_in(g, h, w, group):
     return flat @ w.t(), flat.t() @ h
 
 
+def _ep_in(send, w1, w3, group, experts=2):
+    """Expert parallelism's dispatch: all-to-all, tokens regrouped per local expert, two bmm."""
+    world = dist.get_world_size(group)
+    rows, dim = send.shape
+    slots = rows // (world * experts)
+    recv = funcol.all_to_all_single(send, [rows // world] * world, [rows // world] * world, group)
+    tokens = recv.view(world, experts, slots, dim).transpose(0, 1).reshape(experts, world * slots, dim)
+    return torch.bmm(tokens, w1), torch.bmm(tokens, w3)
+
+
 def _traced(fn, *shapes, world=2, rank=0):
     with fake_world(world, rank) as group:
         return trace_aten(lambda *a: fn(*a, group), *[torch.randn(s) for s in shapes])
@@ -86,7 +96,7 @@ def _ops(gm) -> list[str]:
     names = {P2P_EXCHANGE: "p2p", c10d.all_gather_into_tensor.default: "ag",
              c10d.reduce_scatter_tensor.default: "rs", c10d.all_reduce.default: "ar",
              c10d.wait_tensor.default: "wait",
-             aten.mm.default: "mm", aten.addmm.default: "mm"}
+             aten.mm.default: "mm", aten.addmm.default: "mm", aten.bmm.default: "mm"}
     return [names[n.target] for n in gm.graph.nodes if n.target in names]
 
 
@@ -194,6 +204,38 @@ def test_every_rank_asks_to_measure_the_same_signatures(fn, world, tmp_path: Pat
         _run(_traced(fn, *shapes, world=world, rank=rank), estimator=spy, world=world, rank=rank, mode="auto", pieces=0)
         asked.append(spy.asked)
     assert asked[0] and all(a == asked[0] for a in asked)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_per_peer_computes_the_local_chunk_first_then_each_source(world: int) -> None:
+    rank = 1
+    gm = _traced(_ep_in, (world * 2 * 3, 8), (2, 8, 5), (2, 8, 5), world=world, rank=rank)
+    ctx = _run(gm, world=world, rank=rank, mode="per_peer")
+    assert ctx.stats["decompose"]["all_to_all_compute: per_peer"] == 1, ctx.stats["decompose"]
+    # every chunk sent up front; the local chunk's bmm under them; each source's bmm as it lands
+    assert _ops(gm) == ["p2p"] * (world - 1) + ["mm", "mm"] + ["wait", "wait", "mm", "mm"] * (world - 1)
+    assert _p2p_peers(gm) == [[(rank + s) % world, (rank - s) % world] for s in range(1, world)]
+    assert not any(n.target == c10d.all_to_all_single.default for n in gm.graph.nodes)
+
+
+def test_all_to_all_sites_that_are_not_per_source_blocks_are_left_alone_with_reasons() -> None:
+    def uneven(send, w, group):
+        recv = funcol.all_to_all_single(send, [4, 8], [8, 4], group)
+        return torch.bmm(recv.view(2, 6, 1, 8).transpose(0, 1).reshape(6, 2, 8), w)
+
+    def mixed(send, w, group):  # the source dim moves to the last batch position: not a row block
+        recv = funcol.all_to_all_single(send, [12, 12], [12, 12], group)
+        return torch.bmm(recv.view(2, 3, 4, 8).permute(1, 2, 0, 3).reshape(3, 8, 8), w)
+
+    for fn, shapes, reason in (
+        (uneven, ((12, 8), (6, 8, 5)), "split sizes [4, 8] are not 2 equal parts of 12 rows"),
+        (mixed, ((24, 8), (3, 8, 5)), "the source dim is permuted by [1, 2, 0, 3], not swapped with the next"),
+    ):
+        gm = _traced(fn, *shapes)
+        before = str(gm.graph)
+        ctx = _run(gm, mode="per_peer")
+        assert ctx.stats["decompose"][f"all_to_all_compute: skipped: {reason}"] == 1, ctx.stats["decompose"]
+        assert str(gm.graph) == before
 
 
 def test_chunked_variants_keep_k_collectives_in_flight_order() -> None:
@@ -457,6 +499,16 @@ def test_tp_reference_model_with_decomposed_all_reduces(mode: str) -> None:
     for stats in run_on_ranks(_tp_sp, 2, mode, "eager", "tp", timeout_s=540):
         done = sum(v for k, v in stats.items() if k.startswith("matmul_all_reduce: ") and (k.endswith("per_peer") or "chunked_" in k))
         assert done >= 4, stats  # attention and MLP outputs of both layers, at least
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("world_size", "codegen"), [(2, "eager"), (4, "eager"), pytest.param(2, "inductor", marks=pytest.mark.inductor)])
+def test_moe_reference_model_with_per_peer_all_to_alls(world_size: int, codegen: str) -> None:
+    """Expert parallelism: the dispatch all-to-all (forward) and the gradient all-to-all feeding the
+    experts' input-gradient bmm (backward) rewritten per peer, results as the single-process reference."""
+    for stats in run_on_ranks(_tp_sp, world_size, "per_peer", codegen, "moe", timeout_s=540):
+        assert stats.get("all_to_all_compute: per_peer", 0) >= 2, stats
 
 
 @pytest.mark.multirank
