@@ -323,7 +323,7 @@ def p2p_exchange(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, gro
     group = _resolve_group(group_name)
     if dist.get_backend(group) == "fake":  # nothing is sent; its works never complete
         return [send.new_empty(0), torch.empty_like(send, memory_format=torch.contiguous_format)]
-    payload = send.contiguous().clone()
+    payload = send.clone(memory_format=torch.contiguous_format)  # ours until the send completes: one copy
     received = torch.empty_like(payload)
     works = dist.batch_isend_irecv([
         dist.P2POp(dist.isend, payload, group=group, group_peer=to_peer, tag=tag),

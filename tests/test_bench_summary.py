@@ -1,4 +1,4 @@
-"""The benchmark's summary table: ratios and both hidden shares beside the seconds."""
+"""The benchmark: its summary table (ratios, both hidden shares), and a workload end to end on loopback."""
 
 from __future__ import annotations
 
@@ -25,3 +25,19 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3] == "1.25x"  # vs Inductor
     assert cells[5:] == ["80%", "110.0", "60%"]  # own T_compute: (160-120)/50; Inductor's: (150-120)/50
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
+    import json
+
+    from dhelix_compile.bench.run import main
+
+    out = tmp_path / "moe.json"
+    argv = ["--model", "moe_small", "--rate", "none", "--variants", "eager,dhelix_eager", "--repeats", "3",
+            "--warmup", "1", "--time-limit-s", "30", "--timeout-s", "240", "--out", str(out)]
+    assert main(argv) == 0
+    summary = json.loads(out.read_text())
+    assert set(summary["variants"]) == {"eager", "dhelix_eager"} and not summary["errors"]
+    assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0

@@ -198,10 +198,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _check(args: argparse.Namespace) -> str | None:
     """A message naming the bad option, or None."""
     from dhelix_compile.bench.steps import STEP_VARIANTS
-    from dhelix_compile.bench.worker import MLP_SIZES, MODEL_SIZES
+    from dhelix_compile.bench.worker import MODEL_NAMES
 
-    if args.model not in MODEL_SIZES and args.model not in MLP_SIZES:
-        return f"unknown model size {args.model!r}; choose from {', '.join([*MODEL_SIZES, *MLP_SIZES])}"
+    if args.model not in MODEL_NAMES:
+        return f"unknown model size {args.model!r}; choose from {', '.join(MODEL_NAMES)}"
     unknown = [v for v in args.variants.split(",") if v and v not in STEP_VARIANTS]
     if unknown:
         return f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(STEP_VARIANTS)}"

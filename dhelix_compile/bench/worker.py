@@ -13,7 +13,8 @@ A step is one forward and backward per micro-batch (``--microbatches``; gradient
 helix merges consecutive micro-batches) of the TP+SP Llama-style reference model, or,
 for ``--model mlp_*``, of one TP+SP SwiGLU MLP block alone (all-gather -> w1, w3 -> w2 ->
 reduce-scatter; its input sequence-sharded and requiring grad, so the backward has the mirror
-pair).
+pair), or, for ``--model moe_*``, of one expert-parallel MoE layer (``testing.moe``: router,
+all-to-all dispatch, each rank's SwiGLU experts as bmm, all-to-all combine).
 A step's time is the slowest rank's. Rank 0 writes the JSON; every rank exits 0 on success.
 """
 
@@ -58,11 +59,19 @@ MLP_SIZES: dict[str, tuple[int, int, int, int]] = {
 }
 
 
+#: MoE-layer sizes by name: (dim, ffn_hidden, n_experts, top_k, tokens per rank)
+MOE_SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "moe_small": (256, 512, 4, 2, 256),
+    "moe_medium": (512, 1024, 4, 2, 256),
+}
+MODEL_NAMES: tuple[str, ...] = (*MODEL_SIZES, *MLP_SIZES, *MOE_SIZES)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes")
     parser.add_argument("--mode", choices=["link", "compute"], default="link")
-    parser.add_argument("--model", choices=sorted([*MODEL_SIZES, *MLP_SIZES]), default="small")
+    parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="small")
     parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
     parser.add_argument("--variants", default="eager,inductor,inductor_overlap,dhelix")
     parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (gradients accumulate)")
@@ -187,6 +196,22 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
 
         def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
             return (model(mb[0]) * mb[1]).sum()
+    elif args.model in MOE_SIZES:
+        from dhelix_compile.testing.moe import ExpertParallelMoE, MoEConfig, ReferenceMoE
+
+        dim, ffn, n_experts, top_k, seq = MOE_SIZES[args.model]
+        config, batch = MoEConfig(dim=dim, ffn_hidden=ffn, n_experts=n_experts, top_k=top_k), 1  # type: ignore[assignment]
+        config.validate(world_size)  # type: ignore[attr-defined]
+        # this rank's dispatch group of tokens and a probe
+        microbatches = [
+            (torch.randn(seq, dim, generator=gen), torch.randn(seq, dim, generator=gen)) for _ in range(args.microbatches)
+        ]
+
+        def make() -> torch.nn.Module:
+            return ExpertParallelMoE.from_reference(ReferenceMoE(config))  # type: ignore[arg-type]
+
+        def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return (model(mb[0]) * mb[1]).sum()
     else:
         config, seq, batch = model_config(args.model)
         config.validate(world_size)
@@ -206,7 +231,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     inputs, extra = microbatches[0][:1], microbatches[0][1]
 
     def loss_of(out: torch.Tensor) -> torch.Tensor:  # one micro-batch's loss, for recording collectives
-        return (out * extra).sum() if args.model in MLP_SIZES else lm_loss(out, extra)
+        return lm_loss(out, extra) if args.model in MODEL_SIZES else (out * extra).sum()
 
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
