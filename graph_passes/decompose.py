@@ -845,27 +845,21 @@ class _Decomposer:
 
     def run(self) -> None:
         skipped: Counter[str] = Counter()
-        patterns = self.options.patterns
-        if "all_gather_matmul" in patterns:
-            for m in find_all_gather_matmuls(self.graph, skipped):
-                self._site("all_gather_matmul", lambda m=m: _AllGatherSite(m, self.graph), m.group_name, m.group_size, m.issue)
-        if "matmul_reduce_scatter" in patterns:
-            for m in find_matmul_reduce_scatters(self.graph, skipped):
-                self._site("matmul_reduce_scatter", lambda m=m: _ReduceScatterSite(m, self.graph), m.group_name, m.group_size, m.issue)
-        if "matmul_all_reduce" in patterns:
-            for m in find_matmul_all_reduces(self.graph, skipped):
-                size = self.compat.group_size(m.group_name)
+        kinds = (  # pattern, its finder, its site (given the match and the group size)
+            ("all_gather_matmul", find_all_gather_matmuls, lambda m, n: _AllGatherSite(m, self.graph)),
+            ("matmul_reduce_scatter", find_matmul_reduce_scatters, lambda m, n: _ReduceScatterSite(m, self.graph)),
+            ("matmul_all_reduce", find_matmul_all_reduces, lambda m, n: _AllReduceSite(m, self.graph, n)),
+            ("all_to_all_compute", find_all_to_all_computes, lambda m, n: _AllToAllSite(m, self.graph, n)),
+        )
+        for label, find, make in kinds:
+            if label not in self.options.patterns:
+                continue
+            for m in find(self.graph, skipped):
+                size = getattr(m, "group_size", None) or self.compat.group_size(m.group_name)
                 if size is None:
-                    self.count(f"matmul_all_reduce: skipped: unknown process group {m.group_name!r}")
+                    self.count(f"{label}: skipped: unknown process group {m.group_name!r}")
                     continue
-                self._site("matmul_all_reduce", lambda m=m, size=size: _AllReduceSite(m, self.graph, size), m.group_name, size, m.issue)
-        if "all_to_all_compute" in patterns:
-            for m in find_all_to_all_computes(self.graph, skipped):
-                size = self.compat.group_size(m.group_name)
-                if size is None:
-                    self.count(f"all_to_all_compute: skipped: unknown process group {m.group_name!r}")
-                    continue
-                self._site("all_to_all_compute", lambda m=m, size=size: _AllToAllSite(m, self.graph, size), m.group_name, size, m.issue)
+                self._site(label, lambda m=m, size=size, make=make: make(m, size), m.group_name, size, m.issue)
         for reason, n in sorted(skipped.items()):
             self.ctx.count(PASS, f"not matched: {reason}", n)
         self.ctx.record(PASS, predicted_saved_s=self.saved_s)
