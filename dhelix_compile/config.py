@@ -97,7 +97,7 @@ class DHelixConfig:
     )
     decompose: DecomposeMode = _option(
         "off",
-        "Collective decomposition (all-gather->matmul, matmul->reduce-scatter, matmul->all-reduce, all-to-all->bmm as per-peer P2P steps "
+        "Collective decomposition (all-gather->matmul, matmul->reduce-scatter, matmul->all-reduce, all-to-all<->bmm as per-peer P2P steps "
         "or k chunks over partitioned matmuls): 'auto' rewrites a site when the cost model predicts "
         "a gain, 'per_peer' / 'chunked' force that family wherever it applies, 'off' (the default "
         "until the P2P path is checked on NCCL) leaves every site alone.",

@@ -13,6 +13,7 @@ Patterns (aten IR as AOTAutograd hands it to dhelix)::
     MatmulReduceScatter      mm/addmm ─[views]─[add ─ mm ...]─[chunk(dim=d) ─ cat]─ reduce_scatter_tensor ─ wait
     MatmulAllReduce          mm/addmm ─[views]─ all_reduce ─ wait
     AllToAllCompute          x ─ all_to_all_single ─ wait ─[views, transposes, clones]─ mm/addmm/bmm
+    BmmAllToAll              bmm ─[add ─ bmm ...]─[views, transposes, clones]─ all_to_all_single ─ wait
 
 ``all_gather_into_tensor`` always gathers along dim 0; a gather along dim ``d`` (sequence
 parallelism gathers the sequence dim) appears as the dim-0 gather followed by
@@ -33,6 +34,7 @@ import dataclasses
 import operator
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -95,6 +97,19 @@ class AllToAllCompute:
     issue: torch.fx.Node
     wait: torch.fx.Node
     consumers: tuple[torch.fx.Node, ...]
+    group_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BmmAllToAll:
+    """``all_to_all_single`` of a ``bmm``'s output (or a sum of bmm outputs), regrouped
+    (expert parallelism's combine, and the backward's gradient of its dispatch)."""
+
+    output: torch.fx.Node
+    """The bmm, or the root of the ``add`` tree over ``bmms``."""
+    bmms: tuple[torch.fx.Node, ...]
+    issue: torch.fx.Node
+    wait: torch.fx.Node
     group_name: str
 
 
@@ -271,10 +286,20 @@ def _matmuls_of_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     every matmul output must have ``node``'s number of elements. A backward graph's input
     gradient through two projections (SwiGLU's w1 and w3) is such a sum.
     """
-    single = _matmul_behind_views(node)
+    out = _add_tree_leaves(node, _matmul_behind_views)
+    numel = _val(node).numel() if _val(node) is not None else None  # type: ignore[union-attr]
+    if out is None or any(_val(mm) is None or _val(mm).numel() != numel for mm in out):  # type: ignore[union-attr]
+        return None
+    return out
+
+
+def _add_tree_leaves(node: torch.fx.Node, leaf_of: Any) -> list[torch.fx.Node] | None:
+    """``[leaf_of(node)]`` when that is a node; else the leaves of the ``add`` tree at ``node``
+    (through views), each inner node read only by the sum; None if any branch has no leaf."""
+    single = leaf_of(node)
     if single is not None:
         return [single]
-    while node.target in _VIEWS:  # (whether the views feed only the collective: the rewrite checks)
+    while node.target in _VIEWS:
         node = node.args[0]  # type: ignore[assignment]
     if node.target != aten.add.Tensor or node.kwargs or len(node.args) != 2:
         return None
@@ -282,13 +307,10 @@ def _matmuls_of_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     for arg in node.args:
         if not isinstance(arg, torch.fx.Node) or len(arg.users) != 1:
             return None
-        inner = _matmuls_of_sum(arg)
+        inner = _add_tree_leaves(arg, leaf_of)
         if inner is None:
             return None
         out.extend(inner)
-    numel = _val(node).numel() if _val(node) is not None else None  # type: ignore[union-attr]
-    if any(_val(mm) is None or _val(mm).numel() != numel for mm in out):  # type: ignore[union-attr]
-        return None
     return out
 
 
@@ -336,14 +358,42 @@ def find_matmul_all_reduces(
     return matches
 
 
+#: How expert parallelism regroups tokens around an all-to-all: views, a transpose, the copy a
+#: reshape of a transpose makes.
+_REGROUP = (*_VIEWS, aten.permute.default, aten.transpose.int, aten.clone.default)
+
+
+def find_bmm_all_to_alls(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[BmmAllToAll]:
+    """All-to-alls whose input is a ``bmm``'s output or a sum of them (SwiGLU's input gradient
+    through w1 and w3), through views, transposes and copies."""
+    matches = []
+    for issue, wait in _issues_with_wait(graph, (c10d.all_to_all_single.default,), "all_to_all", skipped):
+        node = issue.args[0]
+        while isinstance(node, torch.fx.Node) and node.target in _REGROUP:
+            node = node.args[0]
+        bmms = _bmms_of_sum(node) if isinstance(node, torch.fx.Node) else None
+        if bmms is None:
+            _count(skipped, "all_to_all: input is not a bmm output (or a sum of them)")
+            continue
+        matches.append(BmmAllToAll(node, tuple(bmms), issue, wait, str(issue.args[3])))
+    return matches
+
+
+def _bmms_of_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """``[node]`` for a bmm; the bmms of an ``add`` tree of bmm outputs of ``node``'s shape,
+    each read only by the sum; else None."""
+    out = _add_tree_leaves(node, lambda n: n if n.target == aten.bmm.default else None)
+    shape = _val(node).shape if _val(node) is not None else None  # type: ignore[union-attr]
+    return out if out is not None and all(_val(b) is not None and _val(b).shape == shape for b in out) else None  # type: ignore[union-attr]
+
+
 def find_all_to_all_computes(
     graph: torch.fx.Graph, skipped: Counter[str] | None = None
 ) -> list[AllToAllCompute]:
     """All-to-alls (expert parallelism) whose output feeds matmuls, through views."""
     matches = []
     for issue, wait in _issues_with_wait(graph, (c10d.all_to_all_single.default,), "all_to_all", skipped):
-        # tokens regrouped per expert: a view, a transpose, and the copy a reshape of it makes
-        consumers = _all_consumers(wait, (*_VIEWS, aten.permute.default, aten.transpose.int, aten.clone.default))
+        consumers = _all_consumers(wait, _REGROUP)
         compute = tuple(c for c in consumers if c.target in (*_MATMULS, aten.bmm.default))
         if not compute:
             _count(skipped, "all_to_all: output feeds no matmul")
@@ -360,5 +410,6 @@ def find_all(graph: torch.fx.Graph) -> tuple[dict[str, Sequence[object]], Counte
         "matmul_reduce_scatter": find_matmul_reduce_scatters(graph, skipped),
         "matmul_all_reduce": find_matmul_all_reduces(graph, skipped),
         "all_to_all_compute": find_all_to_all_computes(graph, skipped),
+        "bmm_all_to_all": find_bmm_all_to_alls(graph, skipped),
     }
     return found, skipped

@@ -66,6 +66,10 @@ Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weigh
     chunk, then on each source's chunk as it lands; outputs concatenated along dim 1. Any other
     layout (a source dim that does not become a row block) is left alone with its reason.
 
+    bmm -> all_to_all_single (the combine), per peer: the mirror image -- each destination's
+    chunk (the bmm on its slots of every expert) computed and sent as soon as it is ready,
+    remote destinations first, the local chunk last under the transfers.
+
 Picture (2 ranks, all-gather along the sequence dim feeding Q/K/V)::
 
     before:  all_gather  wait  split  cat  view  mm_q  mm_k  mm_v        comm: [ag........]
@@ -92,10 +96,12 @@ from graph_passes.annotate import annotate_pass
 from graph_passes.collective_matches import (
     AllGatherMatmul,
     AllToAllCompute,
+    BmmAllToAll,
     MatmulAllReduce,
     MatmulReduceScatter,
     find_all_gather_matmuls,
     find_all_to_all_computes,
+    find_bmm_all_to_alls,
     find_matmul_all_reduces,
     find_matmul_reduce_scatters,
 )
@@ -138,7 +144,9 @@ class DecomposeOptions:
     overhead of the smaller kernels (BENCHMARKS.md)."""
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
-    patterns: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_to_all_compute")
+    patterns: tuple[str, ...] = (
+        "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_to_all_compute", "bmm_all_to_all"
+    )
     """Which patterns may be rewritten."""
 
     def validate(self) -> DecomposeOptions:
@@ -709,15 +717,7 @@ class _AllToAllSite(_ReplacesOutput):
     def __init__(self, m: AllToAllCompute, graph: torch.fx.Graph, group_size: int) -> None:
         self.m, self.graph, self.n = m, graph, group_size
         n = group_size
-        inp = m.issue.args[0]
-        out_splits, in_splits = m.issue.args[1], m.issue.args[2]
-        rows = int(_val(inp).shape[0])  # type: ignore[arg-type]
-        for splits in (out_splits, in_splits):
-            if splits is not None and (len(splits) != n or len(set(splits)) != 1 or sum(splits) != rows):  # type: ignore[arg-type]
-                raise SkipSite(f"split sizes {splits} are not {n} equal parts of {rows} rows")
-        if rows % n:
-            raise SkipSite(f"rows ({rows}) not divisible by {n}")
-        self.chunk_rows = rows // n
+        self.chunk_rows = _equal_chunk_rows(m.issue, n)
         # the chain: view [W, A, B, ...] -> permute [1, 0, ...] -> (clone) -> view [A, W*B, ...]
         view = _only_user(m.wait, (aten.view.default, aten._unsafe_view.default, aten.reshape.default))
         shape = list(_val(view).shape)
@@ -786,6 +786,84 @@ class _AllToAllSite(_ReplacesOutput):
         super().commit(variant)
 
 
+class _BmmAllToAllSite(_ReplacesOutput):
+    """``bmm`` (or a sum of bmms) -> view ``[A, W, B, ...]`` -> swap the first two dims -> reshape
+    ``[W*A*B, ...]`` -> ``all_to_all_single`` (expert parallelism's combine: A local experts, B
+    slots per source; in the backward, the gradient of the dispatch).
+
+    Destination ``j``'s chunk is the bmm on rows ``[j*B, (j+1)*B)`` of every expert's batch, so it
+    is computed and sent per destination, remote ones first, the local one last (under the
+    transfers); the received chunks are concatenated in source order.
+    """
+
+    def __init__(self, m: BmmAllToAll, graph: torch.fx.Graph, group_size: int) -> None:
+        self.m, self.graph, self.n = m, graph, group_size
+        n = group_size
+        _equal_chunk_rows(m.issue, n)
+        view = _only_user(m.output, (aten.view.default, aten._unsafe_view.default, aten.reshape.default))
+        experts, rows = _val(m.output).shape[:2]
+        shape = list(_val(view).shape)
+        if shape[:3] != [experts, n, rows // n] or rows % n:
+            raise SkipSite(f"the bmm output is not viewed [experts, {n} destinations, slots, ...]")
+        swap = _only_user(view, (aten.permute.default, aten.transpose.int))
+        perm = list(swap.args[1]) if swap.target == aten.permute.default else _transposition(len(shape), *swap.args[1:3])  # type: ignore[arg-type]
+        if perm != [1, 0, *range(2, len(shape))]:
+            raise SkipSite(f"the destination dim is permuted by {perm}, not swapped with the first")
+        chain, node = [view, swap], swap
+        while node is not m.issue.args[0]:
+            node = _only_user(node, (aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default))
+            chain.append(node)
+        self.slots = rows // n
+        self.chunk_shape = [experts * self.slots, *shape[3:]]
+        position = _position(graph)
+        self.old_nodes = sorted([*m.bmms, *_nodes_between(m.output, m.bmms), *chain, m.issue, m.wait], key=position.__getitem__)
+        self.anchor = max(m.bmms, key=position.__getitem__)  # every operand exists there
+
+    def _part(self, e: _Emitter, j: int) -> torch.fx.Node:
+        """Destination ``j``'s chunk: the bmm(s) on its slots of every expert (summed), rows flattened."""
+        total = None
+        for bmm in self.m.bmms:
+            tokens, weight = bmm.args[:2]
+            rows = e.slice(tokens, 1, j * self.slots, (j + 1) * self.slots)  # type: ignore[arg-type]
+            part = e.call(aten.bmm.default, rows, weight)
+            total = part if total is None else e.call(aten.add.Tensor, total, part)
+        return e.view(total, self.chunk_shape)  # type: ignore[arg-type]
+
+    def per_peer(self, e: _Emitter, rank: int, tag: int, pieces: int = 1) -> _Variant:
+        if pieces != 1:
+            raise SkipSite("pieces (all-to-all sites send whole chunks)")
+        m, n = self.m, self.n
+        flights = {
+            (rank - s) % n: e.exchange(self._part(e, (rank + s) % n), (rank + s) % n, (rank - s) % n, _tag(tag, s - 1), m.group_name)
+            for s in range(1, n)
+        }
+        chunks = {rank: self._part(e, rank)}
+        for j, flight in flights.items():
+            chunks[j] = e.wait_exchange(flight)
+        return _Variant("per_peer", e, [(m.wait, e.cat([chunks[j] for j in range(n)], 0))])
+
+    def chunked(self, e: _Emitter, k: int) -> _Variant:
+        raise SkipSite("no chunked form (per-peer only)")
+
+
+def _nodes_between(root: torch.fx.Node, leaves: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The nodes of the ``add`` tree from ``root`` down to (not including) ``leaves``."""
+    if root in leaves:
+        return []
+    return [root, *(n for arg in root.all_input_nodes for n in _nodes_between(arg, leaves))]
+
+
+def _equal_chunk_rows(issue: torch.fx.Node, n: int) -> int:
+    """Rows per rank of an ``all_to_all_single`` whose split sizes are ``n`` equal parts (or None)."""
+    rows = int(_val(issue.args[0]).shape[0])  # type: ignore[arg-type]
+    for splits in issue.args[1:3]:
+        if splits is not None and (len(splits) != n or len(set(splits)) != 1 or sum(splits) != rows):  # type: ignore[arg-type]
+            raise SkipSite(f"split sizes {splits} are not {n} equal parts of {rows} rows")
+    if rows % n:
+        raise SkipSite(f"rows ({rows}) not divisible by {n}")
+    return rows // n
+
+
 def _only_user(node: torch.fx.Node, targets: tuple[Any, ...], *, required: bool = True) -> Any:
     """``node``'s single user when it is one of ``targets``; else None (``required``: SkipSite)."""
     users = list(node.users)
@@ -850,6 +928,7 @@ class _Decomposer:
             ("matmul_reduce_scatter", find_matmul_reduce_scatters, lambda m, n: _ReduceScatterSite(m, self.graph)),
             ("matmul_all_reduce", find_matmul_all_reduces, lambda m, n: _AllReduceSite(m, self.graph, n)),
             ("all_to_all_compute", find_all_to_all_computes, lambda m, n: _AllToAllSite(m, self.graph, n)),
+            ("bmm_all_to_all", find_bmm_all_to_alls, lambda m, n: _BmmAllToAllSite(m, self.graph, n)),
         )
         for label, find, make in kinds:
             if label not in self.options.patterns:

@@ -12,6 +12,7 @@ from graph_passes.collective_matches import (
     find_all,
     find_all_gather_matmuls,
     find_all_to_all_computes,
+    find_bmm_all_to_alls,
     find_matmul_all_reduces,
     find_matmul_reduce_scatters,
 )
@@ -87,6 +88,21 @@ def test_all_to_all_feeding_expert_matmuls() -> None:
         gm = trace_aten(lambda x, w: funcol.all_to_all_single(x, [2, 2], [2, 2], group).reshape(-1, 8) @ w, torch.randn(4, 8), torch.randn(8, 3))
     (match,) = find_all_to_all_computes(gm.graph)
     assert [c.target for c in match.consumers] == [aten.mm.default]
+
+
+def test_all_to_all_of_a_bmm_or_a_sum_of_bmms() -> None:
+    def combine(h, w, g, v, group):
+        y = (torch.bmm(h, w) + torch.bmm(g, v)).view(2, 2, 3, 5).transpose(0, 1).reshape(12, 5)
+        sent = funcol.all_to_all_single(y, [6, 6], [6, 6], group)
+        return sent, funcol.all_to_all_single(torch.relu(sent), [6, 6], [6, 6], group)
+
+    skipped: Counter[str] = Counter()
+    with fake_world(2) as group:
+        gm = trace_aten(lambda *a: combine(*a, group), torch.randn(2, 6, 8), torch.randn(2, 8, 5),
+                        torch.randn(2, 6, 4), torch.randn(2, 4, 5))
+    (match,) = find_bmm_all_to_alls(gm.graph, skipped)
+    assert [b.target for b in match.bmms] == [aten.bmm.default] * 2 and match.output.target == aten.add.Tensor
+    assert skipped["all_to_all: input is not a bmm output (or a sum of them)"] == 1
 
 
 def test_backward_graph_has_matmul_reduce_scatter_from_the_forward_all_gather() -> None:

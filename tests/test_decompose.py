@@ -75,6 +75,16 @@ def _ep_in(send, w1, w3, group, experts=2):
     return torch.bmm(tokens, w1), torch.bmm(tokens, w3)
 
 
+def _ep_out(h, w2, group, experts=2, g=None, w3=None):
+    """Expert parallelism's combine: each local expert's bmm (plus ``bmm(g, w3)``: the backward's
+    sum through w1 and w3), regrouped per destination, all-to-all."""
+    world = dist.get_world_size(group)
+    rows, dim = h.shape[1], w2.shape[-1]
+    y = torch.bmm(h, w2) if g is None else torch.bmm(h, w2) + torch.bmm(g, w3)
+    y = y.view(experts, world, rows // world, dim).transpose(0, 1).reshape(-1, dim)
+    return funcol.all_to_all_single(y, [y.shape[0] // world] * world, [y.shape[0] // world] * world, group)
+
+
 def _traced(fn, *shapes, world=2, rank=0):
     with fake_world(world, rank) as group:
         return trace_aten(lambda *a: fn(*a, group), *[torch.randn(s) for s in shapes])
@@ -216,6 +226,24 @@ def test_all_to_all_per_peer_computes_the_local_chunk_first_then_each_source(wor
     assert _ops(gm) == ["p2p"] * (world - 1) + ["mm", "mm"] + ["wait", "wait", "mm", "mm"] * (world - 1)
     assert _p2p_peers(gm) == [[(rank + s) % world, (rank - s) % world] for s in range(1, world)]
     assert not any(n.target == c10d.all_to_all_single.default for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bmm_all_to_all_per_peer_sends_each_destinations_chunk_when_ready_and_the_local_last(world: int) -> None:
+    rank = 1
+    gm = _traced(_ep_out, (2, world * 3, 8), (2, 8, 5), world=world, rank=rank)
+    ctx = _run(gm, world=world, rank=rank, mode="per_peer")
+    assert ctx.stats["decompose"]["bmm_all_to_all: per_peer"] == 1, ctx.stats["decompose"]
+    assert _ops(gm) == ["mm", "p2p"] * (world - 1) + ["mm"] + ["wait", "wait"] * (world - 1)
+    assert _p2p_peers(gm) == [[(rank + s) % world, (rank - s) % world] for s in range(1, world)]
+    slots = [(n.args[1], n.args[2], n.args[3]) for n in gm.graph.nodes if n.target == aten.slice.Tensor]
+    assert slots == [(1, 3 * ((rank + s) % world), 3 * ((rank + s) % world + 1)) for s in [*range(1, world), 0]]
+
+    summed = _traced(lambda h, w2, g, w3, group: _ep_out(h, w2, group, g=g, w3=w3),
+                     (2, world * 3, 8), (2, 8, 5), (2, world * 3, 4), (2, 4, 5), world=world, rank=rank)
+    ctx = _run(summed, world=world, rank=rank, mode="per_peer")
+    assert ctx.stats["decompose"]["bmm_all_to_all: per_peer"] == 1, ctx.stats["decompose"]
+    assert _ops(summed) == ["mm", "mm", "p2p"] * (world - 1) + ["mm", "mm"] + ["wait", "wait"] * (world - 1)
 
 
 def test_all_to_all_sites_that_are_not_per_source_blocks_are_left_alone_with_reasons() -> None:
@@ -505,10 +533,13 @@ def test_tp_reference_model_with_decomposed_all_reduces(mode: str) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("world_size", "codegen"), [(2, "eager"), (4, "eager"), pytest.param(2, "inductor", marks=pytest.mark.inductor)])
 def test_moe_reference_model_with_per_peer_all_to_alls(world_size: int, codegen: str) -> None:
-    """Expert parallelism: the dispatch all-to-all (forward) and the gradient all-to-all feeding the
-    experts' input-gradient bmm (backward) rewritten per peer, results as the single-process reference."""
+    """Expert parallelism: the all-to-alls feeding the experts' bmm (the forward's dispatch, the
+    backward's gradient of the combine) and those sending a bmm's output (the forward's combine,
+    the backward's gradient of the dispatch) rewritten per peer, results as the single-process
+    reference."""
     for stats in run_on_ranks(_tp_sp, world_size, "per_peer", codegen, "moe", timeout_s=540):
         assert stats.get("all_to_all_compute: per_peer", 0) >= 2, stats
+        assert stats.get("bmm_all_to_all: per_peer", 0) >= 2, stats
 
 
 @pytest.mark.multirank
