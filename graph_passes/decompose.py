@@ -719,21 +719,18 @@ class _AllToAllSite(_ReplacesOutput):
         n = group_size
         self.chunk_rows = _equal_chunk_rows(m.issue, n)
         # the chain: view [W, A, B, ...] -> permute [1, 0, ...] -> (clone) -> view [A, W*B, ...]
-        view = _only_user(m.wait, (aten.view.default, aten._unsafe_view.default, aten.reshape.default))
+        view = _only_user(m.wait, _RESHAPES)
         shape = list(_val(view).shape)
         if len(shape) < 3 or shape[0] != n:
             raise SkipSite("the received tensor is not viewed with the source rank first")
-        swap = _only_user(view, (aten.permute.default, aten.transpose.int))
-        perm = list(swap.args[1]) if swap.target == aten.permute.default else _transposition(len(shape), *swap.args[1:3])  # type: ignore[arg-type]
-        if perm != [1, 0, *range(2, len(shape))]:
-            raise SkipSite(f"the source dim is permuted by {perm}, not swapped with the next")
+        swap = _swap_of_first_two_dims(view, "the source dim is permuted by {}, not swapped with the next")
         node = swap
         chain = [view, swap]
         copy = _only_user(node, (aten.clone.default,), required=False)
         if copy is not None:
             chain.append(copy)
             node = copy
-        merged = _only_user(node, (aten.view.default, aten._unsafe_view.default, aten.reshape.default))
+        merged = _only_user(node, _RESHAPES)
         chain.append(merged)
         self.block_shape = [shape[1], *shape[2:]]  # one source's part: [A, B, ...]
         if list(_val(merged).shape) != [shape[1], n * shape[2], *shape[3:]]:
@@ -800,18 +797,15 @@ class _BmmAllToAllSite(_ReplacesOutput):
         self.m, self.graph, self.n = m, graph, group_size
         n = group_size
         _equal_chunk_rows(m.issue, n)
-        view = _only_user(m.output, (aten.view.default, aten._unsafe_view.default, aten.reshape.default))
+        view = _only_user(m.output, _RESHAPES)
         experts, rows = _val(m.output).shape[:2]
         shape = list(_val(view).shape)
         if shape[:3] != [experts, n, rows // n] or rows % n:
             raise SkipSite(f"the bmm output is not viewed [experts, {n} destinations, slots, ...]")
-        swap = _only_user(view, (aten.permute.default, aten.transpose.int))
-        perm = list(swap.args[1]) if swap.target == aten.permute.default else _transposition(len(shape), *swap.args[1:3])  # type: ignore[arg-type]
-        if perm != [1, 0, *range(2, len(shape))]:
-            raise SkipSite(f"the destination dim is permuted by {perm}, not swapped with the first")
+        swap = _swap_of_first_two_dims(view, "the destination dim is permuted by {}, not swapped with the first")
         chain, node = [view, swap], swap
         while node is not m.issue.args[0]:
-            node = _only_user(node, (aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default))
+            node = _only_user(node, (aten.clone.default, *_RESHAPES))
             chain.append(node)
         self.slots = rows // n
         self.chunk_shape = [experts * self.slots, *shape[3:]]
@@ -874,10 +868,24 @@ def _only_user(node: torch.fx.Node, targets: tuple[Any, ...], *, required: bool 
     return None
 
 
-def _transposition(rank: int, a: int, b: int) -> list[int]:
-    perm = list(range(rank))
-    perm[a % rank], perm[b % rank] = perm[b % rank], perm[a % rank]
-    return perm
+#: Ops that reshape without moving data (a reshape of a non-contiguous tensor is a clone first).
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _swap_of_first_two_dims(view: torch.fx.Node, reason: str) -> torch.fx.Node:
+    """``view``'s single user when it swaps dims 0 and 1 and keeps the rest; else SkipSite with
+    ``reason`` formatted with the permutation."""
+    swap = _only_user(view, (aten.permute.default, aten.transpose.int))
+    rank = len(_val(view).shape)
+    if swap.target == aten.permute.default:
+        perm = list(swap.args[1])
+    else:
+        perm = list(range(rank))
+        a, b = swap.args[1] % rank, swap.args[2] % rank
+        perm[a], perm[b] = perm[b], perm[a]
+    if perm != [1, 0, *range(2, rank)]:
+        raise SkipSite(reason.format(perm))
+    return swap
 
 
 def _consumers_through_views(node: torch.fx.Node) -> list[torch.fx.Node]:
