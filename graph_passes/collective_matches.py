@@ -14,6 +14,8 @@ Patterns (aten IR as AOTAutograd hands it to dhelix)::
     MatmulAllReduce          mm/addmm ─[views]─ all_reduce ─ wait
     AllToAllCompute          x ─ all_to_all_single ─ wait ─[views, transposes, clones]─ mm/addmm/bmm
     BmmAllToAll              bmm ─[add ─ bmm ...]─[views, transposes, clones]─ all_to_all_single ─ wait
+    AllGatherChain           AllGatherMatmul ─ ... compute ... ─ MatmulReduceScatter  (same group; the
+                             scatter's matmuls descend from the gathered tensor: SP's MLP block)
 
 ``all_gather_into_tensor`` always gathers along dim 0; a gather along dim ``d`` (sequence
 parallelism gathers the sequence dim) appears as the dim-0 gather followed by
@@ -77,6 +79,29 @@ class MatmulReduceScatter:
     group_name: str
     addends: tuple[torch.fx.Node, ...] = ()
     """Further matmuls whose outputs (same shape, through views) are added to ``matmul``'s."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherChain:
+    """An all-gather whose gathered tensor reaches, through compute, the matmul(s) of a
+    reduce-scatter on the same group (sequence parallelism's MLP block: gather -> w1, w3 ->
+    silu * mul -> w2 -> scatter, and its backward). Whether every op between them works row by
+    row is the rewrite's check, not the finder's."""
+
+    gather: AllGatherMatmul
+    scatter: MatmulReduceScatter
+
+    @property
+    def issue(self) -> torch.fx.Node:
+        return self.gather.issue
+
+    @property
+    def group_name(self) -> str:
+        return self.gather.group_name
+
+    @property
+    def group_size(self) -> int:
+        return self.gather.group_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,6 +383,34 @@ def find_matmul_all_reduces(
     return matches
 
 
+def find_all_gather_chains(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[AllGatherChain]:
+    """Each reduce-scatter paired with the latest all-gather (same group, each used once) whose
+    gathered tensor its matmuls descend from. The two finders' own skips are theirs to count."""
+    gathers = find_all_gather_matmuls(graph)
+    matches = []
+    for scatter in find_matmul_reduce_scatters(graph):
+        ancestors = _ancestors([scatter.matmul, *scatter.addends])
+        paired = [g for g in gathers if g.group_name == scatter.group_name and g.gathered in ancestors]
+        if not paired:
+            _count(skipped, "chain: no all-gather on the reduce-scatter's group feeds its matmuls")
+            continue
+        gather = paired[-1]
+        gathers.remove(gather)
+        matches.append(AllGatherChain(gather, scatter))
+    return matches
+
+
+def _ancestors(nodes: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
 #: How expert parallelism regroups tokens around an all-to-all: views, a transpose, the copy a
 #: reshape of a transpose makes.
 _REGROUP = (*_VIEWS, aten.permute.default, aten.transpose.int, aten.clone.default)
@@ -411,5 +464,6 @@ def find_all(graph: torch.fx.Graph) -> tuple[dict[str, Sequence[object]], Counte
         "matmul_all_reduce": find_matmul_all_reduces(graph, skipped),
         "all_to_all_compute": find_all_to_all_computes(graph, skipped),
         "bmm_all_to_all": find_bmm_all_to_alls(graph, skipped),
+        "all_gather_chain": find_all_gather_chains(graph, skipped),
     }
     return found, skipped

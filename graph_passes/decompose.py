@@ -99,6 +99,7 @@ from graph_passes.collective_matches import (
     BmmAllToAll,
     MatmulAllReduce,
     MatmulReduceScatter,
+    find_all_gather_chains,
     find_all_gather_matmuls,
     find_all_to_all_computes,
     find_bmm_all_to_alls,
@@ -145,9 +146,12 @@ class DecomposeOptions:
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
     patterns: tuple[str, ...] = (
-        "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_to_all_compute", "bmm_all_to_all"
+        "all_gather_chain", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+        "all_to_all_compute", "bmm_all_to_all",
     )
-    """Which patterns may be rewritten."""
+    """Which patterns may be rewritten. ``all_gather_chain`` (an all-gather and a reduce-scatter
+    with row-wise compute between them, as one pipeline: ``decompose_chain``) is tried first;
+    when it is not rewritten, its two collectives are still sites of their own."""
 
     def validate(self) -> DecomposeOptions:
         if self.mode not in MODES:
@@ -930,8 +934,11 @@ class _Decomposer:
         self.ctx.count(PASS, reason)
 
     def run(self) -> None:
+        from graph_passes.decompose_chain import _ChainSite  # it builds on this module's sites
+
         skipped: Counter[str] = Counter()
         kinds = (  # pattern, its finder, its site (given the match and the group size)
+            ("all_gather_chain", find_all_gather_chains, lambda m, n: _ChainSite(m, self.graph)),
             ("all_gather_matmul", find_all_gather_matmuls, lambda m, n: _AllGatherSite(m, self.graph)),
             ("matmul_reduce_scatter", find_matmul_reduce_scatters, lambda m, n: _ReduceScatterSite(m, self.graph)),
             ("matmul_all_reduce", find_matmul_all_reduces, lambda m, n: _AllReduceSite(m, self.graph, n)),

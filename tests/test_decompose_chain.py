@@ -1,0 +1,179 @@
+"""The decompose pass's chain rewrite: all-gather -> row-wise compute -> reduce-scatter as one
+per-peer pipeline (``graph_passes.decompose_chain``).
+
+Traced graphs on a fake world (order, what is left alone and why), then numerics on 2 and 4
+gloo ranks over random shapes (hypothesis), forward and backward, eager and through Inductor.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dhelix_compile._torch_compat import P2P_EXCHANGE
+from dhelix_compile.testing.multirank import run_on_ranks
+from graph_passes.decompose_chain import _locate, _Rows
+from tests.test_collective_matches import _swiglu_backward_graph
+from tests.test_decompose import _decompose_stats, _ops, _p2p_peers, _run, _traced
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _mlp(x, w1, w3, w2, group, dim=1, act=torch.nn.functional.silu):
+    """Sequence-parallel SwiGLU MLP: gather along ``dim``, w1/w3, act * mul, w2, scatter along ``dim``."""
+    full = funcol.all_gather_single(x, dim, group)
+    flat = full.reshape(-1, x.shape[-1])
+    h = act(flat @ w1.t()) * (flat @ w3.t())
+    return funcol.reduce_scatter_single((h @ w2.t()).reshape(*full.shape[:-1], -1), "sum", dim, group)
+
+
+_SHAPES = ((2, 4, 8), (6, 8), (6, 8), (8, 6))
+
+
+def test_locate_finds_the_gathered_dim_inside_merged_dims_and_refuses_split_ones() -> None:
+    # [B=2, S=8, D], in 2 blocks (2 ranks) along S
+    assert _locate([2, 8, 16], 2, 2) == _Rows(1, 1, 4)
+    assert _locate([16, 16], 2, 2) == _Rows(0, 2, 4)  # [B*S, D]: the blocks inside dim 0, B outside them
+    assert _locate([1, 16, 16], 2, 2) == _Rows(1, 2, 4)
+    assert _locate([2, 2, 4, 16], 2, 2) == _Rows(1, 1, 1)  # S as [ranks, rows per rank]
+    assert _locate([2, 4, 2, 16], 2, 8) is None  # the blocks cut by a dim boundary
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_chain_runs_each_peers_rows_through_the_block_and_sends_them_back(world: int) -> None:
+    shapes = ((2, 8 // world, 8), (6, 8), (6, 8), (8, 6))
+    gm = _traced(_mlp, *shapes, world=world, rank=1)
+    ctx = _run(gm, world=world, rank=1, mode="per_peer")
+    assert ctx.stats["decompose"] == {"all_gather_chain: per_peer": 1}
+    r, n = 1, world
+    ops, peers = ["p2p", "mm", "mm", "mm"], [[(r - 1) % n, (r + 1) % n]]  # rows out, local rows through w1 w3 w2
+    for step in range(1, n):  # rank r+step's rows land, go through the block and go back as its partial
+        ops += ["wait", "wait"]
+        if step + 1 < n:
+            ops.append("p2p")
+            peers.append([(r - step - 1) % n, (r + step + 1) % n])
+        ops += ["mm", "mm", "mm", "p2p"]
+        peers.append([(r + step) % n, (r - step) % n])
+    assert _ops(gm) == ops + ["wait", "wait"] * (n - 1)
+    assert _p2p_peers(gm) == peers
+    # nothing full-size between the two collectives: no cat before the last exchange
+    nodes = list(gm.graph.nodes)
+    last_send = max(i for i, node in enumerate(nodes) if node.target == P2P_EXCHANGE)
+    assert not any(node.target == aten.cat.default for node in nodes[:last_send])
+
+
+def test_chain_in_pieces_sends_each_pieces_partial_when_it_is_ready() -> None:
+    gm = _traced(_mlp, *_SHAPES)
+    ctx = _run(gm, mode="per_peer", pieces=2)
+    assert ctx.stats["decompose"] == {"all_gather_chain: per_peer_2": 1}
+    piece = ["wait", "wait", "mm", "mm", "mm", "p2p"]
+    assert _ops(gm) == ["p2p", "p2p", *["mm"] * 6, *piece, *piece, *["wait"] * 4]
+
+
+def test_backward_chain_reads_saved_activations_block_by_block_and_rebuilds_weight_gradient_inputs() -> None:
+    gm = _swiglu_backward_graph()
+    ctx = _run(gm, mode="per_peer")
+    assert ctx.stats["decompose"] == {"all_gather_chain: per_peer": 1}
+    targets = [n.target for n in gm.graph.nodes]
+    assert c10d.all_gather_into_tensor.default not in targets and c10d.reduce_scatter_tensor.default not in targets
+    # the weight gradients (t(rows) @ ...) read full tensors concatenated from the blocks
+    wgrads = [n for n in gm.graph.nodes if n.target == aten.mm.default and n.args[0].target == aten.t.default]
+    assert len(wgrads) == 3
+    assert all(n.args[0].args[0].args[0].target == aten.cat.default for n in wgrads)
+
+
+def test_chains_that_are_not_row_wise_are_left_alone_and_their_sites_decomposed_alone() -> None:
+    softmax = lambda t: torch.softmax(t, dim=0)  # noqa: E731  mixes rows
+    gm = _traced(lambda *a: _mlp(*a, act=softmax), *_SHAPES)
+    stats = _run(gm, mode="per_peer").stats["decompose"]
+    assert stats["all_gather_chain: skipped: a aten._softmax.default between the all-gather and the reduce-scatter"] == 1
+    assert stats["all_gather_matmul: per_peer"] == 1 and stats["matmul_reduce_scatter: per_peer"] == 1
+
+    def other_dims(x, w1, w3, w2, group):  # gathered along the sequence, scattered along the batch
+        flat = funcol.all_gather_single(x, 1, group).reshape(-1, 8)
+        y = (torch.relu(flat @ w1.t()) @ w2[:, :6].t()).reshape(2, 8, 8)
+        return funcol.reduce_scatter_single(y, "sum", 0, group)
+
+    gm = _traced(other_dims, *_SHAPES)
+    stats = _run(gm, mode="per_peer").stats["decompose"]
+    assert stats["all_gather_chain: skipped: the reduce-scatter splits another dim than the all-gather gathered"] == 1
+
+
+def test_chain_pattern_can_be_left_out() -> None:
+    gm = _traced(_mlp, *_SHAPES)
+    patterns = ("all_gather_matmul", "matmul_reduce_scatter")
+    stats = _run(gm, mode="per_peer", patterns=patterns).stats["decompose"]
+    assert stats == {"all_gather_matmul: per_peer": 1, "matmul_reduce_scatter: per_peer": 1}
+
+
+# ------------------------------------------------------------------------------ numerics
+
+
+def _check_chains(rank: int, world: int, cases: list[tuple], pieces: int, codegen: str) -> dict[str, int]:
+    """Each case: the SP MLP compiled with the chain rewrite vs eager, outputs and all gradients."""
+    import dhelix_compile
+
+    group = dist.group.WORLD.group_name
+    with tempfile.TemporaryDirectory() as dump_dir:
+        backend = dhelix_compile.backend(
+            codegen=codegen, fallback="error", dump_dir=dump_dir, decompose="per_peer", decompose_pieces=pieces
+        )
+        for seed, (b, s, k, hidden, n_out, dim) in enumerate(cases):
+            gen = torch.Generator().manual_seed(seed)
+            shard = (b, s, k) if dim == 1 else (b * s, k)
+            xs = [torch.randn(shard, generator=gen) for _ in range(world)]
+            w1, w3 = torch.randn(hidden, k, generator=gen), torch.randn(hidden, k, generator=gen)
+            w2 = torch.randn(n_out, hidden, generator=gen)
+            probe = torch.randn(*shard[:-1], n_out, generator=gen)
+
+            def fn(x, w1, w3, w2, dim=dim):
+                return _mlp(x, w1, w3, w2, group, dim)
+
+            results = []
+            for run in (fn, torch.compile(fn, backend=backend)):
+                leaves = [t.clone().requires_grad_() for t in (xs[rank], w1, w3, w2)]
+                out = run(*leaves)
+                (out * probe).sum().backward()
+                results.append([out.detach()] + [t.grad for t in leaves])
+            for i, (want, got) in enumerate(zip(*results, strict=True)):
+                where = f"case {(b, s, k, hidden, n_out, dim)} #{i}"
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
+            torch._dynamo.reset()
+        return _decompose_stats(dump_dir, rank)
+
+
+#: (b, s, k, hidden, n_out, gather/scatter dim): s even, so every case splits into 2 pieces per peer
+_chain_case = st.tuples(
+    st.integers(1, 2), st.sampled_from([2, 4]), st.integers(2, 9), st.sampled_from([2, 6]),
+    st.sampled_from([3, 8]), st.just(1),
+)
+
+
+def _chains(stats: dict[str, int]) -> int:
+    return sum(v for k, v in stats.items() if k.startswith("all_gather_chain: per_peer"))
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world", "pieces"), [(2, 1), (2, 2), (4, 1)])
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(cases=st.lists(_chain_case, min_size=2, max_size=2))
+def test_chain_equals_undecomposed_forward_and_backward(world: int, pieces: int, cases) -> None:
+    cases = [case[:-1] + (dim,) for case, dim in zip(cases, (0, 1))]  # both layouts, every time
+    for stats in run_on_ranks(_check_chains, world, cases, pieces, "eager", timeout_s=240):
+        assert _chains(stats) == 2 * len(cases), stats  # the forward's chain and the backward's
+
+
+@pytest.mark.multirank
+@pytest.mark.inductor
+@pytest.mark.timeout(600)
+def test_chain_through_inductor_codegen() -> None:
+    for stats in run_on_ranks(_check_chains, 2, [(2, 4, 8, 6, 8, 1)], 2, "inductor", timeout_s=500):
+        assert _chains(stats) == 2, stats
