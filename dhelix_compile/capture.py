@@ -168,6 +168,9 @@ def pass_options(config: DHelixConfig) -> dict[str, Any]:
             max_chunks=config.decompose_max_chunks,
             pieces=config.decompose_pieces,
             min_gain_ratio=config.decompose_min_gain_ratio,
+            patterns=tuple(
+                p for p in DecomposeOptions.patterns if config.decompose_chains or p != "all_gather_chain"
+            ),
         ),
     }
 

@@ -113,6 +113,13 @@ class DHelixConfig:
         "(it misses the overhead of small pieces: measured faster on a dim-512 MLP block, slower "
         "on a dim-256 model; see BENCHMARKS.md).",
     )
+    decompose_chains: bool = _option(
+        True,
+        "Rewrite an all-gather -> row-wise compute -> reduce-scatter (sequence parallelism's MLP "
+        "block, forward and backward) as one per-peer pipeline: each peer's rows go through the "
+        "whole block as they land and go straight back as its partial. False: each collective is "
+        "a site of its own.",
+    )
     decompose_min_gain_ratio: float = _option(
         0.02, "decompose='auto' rewrites a site only if its predicted time drops by at least this fraction ([0, 1))."
     )
@@ -175,6 +182,8 @@ class DHelixConfig:
         _check_number("decompose_pieces", self.decompose_pieces, int, minimum=0)
         if self.decompose_pieces > 16:
             raise ConfigError(f"dhelix option decompose_pieces={self.decompose_pieces!r}: must be <= 16")
+        if not isinstance(self.decompose_chains, bool):
+            raise ConfigError(f"dhelix option decompose_chains={self.decompose_chains!r}: expected True or False")
         _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)
         if self.decompose_min_gain_ratio >= 1.0:
             raise ConfigError(f"dhelix option decompose_min_gain_ratio={self.decompose_min_gain_ratio!r}: must be < 1")
