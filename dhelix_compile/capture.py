@@ -37,7 +37,7 @@ from dhelix_compile.dumps import GraphDumper
 from dhelix_compile.estimation import build_estimator
 from dhelix_compile.measured import MeasurementPlan, profile_first_steps
 from graph_passes import PassContext, PassError, Phase, run_pipeline
-from graph_passes.decompose import DecomposeOptions
+from graph_passes.decompose import CHAIN, DecomposeOptions
 from graph_passes.reorder import ReorderOptions
 
 log = logging.getLogger("dhelix")
@@ -168,9 +168,7 @@ def pass_options(config: DHelixConfig) -> dict[str, Any]:
             max_chunks=config.decompose_max_chunks,
             pieces=config.decompose_pieces,
             min_gain_ratio=config.decompose_min_gain_ratio,
-            patterns=tuple(
-                p for p in DecomposeOptions.patterns if config.decompose_chains or p != "all_gather_chain"
-            ),
+            patterns=((CHAIN,) if config.decompose_chains else ()) + DecomposeOptions.patterns,
         ),
     }
 

@@ -114,11 +114,11 @@ class DHelixConfig:
         "on a dim-256 model; see BENCHMARKS.md).",
     )
     decompose_chains: bool = _option(
-        True,
+        False,
         "Rewrite an all-gather -> row-wise compute -> reduce-scatter (sequence parallelism's MLP "
         "block, forward and backward) as one per-peer pipeline: each peer's rows go through the "
-        "whole block as they land and go straight back as its partial. False: each collective is "
-        "a site of its own.",
+        "whole block as they land and go straight back as its partial. Off by default: measured "
+        "slower than the two collectives decomposed on their own in pieces (BENCHMARKS.md).",
     )
     decompose_min_gain_ratio: float = _option(
         0.02, "decompose='auto' rewrites a site only if its predicted time drops by at least this fraction ([0, 1))."

@@ -70,6 +70,11 @@ Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weigh
     chunk (the bmm on its slots of every expert) computed and sent as soon as it is ready,
     remote destinations first, the local chunk last under the transfers.
 
+    all-gather -> row-wise compute -> reduce-scatter (pattern ``CHAIN``, opt-in, tried first;
+    ``decompose_chain``): each peer's rows go through the whole block (w1, w3, silu * mul, w2)
+    as they land and go straight back as that peer's partial -- the two per-peer forms above
+    fused, with no full-size tensor between them.
+
 Picture (2 ranks, all-gather along the sequence dim feeding Q/K/V)::
 
     before:  all_gather  wait  split  cat  view  mm_q  mm_k  mm_v        comm: [ag........]
@@ -112,6 +117,8 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 PASS = "decompose"
+#: The cross-site pattern (``decompose_chain``), opt-in.
+CHAIN = "all_gather_chain"
 Mode = Literal["auto", "per_peer", "chunked", "off"]
 MODES: tuple[str, ...] = ("auto", "per_peer", "chunked", "off")
 
@@ -146,12 +153,12 @@ class DecomposeOptions:
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
     patterns: tuple[str, ...] = (
-        "all_gather_chain", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
-        "all_to_all_compute", "bmm_all_to_all",
+        "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_to_all_compute", "bmm_all_to_all"
     )
-    """Which patterns may be rewritten. ``all_gather_chain`` (an all-gather and a reduce-scatter
-    with row-wise compute between them, as one pipeline: ``decompose_chain``) is tried first;
-    when it is not rewritten, its two collectives are still sites of their own."""
+    """Which patterns may be rewritten. Add ``CHAIN`` (an all-gather and a reduce-scatter with
+    row-wise compute between them as one pipeline, ``decompose_chain``; tried before the single
+    sites, whose two collectives stay sites of their own when it is not rewritten). Not by
+    default: measured slower than the two sites in pieces on the MLP block (BENCHMARKS.md)."""
 
     def validate(self) -> DecomposeOptions:
         if self.mode not in MODES:
@@ -938,7 +945,7 @@ class _Decomposer:
 
         skipped: Counter[str] = Counter()
         kinds = (  # pattern, its finder, its site (given the match and the group size)
-            ("all_gather_chain", find_all_gather_chains, lambda m, n: _ChainSite(m, self.graph)),
+            (CHAIN, find_all_gather_chains, lambda m, n: _ChainSite(m, self.graph)),
             ("all_gather_matmul", find_all_gather_matmuls, lambda m, n: _AllGatherSite(m, self.graph)),
             ("matmul_reduce_scatter", find_matmul_reduce_scatters, lambda m, n: _ReduceScatterSite(m, self.graph)),
             ("matmul_all_reduce", find_matmul_all_reduces, lambda m, n: _AllReduceSite(m, self.graph, n)),

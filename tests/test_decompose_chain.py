@@ -20,7 +20,8 @@ from dhelix_compile._torch_compat import P2P_EXCHANGE
 from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes.decompose_chain import _locate, _Rows
 from tests.test_collective_matches import _swiglu_backward_graph
-from tests.test_decompose import _decompose_stats, _ops, _p2p_peers, _run, _traced
+from graph_passes.decompose import CHAIN, DecomposeOptions
+from tests.test_decompose import _decompose_stats, _ops, _p2p_peers, _run, _traced, _tp_sp
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -35,6 +36,8 @@ def _mlp(x, w1, w3, w2, group, dim=1, act=torch.nn.functional.silu):
 
 
 _SHAPES = ((2, 4, 8), (6, 8), (6, 8), (8, 6))
+#: The chain is opt-in: tried first, then every single-site pattern.
+_PATTERNS = (CHAIN, *DecomposeOptions.patterns)
 
 
 def test_locate_finds_the_gathered_dim_inside_merged_dims_and_refuses_split_ones() -> None:
@@ -50,7 +53,7 @@ def test_locate_finds_the_gathered_dim_inside_merged_dims_and_refuses_split_ones
 def test_chain_runs_each_peers_rows_through_the_block_and_sends_them_back(world: int) -> None:
     shapes = ((2, 8 // world, 8), (6, 8), (6, 8), (8, 6))
     gm = _traced(_mlp, *shapes, world=world, rank=1)
-    ctx = _run(gm, world=world, rank=1, mode="per_peer")
+    ctx = _run(gm, world=world, rank=1, mode="per_peer", patterns=_PATTERNS)
     assert ctx.stats["decompose"] == {"all_gather_chain: per_peer": 1}
     r, n = 1, world
     ops, peers = ["p2p", "mm", "mm", "mm"], [[(r - 1) % n, (r + 1) % n]]  # rows out, local rows through w1 w3 w2
@@ -71,7 +74,7 @@ def test_chain_runs_each_peers_rows_through_the_block_and_sends_them_back(world:
 
 def test_chain_in_pieces_sends_each_pieces_partial_when_it_is_ready() -> None:
     gm = _traced(_mlp, *_SHAPES)
-    ctx = _run(gm, mode="per_peer", pieces=2)
+    ctx = _run(gm, mode="per_peer", pieces=2, patterns=_PATTERNS)
     assert ctx.stats["decompose"] == {"all_gather_chain: per_peer_2": 1}
     piece = ["wait", "wait", "mm", "mm", "mm", "p2p"]
     assert _ops(gm) == ["p2p", "p2p", *["mm"] * 6, *piece, *piece, *["wait"] * 4]
@@ -79,7 +82,7 @@ def test_chain_in_pieces_sends_each_pieces_partial_when_it_is_ready() -> None:
 
 def test_backward_chain_reads_saved_activations_block_by_block_and_rebuilds_weight_gradient_inputs() -> None:
     gm = _swiglu_backward_graph()
-    ctx = _run(gm, mode="per_peer")
+    ctx = _run(gm, mode="per_peer", patterns=_PATTERNS)
     assert ctx.stats["decompose"] == {"all_gather_chain: per_peer": 1}
     targets = [n.target for n in gm.graph.nodes]
     assert c10d.all_gather_into_tensor.default not in targets and c10d.reduce_scatter_tensor.default not in targets
@@ -92,7 +95,7 @@ def test_backward_chain_reads_saved_activations_block_by_block_and_rebuilds_weig
 def test_chains_that_are_not_row_wise_are_left_alone_and_their_sites_decomposed_alone() -> None:
     softmax = lambda t: torch.softmax(t, dim=0)  # noqa: E731  mixes rows
     gm = _traced(lambda *a: _mlp(*a, act=softmax), *_SHAPES)
-    stats = _run(gm, mode="per_peer").stats["decompose"]
+    stats = _run(gm, mode="per_peer", patterns=_PATTERNS).stats["decompose"]
     assert stats["all_gather_chain: skipped: a aten._softmax.default between the all-gather and the reduce-scatter"] == 1
     assert stats["all_gather_matmul: per_peer"] == 1 and stats["matmul_reduce_scatter: per_peer"] == 1
 
@@ -102,14 +105,13 @@ def test_chains_that_are_not_row_wise_are_left_alone_and_their_sites_decomposed_
         return funcol.reduce_scatter_single(y, "sum", 0, group)
 
     gm = _traced(other_dims, *_SHAPES)
-    stats = _run(gm, mode="per_peer").stats["decompose"]
+    stats = _run(gm, mode="per_peer", patterns=_PATTERNS).stats["decompose"]
     assert stats["all_gather_chain: skipped: the reduce-scatter splits another dim than the all-gather gathered"] == 1
 
 
-def test_chain_pattern_can_be_left_out() -> None:
+def test_chain_is_opt_in() -> None:
     gm = _traced(_mlp, *_SHAPES)
-    patterns = ("all_gather_matmul", "matmul_reduce_scatter")
-    stats = _run(gm, mode="per_peer", patterns=patterns).stats["decompose"]
+    stats = _run(gm, mode="per_peer").stats["decompose"]
     assert stats == {"all_gather_matmul: per_peer": 1, "matmul_reduce_scatter: per_peer": 1}
 
 
@@ -123,7 +125,8 @@ def _check_chains(rank: int, world: int, cases: list[tuple], pieces: int, codege
     group = dist.group.WORLD.group_name
     with tempfile.TemporaryDirectory() as dump_dir:
         backend = dhelix_compile.backend(
-            codegen=codegen, fallback="error", dump_dir=dump_dir, decompose="per_peer", decompose_pieces=pieces
+            codegen=codegen, fallback="error", dump_dir=dump_dir, decompose="per_peer", decompose_pieces=pieces,
+            decompose_chains=True,
         )
         for seed, (b, s, k, hidden, n_out, dim) in enumerate(cases):
             gen = torch.Generator().manual_seed(seed)
@@ -177,3 +180,14 @@ def test_chain_equals_undecomposed_forward_and_backward(world: int, pieces: int,
 def test_chain_through_inductor_codegen() -> None:
     for stats in run_on_ranks(_check_chains, 2, [(2, 4, 8, 6, 8, 1)], 2, "inductor", timeout_s=500):
         assert _chains(stats) == 2, stats
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_tp_sp_reference_model_with_chains() -> None:
+    """Every MLP block (2 layers, forward and backward) as one chain; attention's all-gather feeds
+    attention, not a row-wise chain, so its two collectives stay sites of their own."""
+    for stats in run_on_ranks(_tp_sp, 2, "per_peer", "eager", decompose_chains=True, timeout_s=540):
+        assert stats.get("all_gather_chain: per_peer", 0) >= 4, stats
+        assert stats.get("all_gather_matmul: per_peer", 0) >= 4, stats
+        assert stats.get("matmul_reduce_scatter: per_peer", 0) >= 4, stats

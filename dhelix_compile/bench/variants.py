@@ -6,14 +6,13 @@
                       on CPU with an analytical estimator fed this machine's measured numbers
     dhelix            torch.compile(backend="dhelix"): single strand, reordered, Inductor codegen
     dhelix_decompose  dhelix with the decompose pass forced to per-peer steps at every site
-                      (option decompose="per_peer"; an all-gather -> MLP -> reduce-scatter as
-                      one pipeline), then reordered, Inductor codegen
+                      (option decompose="per_peer"), then reordered, Inductor codegen
     dhelix_decompose_pieces
                       the same with the cost model picking 1, 2 or 4 pieces per transfer
                       (decompose_pieces=0)
-    dhelix_decompose_sites
-                      dhelix_decompose_pieces with every collective a site of its own
-                      (decompose_chains=False): what the pipeline adds
+    dhelix_decompose_chain
+                      dhelix_decompose_pieces with an all-gather -> MLP -> reduce-scatter as
+                      one pipeline (decompose_chains=True)
     dhelix_eager      dhelix's schedule run op by op (codegen="eager"): what the cost model
                       predicts, for predicted-vs-measured checks
     helix             dhelix_compile.helix: micro-batch i+1's forward merged with micro-batch
@@ -35,10 +34,10 @@ from dhelix_compile import _torch_compat as compat
 
 VARIANTS: tuple[str, ...] = (
     "eager", "inductor", "inductor_overlap", "dhelix", "dhelix_decompose", "dhelix_decompose_pieces",
-    "dhelix_decompose_sites", "dhelix_eager",
+    "dhelix_decompose_chain", "dhelix_eager",
 )
 #: Run only when named: diagnostics and ablations.
-NOT_BY_DEFAULT: tuple[str, ...] = ("dhelix_decompose_pieces", "dhelix_decompose_sites", "dhelix_eager")
+NOT_BY_DEFAULT: tuple[str, ...] = ("dhelix_decompose_pieces", "dhelix_decompose_chain", "dhelix_eager")
 
 
 def compile_variant(
@@ -58,9 +57,9 @@ def compile_variant(
         return torch.compile(module, backend="dhelix", options={**options, "decompose": "per_peer"})
     if name == "dhelix_decompose_pieces":
         return torch.compile(module, backend="dhelix", options={**options, "decompose": "per_peer", "decompose_pieces": 0})
-    if name == "dhelix_decompose_sites":
-        sites = {"decompose": "per_peer", "decompose_pieces": 0, "decompose_chains": False}
-        return torch.compile(module, backend="dhelix", options={**options, **sites})
+    if name == "dhelix_decompose_chain":
+        chain = {"decompose": "per_peer", "decompose_pieces": 0, "decompose_chains": True}
+        return torch.compile(module, backend="dhelix", options={**options, **chain})
     if name == "dhelix_eager":
         return torch.compile(module, backend="dhelix", options={**options, "codegen": "eager"})
     raise ValueError(f"unknown benchmark variant {name!r}; choose from {', '.join(VARIANTS)}")
