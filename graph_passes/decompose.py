@@ -334,6 +334,21 @@ class _Variant:
             self.emitter.graph.erase_node(node)
 
 
+def _hoist(variant: _Variant, nodes: Sequence[torch.fx.Node]) -> None:
+    """Move ``nodes`` (in dependency order) in front of the variant's first emitted node: operands a
+    site's rewrite reads that sat later in the graph than the collective it replaces."""
+    first = variant.emitter.nodes[0]
+    for node in nodes:
+        first.prepend(node)
+
+
+class _PerPeerOnly:
+    """A site with a per-peer variant and no chunked one."""
+
+    def chunked(self, e: _Emitter, k: int) -> _Variant:
+        raise SkipSite("no chunked form (per-peer only)")
+
+
 def _position(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
@@ -512,9 +527,7 @@ class _AllGatherSite:
         return _Variant(f"chunked_{k}", e, replace)
 
     def commit(self, variant: _Variant) -> None:
-        first = variant.emitter.nodes[0]
-        for node in self.hoist:  # dependency order
-            first.prepend(node)
+        _hoist(variant, self.hoist)
         gathered_new = None
         for old, new in variant.replace:
             if old is self.m.gathered:
@@ -713,7 +726,7 @@ class _AllReduceSite(_ReplacesOutput):
 
 
 
-class _AllToAllSite(_ReplacesOutput):
+class _AllToAllSite(_PerPeerOnly, _ReplacesOutput):
     """``wait(all_to_all_single(x))`` -> view ``[W, A, B, ...]`` -> swap the first two dims ->
     reshape ``[A, W*B, ...]`` -> ``bmm`` (expert parallelism's dispatch: W source ranks, A local
     experts, B slots each).
@@ -784,17 +797,12 @@ class _AllToAllSite(_ReplacesOutput):
             replace.append((m.wait, e.cat([chunks[j] for j in range(n)], 0)))
         return _Variant("per_peer", e, replace)
 
-    def chunked(self, e: _Emitter, k: int) -> _Variant:
-        raise SkipSite("no chunked form (per-peer only)")
-
     def commit(self, variant: _Variant) -> None:
-        first = variant.emitter.nodes[0]
-        for node in self.hoist:  # dependency order
-            first.prepend(node)
+        _hoist(variant, self.hoist)
         super().commit(variant)
 
 
-class _BmmAllToAllSite(_ReplacesOutput):
+class _BmmAllToAllSite(_PerPeerOnly, _ReplacesOutput):
     """``bmm`` (or a sum of bmms) -> view ``[A, W, B, ...]`` -> swap the first two dims -> reshape
     ``[W*A*B, ...]`` -> ``all_to_all_single`` (expert parallelism's combine: A local experts, B
     slots per source; in the backward, the gradient of the dispatch).
@@ -846,9 +854,6 @@ class _BmmAllToAllSite(_ReplacesOutput):
         for j, flight in flights.items():
             chunks[j] = e.wait_exchange(flight)
         return _Variant("per_peer", e, [(m.wait, e.cat([chunks[j] for j in range(n)], 0))])
-
-    def chunked(self, e: _Emitter, k: int) -> _Variant:
-        raise SkipSite("no chunked form (per-peer only)")
 
 
 def _nodes_between(root: torch.fx.Node, leaves: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:

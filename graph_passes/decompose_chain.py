@@ -53,7 +53,9 @@ from graph_passes.collective_matches import AllGatherChain
 from graph_passes.decompose import (
     SkipSite,
     _Emitter,
+    _hoist,
     _late_operands,
+    _PerPeerOnly,
     _per_peer_name,
     _position,
     _ReduceScatterSite,
@@ -98,7 +100,7 @@ def _locate(shape: Sequence[int], before: int, blocks: int) -> _Rows | None:
     return None
 
 
-class _ChainSite:
+class _ChainSite(_PerPeerOnly):
     """One all-gather -> ... -> reduce-scatter chain; ``per_peer`` builds its variants.
 
     Blocks: a region tensor viewed ``[before, K, rest]`` (``before``: the gathered tensor's
@@ -321,13 +323,8 @@ class _ChainSite:
             replace.append((node, self._cat(e, node, [envs[b][node] for b in range(blocks)])))
         return _Variant(_per_peer_name(pieces), e, replace)
 
-    def chunked(self, e: _Emitter, k: int) -> _Variant:
-        raise SkipSite("no chunked form (per-peer only)")
-
     def commit(self, variant: _Variant) -> None:
-        first = variant.emitter.nodes[0]
-        for node in self.hoist:  # dependency order
-            first.prepend(node)
+        _hoist(variant, self.hoist)
         old = set(self.old_nodes)
         for before, after in variant.replace:
             before.replace_all_uses_with(after, delete_user_cb=lambda user: user not in old)
