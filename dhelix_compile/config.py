@@ -117,8 +117,10 @@ class DHelixConfig:
         False,
         "Rewrite an all-gather -> row-wise compute -> reduce-scatter (sequence parallelism's MLP "
         "block, forward and backward) as one per-peer pipeline: each peer's rows go through the "
-        "whole block as they land and go straight back as its partial. Off by default: measured "
-        "slower than the two collectives decomposed on their own in pieces (BENCHMARKS.md).",
+        "whole block as they land and go straight back as its partial, where the cost model "
+        "predicts the whole graph faster that way than with the two collectives decomposed on their own. "
+        "Off by default: measured slower than those on the MLP block, and the model cannot yet "
+        "tell them apart reliably (BENCHMARKS.md).",
     )
     decompose_min_gain_ratio: float = _option(
         0.02, "decompose='auto' rewrites a site only if its predicted time drops by at least this fraction ([0, 1))."

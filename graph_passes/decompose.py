@@ -73,7 +73,11 @@ Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weigh
     all-gather -> row-wise compute -> reduce-scatter (pattern ``CHAIN``, opt-in, tried first;
     ``decompose_chain``): each peer's rows go through the whole block (w1, w3, silu * mul, w2)
     as they land and go straight back as that peer's partial -- the two per-peer forms above
-    fused, with no full-size tensor between them.
+    fused, with no full-size tensor between them. With an estimator, a chain competes with its
+    two collectives decomposed on their own: the whole graph (current order) is simulated with
+    the chain's best variant and with each single site's best variant (those that have one),
+    and the chain is rewritten only if it predicts less; otherwise the single-site patterns
+    rewrite the two collectives ("left to the single sites").
 
 Picture (2 ranks, all-gather along the sequence dim feeding Q/K/V)::
 
@@ -158,7 +162,8 @@ class DecomposeOptions:
     """Which patterns may be rewritten. Add ``CHAIN`` (an all-gather and a reduce-scatter with
     row-wise compute between them as one pipeline, ``decompose_chain``; tried before the single
     sites, whose two collectives stay sites of their own when it is not rewritten). Not by
-    default: measured slower than the two sites in pieces on the MLP block (BENCHMARKS.md)."""
+    default: measured slower than the two sites in pieces on the MLP block, and the whole-graph
+    comparison is within the cost model's error there (BENCHMARKS.md)."""
 
     def validate(self) -> DecomposeOptions:
         if self.mode not in MODES:
@@ -993,49 +998,36 @@ class _Decomposer:
         if group_size < 2:
             self.count(f"{label}: skipped: group of one rank")
             return
-        mode = self.options.mode
-        if mode == "auto" and self.estimator is None:
+        if self.options.mode == "auto" and self.estimator is None:
             self.count(f"{label}: skipped: no estimator")
             return
         strand = issue.meta.get("dhelix", {}).get("strand")
-        variants: list[_Variant] = []
-
-        def build(family: str, builder: Any, *args: Any) -> None:
-            emitter = _Emitter(self.graph, site.anchor, self.fake_mode, strand)
-            try:
-                variants.append(builder(emitter, *args))
-            except SkipSite as why:
-                _Variant(family, emitter, []).discard()  # whatever was emitted before the skip
-                self.count(f"{label}: {family} skipped: {why}")
-
-        if mode in ("auto", "per_peer"):
-            rank = self.compat.group_rank(group_name)
-            if rank is None:
-                self.count(f"{label}: per_peer skipped: unknown process group {group_name!r}")
-            else:
-                for pieces in (self.options.pieces,) if self.options.pieces else AUTO_PIECES:
-                    build("per_peer", site.per_peer, rank, TAG_BASE + index * TAG_STRIDE, pieces)
-        if mode in ("auto", "chunked"):
-            for k in range(2, self.options.max_chunks + 1):
-                build("chunked", site.chunked, k)
+        # a chain competes with its two collectives decomposed on their own (built first, on the
+        # graph as it is)
+        rivals = self._single_site_rivals(site, group_name, strand) if label == CHAIN and self.estimator else []
+        variants, original_s = self._priced_variants(label, site, group_name, TAG_BASE + index * TAG_STRIDE, strand)
         if not variants:
+            for rival, _ in rivals:
+                rival.discard()
             self.count(f"{label}: skipped: no variant applies")
             return
-        self._measure([n for v in variants for n in v.emitter.nodes])
-        original_s = self._simulate(site.old_nodes)
-        for v in variants:
-            v.predicted_s = self._simulate(v.emitter.nodes)
         self.ctx.record(PASS, **{f"{name}_original_s": original_s}, **{f"{name}_{v.name}_s": v.predicted_s for v in variants})
-        if self.estimator is None:  # forced mode without costs: the largest k, or per-peer in one piece
-            best = variants[-1] if mode == "chunked" else variants[0]
-        else:
-            best = min(variants, key=lambda v: v.predicted_s)  # stable: first of equals
-        keep = mode != "auto" or best.predicted_s < original_s * (1.0 - self.options.min_gain_ratio)
+        best = self._choose(variants, original_s)
+        why_not = "kept: no predicted gain"
+        if label == CHAIN and best is not None and rivals:
+            emitted = {n for v in [*variants, *(r for r, _ in rivals)] for n in v.emitter.nodes}
+            chain_s = self._graph_s([(best, site.old_nodes)], emitted)
+            sites_s = self._graph_s(rivals, emitted)
+            self.ctx.record(PASS, **{f"{name}_graph_chain_s": chain_s, f"{name}_graph_single_sites_s": sites_s})
+            if sites_s <= chain_s:
+                best, why_not = None, "left to the single sites: the graph predicts less with them"
+        for rival, _ in rivals:
+            rival.discard()
         for v in variants:
-            if v is not best or not keep:
+            if v is not best:
                 v.discard()
-        if not keep:
-            self.count(f"{label}: kept: no predicted gain")
+        if best is None:
+            self.count(f"{label}: {why_not}")
             return
         site.commit(best)
         self.rewrote = True
@@ -1043,6 +1035,83 @@ class _Decomposer:
             self.saved_s += original_s - best.predicted_s
         self.count(f"{label}: {best.name}")
         self.ctx.record(PASS, **{f"{name}_chosen_s": best.predicted_s})
+
+    def _priced_variants(
+        self, label: str, site: Any, group_name: str, tag: int, strand: int | None, *, counted: bool = True
+    ) -> tuple[list[_Variant], float]:
+        """The site's variants for the configured mode, emitted (not committed), their new ops
+        measured and each priced; and the original's predicted time (NaN without an estimator).
+        The caller commits one or discards them all. ``counted``: count the variants skipped."""
+        mode = self.options.mode
+        variants: list[_Variant] = []
+        count = self.count if counted else lambda reason: None
+
+        def build(family: str, builder: Any, *args: Any) -> None:
+            emitter = _Emitter(self.graph, site.anchor, self.fake_mode, strand)
+            try:
+                variants.append(builder(emitter, *args))
+            except SkipSite as why:
+                _Variant(family, emitter, []).discard()  # whatever was emitted before the skip
+                count(f"{label}: {family} skipped: {why}")
+
+        if mode in ("auto", "per_peer"):
+            rank = self.compat.group_rank(group_name)
+            if rank is None:
+                count(f"{label}: per_peer skipped: unknown process group {group_name!r}")
+            else:
+                for pieces in (self.options.pieces,) if self.options.pieces else AUTO_PIECES:
+                    build("per_peer", site.per_peer, rank, tag, pieces)
+        if mode in ("auto", "chunked"):
+            for k in range(2, self.options.max_chunks + 1):
+                build("chunked", site.chunked, k)
+        if not variants:
+            return [], math.nan
+        self._measure([n for v in variants for n in v.emitter.nodes])
+        for v in variants:
+            v.predicted_s = self._simulate(v.emitter.nodes)
+        return variants, self._simulate(site.old_nodes)
+
+    def _choose(self, variants: Sequence[_Variant], original_s: float) -> _Variant | None:
+        """The variant to commit, or None to keep the original (``auto`` and no predicted gain)."""
+        if self.estimator is None:  # forced mode without costs: the largest k, or per-peer in one piece
+            return variants[-1] if self.options.mode == "chunked" else variants[0]
+        best = min(variants, key=lambda v: v.predicted_s)  # stable: first of equals
+        if self.options.mode != "auto" or best.predicted_s < original_s * (1.0 - self.options.min_gain_ratio):
+            return best
+        return None
+
+    def _single_site_rivals(
+        self, chain: Any, group_name: str, strand: int | None
+    ) -> list[tuple[_Variant, Sequence[torch.fx.Node]]]:
+        """The chain's all-gather and reduce-scatter as single sites, each at the variant
+        ``_choose`` picks (none when it keeps the original), with the nodes it would replace:
+        emitted, not committed (the caller discards them; if the chain loses, the single-site
+        patterns build them again)."""
+        rivals = []
+        for label, make in (
+            ("all_gather_matmul", lambda: _AllGatherSite(chain.m.gather, self.graph)),
+            ("matmul_reduce_scatter", lambda: chain.scatter),
+        ):
+            try:
+                site = make()
+            except SkipSite:  # not a site of its own: its nodes stay as they are
+                continue
+            variants, original_s = self._priced_variants(label, site, group_name, TAG_BASE, strand, counted=False)
+            best = self._choose(variants, original_s) if variants else None
+            for v in variants:
+                if v is not best:
+                    v.discard()
+            if best is not None:
+                rivals.append((best, site.old_nodes))
+        return rivals
+
+    def _graph_s(self, chosen: Sequence[tuple[_Variant, Sequence[torch.fx.Node]]], emitted: set[torch.fx.Node]) -> float:
+        """The whole graph's predicted makespan in its current order with each ``chosen`` variant
+        in place of the nodes it replaces, and every other ``emitted`` (uncommitted) node left out.
+        Nodes after a rewrite that read a replaced node count as reading a ready input."""
+        keep = {n for v, _ in chosen for n in v.emitter.nodes}
+        skip = (emitted - keep).union(*(old for _, old in chosen))
+        return self._simulate([n for n in self.graph.nodes if n not in skip])
 
 
 def decompose_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

@@ -8,6 +8,7 @@ gloo ranks over random shapes (hypothesis), forward and backward, eager and thro
 from __future__ import annotations
 
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_chain_in_pieces_sends_each_pieces_partial_when_it_is_ready() -> None:
 
 def test_backward_chain_reads_saved_activations_block_by_block_and_rebuilds_weight_gradient_inputs() -> None:
     gm = _swiglu_backward_graph()
-    ctx = _run(gm, mode="per_peer", patterns=_PATTERNS)
+    ctx = _run(gm, estimator=None, mode="per_peer", patterns=_PATTERNS)  # no costs: the chain is forced
     assert ctx.stats["decompose"] == {"all_gather_chain: per_peer": 1}
     targets = [n.target for n in gm.graph.nodes]
     assert c10d.all_gather_into_tensor.default not in targets and c10d.reduce_scatter_tensor.default not in targets
@@ -109,6 +110,32 @@ def test_chains_that_are_not_row_wise_are_left_alone_and_their_sites_decomposed_
     assert stats["all_gather_chain: skipped: the reduce-scatter splits another dim than the all-gather gathered"] == 1
 
 
+def test_chain_competes_with_its_two_collectives_decomposed_on_their_own() -> None:
+    """The whole graph is priced with the chain's best variant and with the two collectives
+    decomposed on their own (each at its best variant); the chain is taken only when it predicts
+    less: here (compute 1 s per op, exchanges 5 s) the forward's chain does; the backward's, whose
+    weight gradients hide the single sites' transfers, does not, and the two collectives are
+    decomposed alone."""
+    gm = _traced(_mlp, *_SHAPES)
+    ctx = _run(gm, mode="per_peer", patterns=_PATTERNS)
+    assert ctx.stats["decompose"] == {"all_gather_chain: per_peer": 1}
+    chain = ctx.records["decompose"]
+    assert chain["all_gather_chain0_graph_chain_s"] < chain["all_gather_chain0_graph_single_sites_s"]
+
+    gm = _swiglu_backward_graph()
+    ctx = _run(gm, mode="per_peer", patterns=_PATTERNS)
+    assert ctx.stats["decompose"] == {
+        "all_gather_chain: left to the single sites: the graph predicts less with them": 1,
+        "all_gather_matmul: per_peer": 1,
+        "matmul_reduce_scatter: per_peer": 1,
+    }
+    records = ctx.records["decompose"]
+    assert records["all_gather_chain0_graph_single_sites_s"] <= records["all_gather_chain0_graph_chain_s"]
+    assert c10d.all_gather_into_tensor.default not in [n.target for n in gm.graph.nodes]
+    # every variant emitted to price the chain and its rivals was removed again
+    assert sum(n.target == P2P_EXCHANGE for n in gm.graph.nodes) == 2
+
+
 def test_chain_is_opt_in() -> None:
     gm = _traced(_mlp, *_SHAPES)
     stats = _run(gm, mode="per_peer").stats["decompose"]
@@ -116,6 +143,15 @@ def test_chain_is_opt_in() -> None:
 
 
 # ------------------------------------------------------------------------------ numerics
+
+
+def _chains_forced(rank: int, world: int, worker, *args, **kwargs):
+    """``worker`` on this rank with every chain preferred to its two single sites (they are never
+    built): these tests check the chain rewrite's numerics; the choice is tested on traced graphs."""
+    # by name: the module the backend runs, even if a test re-imported it
+    with mock.patch("graph_passes.decompose._Decomposer._single_site_rivals", return_value=[]):
+        return worker(rank, world, *args, **kwargs)
+
 
 
 def _check_chains(rank: int, world: int, cases: list[tuple], pieces: int, codegen: str) -> dict[str, int]:
@@ -170,7 +206,7 @@ def _chains(stats: dict[str, int]) -> int:
 @given(cases=st.lists(_chain_case, min_size=2, max_size=2))
 def test_chain_equals_undecomposed_forward_and_backward(world: int, pieces: int, cases) -> None:
     cases = [case[:-1] + (dim,) for case, dim in zip(cases, (0, 1))]  # both layouts, every time
-    for stats in run_on_ranks(_check_chains, world, cases, pieces, "eager", timeout_s=240):
+    for stats in run_on_ranks(_chains_forced, world, _check_chains, cases, pieces, "eager", timeout_s=240):
         assert _chains(stats) == 2 * len(cases), stats  # the forward's chain and the backward's
 
 
@@ -178,7 +214,7 @@ def test_chain_equals_undecomposed_forward_and_backward(world: int, pieces: int,
 @pytest.mark.inductor
 @pytest.mark.timeout(600)
 def test_chain_through_inductor_codegen() -> None:
-    for stats in run_on_ranks(_check_chains, 2, [(2, 4, 8, 6, 8, 1)], 2, "inductor", timeout_s=500):
+    for stats in run_on_ranks(_chains_forced, 2, _check_chains, [(2, 4, 8, 6, 8, 1)], 2, "inductor", timeout_s=500):
         assert _chains(stats) == 2, stats
 
 
@@ -187,7 +223,7 @@ def test_chain_through_inductor_codegen() -> None:
 def test_tp_sp_reference_model_with_chains() -> None:
     """Every MLP block (2 layers, forward and backward) as one chain; attention's all-gather feeds
     attention, not a row-wise chain, so its two collectives stay sites of their own."""
-    for stats in run_on_ranks(_tp_sp, 2, "per_peer", "eager", decompose_chains=True, timeout_s=540):
+    for stats in run_on_ranks(_chains_forced, 2, _tp_sp, "per_peer", "eager", decompose_chains=True, timeout_s=540):
         assert stats.get("all_gather_chain: per_peer", 0) >= 4, stats
         assert stats.get("all_gather_matmul: per_peer", 0) >= 4, stats
         assert stats.get("matmul_reduce_scatter: per_peer", 0) >= 4, stats
