@@ -94,7 +94,8 @@ def _worker(args: argparse.Namespace) -> None:
     timed = batches()
     for name in DEMO_VARIANTS:  # compile (Inductor) and warm up outside the timing
         steps[name](timed)
-    times = time_interleaved({name: (lambda step=steps[name]: step(timed)) for name in DEMO_VARIANTS}, args.repeats, dist.barrier)
+    timed_steps = {name: (lambda step=steps[name]: step(timed)) for name in DEMO_VARIANTS}
+    times = time_interleaved(timed_steps, args.repeats, dist.barrier).wall_s
     gathered: list[dict[str, list[float]] | None] = [None] * world_size
     dist.all_gather_object(gathered, times)
     slowest = {name: [max(s) for s in zip(*(g[name] for g in gathered if g))] for name in DEMO_VARIANTS}

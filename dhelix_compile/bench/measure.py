@@ -3,17 +3,23 @@
 Contract
     - ``time_interleaved(steps, repeats, barrier)``: for each repeat, runs every variant's step
       once, in the given order, each after ``barrier()`` (so all ranks start a step together);
-      returns per-variant lists of seconds on this rank. Interleaving puts every variant under
+      returns :class:`Timings`: per-variant lists of wall seconds on this rank, and of the CPU
+      seconds this process spent in each step (all its threads: compute, gloo's transport,
+      the kernel's socket work done on their behalf). Interleaving puts every variant under
       the same conditions (link, machine load) instead of measuring one after another.
     - ``record_collectives(module, inputs, loss_fn)``: compiles ``module`` once through
       AOTAutograd (eager codegen) and returns the collective issue nodes of its forward and
       backward graphs, in order; ``replay_collectives(nodes)`` issues exactly those
       collectives (same ops, shapes, dtypes, groups) back to back on the live process group and
       waits for each. Its time is ``T_comm``: the step's communication with no compute around.
+    - ``ceiling_steps(replay, compute_s, agree)``: the same collectives, each hidden under a
+      share of ``compute_s`` of synthetic matmuls -- the best overlap this machine allows for
+      the step's communication and compute (see its docstring).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,27 +33,40 @@ from dhelix_compile import _torch_compat as compat
 c10d = torch.ops._c10d_functional
 
 
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """Seconds per step, per variant, on this rank: ``wall_s`` (``time.perf_counter``) and
+    ``cpu_s`` (``time.process_time``: every thread of this process). ``wall - cpu`` is a lower
+    bound on the time the rank sat idle, waiting for a transfer or a peer; a CPU time close to
+    the wall time means the rank was busy throughout (on a machine whose cores the ranks fill,
+    the CPU a transfer takes cannot be hidden behind compute)."""
+
+    wall_s: dict[str, list[float]]
+    cpu_s: dict[str, list[float]]
+
+
 def time_interleaved(
     steps: Mapping[str, Callable[[], Any]],
     repeats: int,
     barrier: Callable[[], Any] | None = None,
     on_step: Callable[[str], Any] | None = None,
-) -> dict[str, list[float]]:
-    """Seconds per step, per variant, measured round-robin (see the module docstring).
+) -> Timings:
+    """Wall and CPU seconds per step, per variant, measured round-robin (see the module docstring).
 
     ``on_step(variant)`` is called after each timed step (progress reporting).
     """
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    timings = Timings({name: [] for name in steps}, {name: [] for name in steps})
     for _ in range(repeats):
         for name, step in steps.items():
             if barrier is not None:
                 barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
-            times[name].append(time.perf_counter() - start)
+            timings.cpu_s[name].append(time.process_time() - start_cpu)
+            timings.wall_s[name].append(time.perf_counter() - start)
             if on_step is not None:
                 on_step(name)
-    return times
+    return timings
 
 
 def record_collectives(
@@ -80,14 +99,117 @@ def _materialize(value: Any) -> Any:
     return value
 
 
-def replay_collectives(nodes: Sequence[torch.fx.Node]) -> Callable[[], None]:
+class CollectiveReplay:
+    """``nodes``' collectives on the live process group, with real tensors of their shapes.
+
+    Calling it issues each collective and waits for it before the next (``T_comm``);
+    ``issue(i)`` and ``wait(handles)`` split one collective for schedules that put work between.
+    """
+
+    def __init__(self, nodes: Sequence[torch.fx.Node]) -> None:
+        self.calls = [(n.target, _materialize(n.args), _materialize(n.kwargs)) for n in nodes]
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def issue(self, i: int) -> list[torch.Tensor]:
+        target, args, kwargs = self.calls[i]
+        result = target(*args, **kwargs)
+        return list(result) if isinstance(result, (list, tuple)) else [result]
+
+    @staticmethod
+    def wait(handles: Sequence[torch.Tensor]) -> None:
+        for tensor in handles:
+            c10d.wait_tensor(tensor)
+
+    def __call__(self) -> None:
+        for i in range(len(self)):
+            self.wait(self.issue(i))
+
+
+def replay_collectives(nodes: Sequence[torch.fx.Node]) -> CollectiveReplay:
     """A function that issues ``nodes``' collectives one after another, waiting for each."""
-    calls = [(n.target, _materialize(n.args), _materialize(n.kwargs)) for n in nodes]
+    return CollectiveReplay(nodes)
 
-    def run() -> None:
-        for target, args, kwargs in calls:
-            result = target(*args, **kwargs)
-            for tensor in result if isinstance(result, (list, tuple)) else (result,):
-                c10d.wait_tensor(tensor)
 
-    return run
+class _Matmuls:
+    """Square fp32 matmuls into a preallocated output: stand-in compute of a known cost."""
+
+    SIZE = 256
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.a, self.b = (torch.randn(self.SIZE, self.SIZE, generator=gen) for _ in range(2))
+        self.out = torch.empty(self.SIZE, self.SIZE)
+
+    def run(self, count: int) -> None:
+        for _ in range(count):
+            torch.mm(self.a, self.b, out=self.out)
+
+    def seconds_each(self, count: int = 50) -> float:
+        self.run(5)
+        start = time.perf_counter()
+        self.run(count)
+        return (time.perf_counter() - start) / count
+
+
+def ceiling_steps(
+    replay: CollectiveReplay,
+    compute_s: float,
+    agree: Callable[[list[int]], list[int]],
+    samples: int = 5,
+    alone_s: Sequence[float] | None = None,
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(compute_alone, overlapped)``: about ``compute_s`` of synthetic matmuls alone, and the
+    same matmuls with ``replay``'s collectives issued among them, each followed by a share of the
+    matmuls in proportion to its time alone (median of ``samples``) and then waited for.
+
+    ``overlapped`` is the best schedule this step's communication and this much compute can
+    have: every transfer in flight under compute that does not depend on it, nothing else
+    between. Its time on the real link is what this machine allows -- the *ceiling* a
+    rewrite of the step can reach (the CPU the transfers take and the cores they share show up
+    here as they do in the step). ``agree(counts)``: the element-wise maximum over ranks, so
+    every rank runs the same matmul counts; every rank must call this together. ``alone_s``:
+    the collectives' times alone, if already known (then nothing is measured but the matmul).
+    The matmuls are small enough to stay in cache, so if anything the ceiling is optimistic.
+    """
+    alone = list(alone_s) if alone_s is not None else _times_alone(replay, samples)
+    matmuls = _Matmuls()
+    each_s = matmuls.seconds_each()
+    counts = agree(_shares(round(compute_s / each_s), alone))
+
+    def compute_alone() -> None:
+        matmuls.run(sum(counts))
+
+    def overlapped() -> None:
+        for i, count in enumerate(counts):
+            handles = replay.issue(i)
+            matmuls.run(count)
+            replay.wait(handles)
+
+    return compute_alone, overlapped
+
+
+def _shares(count: int, weights: Sequence[float]) -> list[int]:
+    """``count`` split in proportion to ``weights`` (rounded cumulatively, so the parts sum to it)."""
+    total = sum(weights)
+    if total <= 0:
+        return [count if i == 0 else 0 for i in range(len(weights))]
+    bounds, cumulative = [0], 0.0
+    for w in weights:
+        cumulative += w
+        bounds.append(round(count * cumulative / total))
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _times_alone(replay: CollectiveReplay, samples: int) -> list[float]:
+    """Each collective's time issued and waited alone: the median of ``samples`` after a warm-up."""
+    alone = []
+    for i in range(len(replay)):
+        times = []
+        for _ in range(samples + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            replay.wait(replay.issue(i))
+            times.append(time.perf_counter() - start)
+        alone.append(sorted(times[1:])[samples // 2])
+    return alone

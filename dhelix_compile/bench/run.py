@@ -16,8 +16,19 @@
        limit  = max(T_compute, T_comm)             (perfect overlap)
        hidden = (T_seq - T_step) / (T_seq - limit)
 
-Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``hidden_share``; top level
-``t_compute_s``, ``t_comm_s``, ``limit_s``, ``link``) and prints a markdown table.
+   And where a step's time went on the link: its CPU time (the busiest rank's, every thread of
+   the process) and ``idle = step - CPU``, a lower bound on the time the rank waited for a
+   transfer or a peer -- the communication left exposed. A variant with little idle time is
+   busy throughout: what keeps it above the limit is work, not waiting (on a CPU machine, the
+   CPU the transfers themselves take; ``T_comm``'s CPU time is shown beside it).
+4. The *ceiling* (``measure.ceiling_steps``): the same collectives, each issued and then hidden
+   under a share of ``T_compute`` of synthetic matmuls -- a perfect schedule of this much
+   communication and compute. Its hidden share is the most this machine can hide; a variant's
+   share is to be read against it, not against 100%.
+
+Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``hidden_share``, ``cpu_s_median``,
+``idle_s``; top level ``t_compute_s``, ``t_comm_s``, ``t_comm_cpu_s``, ``limit_s``, ``ceiling``, ``link``) and
+prints a markdown table.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import statistics
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +57,11 @@ def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _launch(out: Path, mode: str, link: LinkSpec, args: argparse.Namespace) -> tuple[dict[str, Any], LaunchResult]:
+def _launch(
+    out: Path, mode: str, link: LinkSpec, args: argparse.Namespace, extra: Sequence[str] = ()
+) -> tuple[dict[str, Any], LaunchResult]:
     progress = out.with_suffix(".progress")
-    argv = [*_worker_argv(out, mode, args), "--progress-file", str(progress)]
+    argv = [*_worker_argv(out, mode, args), "--progress-file", str(progress), *extra]
     with _progress_bar(progress, label=f"{mode:>7} steps"):
         result = launch_ranks(argv, args.ranks, link, timeout_s=args.timeout_s)
     if any(result.returncodes) or not out.exists():
@@ -87,16 +100,24 @@ def _progress_bar(path: Path, label: str, width: int = 30) -> Iterator[None]:
         thread.join()
 
 
+def _t_compute(compute_run: dict[str, Any]) -> float:
+    """The top-level ``T_compute``: Inductor's step on the fake group, else the fastest variant's."""
+    compute = {name: statistics.median(samples) for name, samples in compute_run["step_s"].items()}
+    return compute.get("inductor", min(compute.values()))
+
+
 def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) -> dict[str, Any]:
     """The JSON summary of one benchmark (see the module docstring)."""
     t_comm = statistics.median(link_run["t_comm_s"])
     compute = {name: statistics.median(samples) for name, samples in compute_run["step_s"].items()}
-    t_compute = compute.get("inductor", min(compute.values()))
+    t_compute = _t_compute(compute_run)
     variants: dict[str, Any] = {}
     for name, samples in link_run["step_s"].items():
         own_compute = compute.get(name, t_compute)
         median = statistics.median(samples)
         predicted = (link_run.get("predicted_step_s") or {}).get(name)
+        cpu = (link_run.get("cpu_s") or {}).get(name)
+        cpu_median = statistics.median(cpu) if cpu else None
         variants[name] = {
             "predicted_step_s": max(predicted) if predicted and None not in predicted else None,
             "step_s_median": median,
@@ -105,6 +126,18 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
             "step_s_max": max(samples),
             "t_compute_s": own_compute,
             "hidden_share": hidden_share(median, own_compute, t_comm),
+            "cpu_s_median": cpu_median,
+            "idle_s": max(median - cpu_median, 0.0) if cpu_median is not None else None,
+        }
+    comm_cpu = link_run.get("t_comm_cpu_s")
+    ceiling = link_run.get("ceiling")
+    if ceiling:
+        step, own = statistics.median(ceiling["step_s"]), statistics.median(ceiling["compute_s"])
+        ceiling = {
+            "step_s_median": step,
+            "t_compute_s": own,
+            "cpu_s_median": statistics.median(ceiling["cpu_s"]),
+            "hidden_share": hidden_share(step, own, t_comm),
         }
     return {
         "link": link,
@@ -115,7 +148,9 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         "repeats": link_run["repeats"],
         "t_compute_s": t_compute,
         "t_comm_s": t_comm,
+        "t_comm_cpu_s": statistics.median(comm_cpu) if comm_cpu else None,
         "limit_s": max(t_compute, t_comm),
+        "ceiling": ceiling,
         "variants": variants,
         "errors": {**compute_run.get("errors", {}), **link_run.get("errors", {})},
     }
@@ -125,6 +160,10 @@ def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
     """Share of the hideable communication a step hid: 1 = perfect overlap, 0 = none."""
     hideable = t_compute_s + t_comm_s - max(t_compute_s, t_comm_s)
     return (t_compute_s + t_comm_s - step_s) / hideable if hideable > 0 else 0.0
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -138,11 +177,15 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         f"T_compute = {summary['t_compute_s'] * 1e3:.1f} ms, T_comm = {summary['t_comm_s'] * 1e3:.1f} ms, "
         f"limit max(T_compute, T_comm) = {limit * 1e3:.1f} ms, "
-        f"sequential T_compute + T_comm = {(summary['t_compute_s'] + summary['t_comm_s']) * 1e3:.1f} ms",
+        f"sequential T_compute + T_comm = {(summary['t_compute_s'] + summary['t_comm_s']) * 1e3:.1f} ms"
+        + (
+            f"; T_comm takes {summary['t_comm_cpu_s'] * 1e3:.1f} ms of CPU per rank"
+            if summary.get("t_comm_cpu_s") is not None else ""
+        ),
         "",
         "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | step / limit "
-        "| hidden share | own T_compute (ms) | hidden share vs T_compute |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| hidden share | own T_compute (ms) | hidden share vs T_compute | CPU (ms) | idle (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, v in summary["variants"].items():
         speedup = f"{base / v['step_s_median']:.2f}x" if base else "-"
@@ -150,9 +193,27 @@ def markdown(summary: dict[str, Any]) -> str:
         common = hidden_share(v["step_s_median"], summary["t_compute_s"], summary["t_comm_s"])
         lines.append(
             f"| {name} | {v['step_s_median'] * 1e3:.1f} | {v['step_s_min'] * 1e3:.1f}-{v['step_s_max'] * 1e3:.1f} "
-            f"| {speedup} | {v['step_s_median'] / limit:.2f} | {v['hidden_share']:.0%} | {own * 1e3:.1f} | {common:.0%} |"
+            f"| {speedup} | {v['step_s_median'] / limit:.2f} | {v['hidden_share']:.0%} | {own * 1e3:.1f} "
+            f"| {common:.0%} "
+            f"| {_ms(v.get('cpu_s_median'))} | {_ms(v.get('idle_s'))} |"
         )
-    lines += ["", "hidden share: against the variant's own T_compute; the last column against the top-level T_compute."]
+    ceiling = summary.get("ceiling")
+    if ceiling:
+        lines.append(
+            f"| *ceiling* | {ceiling['step_s_median'] * 1e3:.1f} | | | {ceiling['step_s_median'] / limit:.2f} "
+            f"| {ceiling['hidden_share']:.0%} | {ceiling['t_compute_s'] * 1e3:.1f} | | {_ms(ceiling['cpu_s_median'])} "
+            f"| {_ms(max(ceiling['step_s_median'] - ceiling['cpu_s_median'], 0.0))} |"
+        )
+    lines += [
+        "",
+        "hidden share: against the variant's own T_compute; the next column against the top-level T_compute.",
+        "CPU: the busiest rank's CPU time per step (all its threads); idle = step - CPU, the time it waited at least.",
+    ]
+    if ceiling:
+        lines.append(
+            "*ceiling*: the step's collectives, each in flight under its share of T_compute of synthetic matmuls "
+            "(its own T_compute: those matmuls alone) -- the most this machine hides of this communication."
+        )
     predicted = {n: v for n, v in summary["variants"].items() if v.get("predicted_step_s")}
     if predicted:
         lines += ["", "| variant | predicted step (ms) | measured median (ms) | predicted / measured |", "|---|---:|---:|---:|"]
@@ -228,7 +289,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"[1/2] T_compute: {args.variants} on the fake process group ...", file=sys.stderr, flush=True)
             compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
             print(f"[2/2] on the link (rate {args.rate}): every variant interleaved, then T_comm ...", file=sys.stderr, flush=True)
-            link_run, launched = _launch(Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args)
+            t_compute = _t_compute(compute_run)
+            link_run, launched = _launch(
+                Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args, ["--t-compute-s", repr(t_compute)]
+            )
         except ValueError as exc:  # a rate tc rejects
             print(f"dhelix bench: {exc}", file=sys.stderr)
             return 2

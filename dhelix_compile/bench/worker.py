@@ -5,7 +5,9 @@ Launched (by ``dhelix_compile.bench.link.launch_ranks``) with RANK / WORLD_SIZE 
 
     --mode link      gloo over the real (possibly rate-limited) link: every variant's step time,
                      interleaved, each step started together on all ranks (barrier); then T_comm,
-                     the step's collectives replayed back to back with no compute.
+                     the step's collectives replayed back to back with no compute; with
+                     --t-compute-s, the ceiling too (``measure.ceiling_steps``): those
+                     collectives each hidden under a share of that much synthetic compute.
     --mode compute   the "fake" process group (collectives return at once, nothing is sent):
                      the same variants' step times are T_compute, the step without communication.
 
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dhelix_compile.bench.measure import (
+    ceiling_steps,
     record_collectives,
     replay_collectives,
     time_interleaved,
@@ -80,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--dhelix-options", default="{}", help="JSON dict of dhelix options")
     parser.add_argument("--time-limit-s", type=float, default=300.0, help="stop repeating after this")
+    parser.add_argument(
+        "--t-compute-s", type=float, default=0.0,
+        help="link mode: also time the ceiling, the step's collectives hidden under this much synthetic compute",
+    )
     parser.add_argument("--progress-file", default=None, help="rank 0 writes 'done total variant' here")
     return parser.parse_args(argv)
 
@@ -274,18 +281,30 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "microbatches": args.microbatches,
         "threads": args.threads,
         "repeats": repeats,
-        "step_s": {name: _gather_max(samples, args.mode) for name, samples in times.items()},
+        "step_s": {name: _gather_max(samples, args.mode) for name, samples in times.wall_s.items()},
+        "cpu_s": {name: _gather_max(samples, args.mode) for name, samples in times.cpu_s.items()},
         "errors": errors,
     }
     if args.mode == "link":
-        replay = replay_collectives(record_collectives(make(), inputs, loss_of))
-
-        def comm() -> None:  # every micro-batch's collectives, back to back
-            for _ in microbatches:
-                replay()
-
-        comm()  # warm-up
-        result["t_comm_s"] = _gather_max(time_interleaved({"comm": comm}, repeats, barrier)["comm"], args.mode)
+        # every micro-batch's collectives, back to back
+        replay = replay_collectives(record_collectives(make(), inputs, loss_of) * len(microbatches))
+        timed: dict[str, Any] = {"comm": replay}
+        if args.t_compute_s > 0:
+            ceiling_compute, ceiling = ceiling_steps(
+                replay, args.t_compute_s, lambda counts: [int(c) for c in _gather_max(counts, args.mode)]
+            )
+            timed.update(ceiling_compute=ceiling_compute, ceiling=ceiling)
+        for warm_up in timed.values():
+            warm_up()
+        comm_times = time_interleaved(timed, repeats, barrier)
+        result["t_comm_s"] = _gather_max(comm_times.wall_s["comm"], args.mode)
+        result["t_comm_cpu_s"] = _gather_max(comm_times.cpu_s["comm"], args.mode)
+        if "ceiling" in timed:
+            result["ceiling"] = {
+                "compute_s": _gather_max(comm_times.wall_s["ceiling_compute"], args.mode),
+                "step_s": _gather_max(comm_times.wall_s["ceiling"], args.mode),
+                "cpu_s": _gather_max(comm_times.cpu_s["ceiling"], args.mode),
+            }
         predicted = {
             name: _predicted_step_s(dump_root / name, rank, args.microbatches)
             for name in steps if name.startswith(("dhelix", "helix"))

@@ -1,0 +1,72 @@
+"""The benchmark's timing primitives: CPU time beside wall time, and the ceiling's schedule."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dhelix_compile.bench import measure
+from dhelix_compile.bench.measure import _shares, ceiling_steps, time_interleaved
+
+
+def test_time_interleaved_measures_cpu_beside_wall() -> None:
+    def busy() -> None:
+        end = time.process_time() + 0.02
+        while time.process_time() < end:
+            pass
+
+    timings = time_interleaved({"busy": busy, "sleep": lambda: time.sleep(0.02)}, repeats=2)
+    assert all(len(v) == 2 for v in (*timings.wall_s.values(), *timings.cpu_s.values()))
+    assert min(timings.cpu_s["busy"]) >= 0.02  # spinning is CPU time ...
+    assert max(timings.cpu_s["sleep"]) < min(timings.wall_s["sleep"]) / 2  # ... sleeping is not
+
+
+@pytest.mark.parametrize(
+    ("count", "weights", "expected"),
+    [(10, [1, 1, 1], [3, 4, 3]), (8, [3, 1], [6, 2]), (5, [0, 0], [5, 0]), (4, [], []), (0, [1, 2], [0, 0])],
+)
+def test_shares_are_proportional_and_sum_to_the_count(count: int, weights: list, expected: list) -> None:
+    assert _shares(count, weights) == expected
+    assert sum(expected) == (count if weights else 0)
+
+
+class _FakeReplay:
+    """Collectives that record when they are issued and waited for."""
+
+    def __init__(self, n: int, log: list) -> None:
+        self.n, self.log = n, log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def issue(self, i: int) -> list:
+        self.log.append(("issue", i))
+        return [i]
+
+    def wait(self, handles: list) -> None:
+        self.log.append(("wait", handles[0]))
+
+
+def test_ceiling_hides_each_collective_under_its_share_of_the_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list = []
+    monkeypatch.setattr(measure._Matmuls, "seconds_each", lambda self: 0.001)
+    monkeypatch.setattr(measure._Matmuls, "run", lambda self, count: log.append(("matmuls", count)))
+    agreed: list = []
+
+    def agree(counts: list[int]) -> list[int]:
+        agreed.append(counts)
+        return [c + 1 for c in counts]  # another rank needed more: every rank runs the agreed counts
+
+    compute_alone, overlapped = ceiling_steps(_FakeReplay(3, log), 0.040, agree, alone_s=[0.010, 0.030, 0.0])
+    assert agreed == [[10, 30, 0]]  # 40 matmuls of 1 ms, in proportion to the collectives' times
+    assert log == []  # nothing runs until a step is called
+    overlapped()
+    assert log == [
+        ("issue", 0), ("matmuls", 11), ("wait", 0),
+        ("issue", 1), ("matmuls", 31), ("wait", 1),
+        ("issue", 2), ("matmuls", 1), ("wait", 2),
+    ]
+    log.clear()
+    compute_alone()
+    assert log == [("matmuls", 43)]  # the same compute, with no communication
