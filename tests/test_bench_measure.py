@@ -50,8 +50,15 @@ class _FakeReplay:
 
 def test_ceiling_hides_each_collective_under_its_share_of_the_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     log: list = []
-    monkeypatch.setattr(measure._Matmuls, "seconds_each", lambda self: 0.001)
-    monkeypatch.setattr(measure._Matmuls, "run", lambda self, count: log.append(("matmuls", count)))
+    clock = [0.0]
+
+    def run(self, count: int) -> None:  # each matmul takes 1 ms of a fake clock
+        clock[0] += count * 0.001
+        log.append(("matmuls", count))
+
+    monkeypatch.setattr(measure._Matmuls, "seconds_each", lambda self: 0.002)  # a lone one looked slower
+    monkeypatch.setattr(measure._Matmuls, "run", run)
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
     agreed: list = []
 
     def agree(counts: list[int]) -> list[int]:
@@ -59,14 +66,16 @@ def test_ceiling_hides_each_collective_under_its_share_of_the_compute(monkeypatc
         return [c + 1 for c in counts]  # another rank needed more: every rank runs the agreed counts
 
     compute_alone, overlapped = ceiling_steps(_FakeReplay(3, log), 0.040, agree, alone_s=[0.010, 0.030, 0.0])
-    assert agreed == [[10, 30, 0]]  # 40 matmuls of 1 ms, in proportion to the collectives' times
-    assert log == []  # nothing runs until a step is called
+    # 20 matmuls from the lone one's 2 ms, agreed to 21; they took 21 ms, so 40 are needed, agreed to 41
+    assert agreed == [[20], [40]]
+    assert log == [("matmuls", 21)]  # the calibration loop; nothing else runs until a step is called
+    log.clear()
     overlapped()
-    assert log == [
-        ("issue", 0), ("matmuls", 11), ("wait", 0),
+    assert log == [  # 41 matmuls in proportion to the collectives' times alone
+        ("issue", 0), ("matmuls", 10), ("wait", 0),
         ("issue", 1), ("matmuls", 31), ("wait", 1),
-        ("issue", 2), ("matmuls", 1), ("wait", 2),
+        ("issue", 2), ("matmuls", 0), ("wait", 2),
     ]
     log.clear()
     compute_alone()
-    assert log == [("matmuls", 43)]  # the same compute, with no communication
+    assert log == [("matmuls", 41)]  # the same compute, with no communication

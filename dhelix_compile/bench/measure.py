@@ -169,14 +169,20 @@ def ceiling_steps(
     between. Its time on the real link is what this machine allows -- the *ceiling* a
     rewrite of the step can reach (the CPU the transfers take and the cores they share show up
     here as they do in the step). ``agree(counts)``: the element-wise maximum over ranks, so
-    every rank runs the same matmul counts; every rank must call this together. ``alone_s``:
-    the collectives' times alone, if already known (then nothing is measured but the matmul).
+    every rank runs the same matmul counts (it is called twice: the count from one matmul's
+    time, then corrected by the loop's); every rank must call this together. ``alone_s``: the
+    collectives' times alone, if already known (then only the matmuls are timed).
     The matmuls are small enough to stay in cache, so if anything the ceiling is optimistic.
     """
     alone = list(alone_s) if alone_s is not None else _times_alone(replay, samples)
     matmuls = _Matmuls()
-    each_s = matmuls.seconds_each()
-    counts = agree(_shares(round(compute_s / each_s), alone))
+    # a first count from one matmul's time, then corrected by the loop's own time: a lone matmul
+    # timed while the other ranks do something else runs at another speed than a long loop of them
+    total = agree([max(round(compute_s / matmuls.seconds_each()), 1)])[0]
+    start = time.perf_counter()
+    matmuls.run(total)
+    total = agree([round(total * compute_s / (time.perf_counter() - start))])[0]
+    counts = _shares(total, alone)
 
     def compute_alone() -> None:
         matmuls.run(sum(counts))
