@@ -380,8 +380,13 @@ class ProfiledEstimator:
             )
         # Top-level Python scalars (offsets, fill values) vary by rank but not cost: they are
         # written by type, so every rank of an SPMD graph has the same signatures. The output
-        # keeps apart ops whose scalar (a dim) changes the result's shape.
+        # keeps apart ops whose scalar (a dim) changes the result's shape. A cat's parts are
+        # written in sorted order: their order does not change its cost, and per-peer rewrites
+        # cat the same parts in an order that depends on the rank.
         args_sig = ",".join(_scalar_free_sig(a, hints) for a in node.args)
+        if node.target is torch.ops.aten.cat.default and isinstance(node.args[0], (list, tuple)):
+            parts = ",".join(sorted(_arg_sig(p, hints) for p in node.args[0]))
+            args_sig = ",".join([f"[{parts}]", *(_scalar_free_sig(a, hints) for a in node.args[1:])])
         kwargs_sig = ",".join(f"{k}={_scalar_free_sig(v, hints)}" for k, v in sorted(node.kwargs.items()))
         out = node.meta.get("val")
         out_sig = _tensor_sig(out, hints) if isinstance(out, torch.Tensor) else ""

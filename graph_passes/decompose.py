@@ -41,7 +41,8 @@ Variants (rank ``r`` of a group of ``n``; ``x`` the local shard, ``W`` the weigh
     in P pieces (option ``pieces``, or P in ``AUTO_PIECES`` chosen with the rest): each step's shard
     goes as P exchanges of 1/P of it along the gather (scatter) dim; the matmul on a received
     piece runs while the next piece is in flight, and a remote partial is computed and sent
-    piece by piece, so the first bytes leave after 1/P of its compute.
+    piece by piece, so the first bytes leave after 1/P of its compute. The local shard (and
+    the local partial) stays one piece: nothing waits for it.
 
     backward forms: a weight gradient ``t(gathered) @ g`` is summed shard by shard
     (``t(x_j) @ g[rows of j]``, accumulated in arrival order); a reduce-scatter of a *sum* of
@@ -460,8 +461,7 @@ class _AllGatherSite:
             ]
 
         # (rank, piece) -> (its rows of the gathered tensor, each matmul's output on them); the
-        # outputs are assembled in gathered order, so their cat reads pieces of one shape on every
-        # rank (the profiled cost model measures new ops only when all ranks agree on them)
+        # outputs are assembled in gathered order (the local shard is piece 0 of its rank)
         parts: dict[tuple[int, int], tuple[torch.fx.Node, list[torch.fx.Node]]] = {}
         sums: list[torch.fx.Node] = []
 
@@ -473,8 +473,10 @@ class _AllGatherSite:
             sums = [e.call(aten.add.Tensor, a, b) for a, b in zip(sums, partials)] if sums else partials
 
         flights = issue(1)
-        for p in range(pieces):  # the local shard in pieces too: every rank then runs ops of the same shapes
-            compute((rank, p), e.slice(m.shard, d, p * size, (p + 1) * size, contiguous=True), rank * pieces + p, n * pieces)
+        # the local shard in one piece: it is here from the start, and one matmul over it is
+        # cheaper than several (every rank still runs ops of the same shapes; the cats below take
+        # the parts in gathered order, which differs by rank, and cost the same either way)
+        compute((rank, 0), e.slice(m.shard, d, 0, self.shard_shape[d], contiguous=True), rank, n)
         for s in range(1, n):
             peer = (rank + s) % n
             arriving, flights = flights, []

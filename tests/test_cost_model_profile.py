@@ -181,3 +181,16 @@ def test_rank_dependent_scalars_do_not_change_signatures(tmp_path: pathlib.Path)
     lt0, lt32, sum0, sum1 = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert est.signature(lt0) == est.signature(lt32)
     assert est.signature(sum0) != est.signature(sum1)  # the dim changes the output's shape
+
+
+def test_a_cat_of_the_same_parts_in_another_order_has_the_same_signature(tmp_path: pathlib.Path) -> None:
+    """A per-peer all-gather cats its local output (one piece) and the received pieces in gathered
+    order, which depends on the rank; ranks must agree on what to measure."""
+    est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, progress=False)
+    gm = trace_aten(
+        lambda a, b: (torch.cat([a, b, b], 1), torch.cat([b, b, a], 1), torch.cat([a, a, b], 1)),
+        torch.zeros(2, 4), torch.zeros(2, 2),
+    )
+    first, last, other_parts = [n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default]
+    assert est.signature(first) == est.signature(last)
+    assert est.signature(first) != est.signature(other_parts)
