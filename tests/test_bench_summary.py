@@ -22,7 +22,7 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
     summary = {"link": "veth", "model": "m", "parallel": "tp_sp", "world_size": 2, "repeats": 3,
                "t_compute_s": 0.100, "t_comm_s": 0.050, "limit_s": 0.100,
                "variants": {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110, 0.1155)},
-               "ceiling": {"step_s_median": 0.105, "t_compute_s": 0.095, "cpu_s_median": 0.104,
+               "ceiling": {"step_s_median": 0.105, "t_compute_s": 0.095, "cpu_s_median": 0.104, "idle_s": 0.001,
                            "hidden_share": hidden_share(0.105, 0.095, 0.050)}}
     table = markdown(summary).splitlines()
     rows = {

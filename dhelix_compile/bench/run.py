@@ -133,10 +133,12 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
     ceiling = link_run.get("ceiling")
     if ceiling:
         step, own = statistics.median(ceiling["step_s"]), statistics.median(ceiling["compute_s"])
+        cpu_median = statistics.median(ceiling["cpu_s"])
         ceiling = {
             "step_s_median": step,
             "t_compute_s": own,
-            "cpu_s_median": statistics.median(ceiling["cpu_s"]),
+            "cpu_s_median": cpu_median,
+            "idle_s": max(step - cpu_median, 0.0),
             "hidden_share": hidden_share(step, own, t_comm),
         }
     return {
@@ -202,7 +204,7 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(
             f"| *ceiling* | {ceiling['step_s_median'] * 1e3:.1f} | | | {ceiling['step_s_median'] / limit:.2f} "
             f"| {ceiling['hidden_share']:.0%} | {ceiling['t_compute_s'] * 1e3:.1f} | | {_ms(ceiling['cpu_s_median'])} "
-            f"| {_ms(max(ceiling['step_s_median'] - ceiling['cpu_s_median'], 0.0))} |"
+            f"| {_ms(ceiling['idle_s'])} |"
         )
     lines += [
         "",
