@@ -340,6 +340,13 @@ class _Variant:
             self.emitter.graph.erase_node(node)
 
 
+def _discard_all_but(variants: Sequence[_Variant], keep: _Variant | None) -> None:
+    """Erase every variant's emitted nodes except ``keep``'s (all of them when it is None)."""
+    for v in variants:
+        if v is not keep:
+            v.discard()
+
+
 def _hoist(variant: _Variant, nodes: Sequence[torch.fx.Node]) -> None:
     """Move ``nodes`` (in dependency order) in front of the variant's first emitted node: operands a
     site's rewrite reads that sat later in the graph than the collective it replaces."""
@@ -1025,9 +1032,7 @@ class _Decomposer:
                 best, why_not = None, "left to the single sites: the graph predicts less with them"
         for rival, _ in rivals:
             rival.discard()
-        for v in variants:
-            if v is not best:
-                v.discard()
+        _discard_all_but(variants, best)
         if best is None:
             self.count(f"{label}: {why_not}")
             return
@@ -1100,9 +1105,7 @@ class _Decomposer:
                 continue
             variants, original_s = self._priced_variants(label, site, group_name, TAG_BASE, strand, counted=False)
             best = self._choose(variants, original_s) if variants else None
-            for v in variants:
-                if v is not best:
-                    v.discard()
+            _discard_all_but(variants, best)
             if best is not None:
                 rivals.append((best, site.old_nodes))
         return rivals

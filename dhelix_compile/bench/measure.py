@@ -28,6 +28,7 @@ import torch
 import torch.fx
 
 from cost_model.op_kinds import is_comm, kind_of
+from cost_model.profile import median_run_s
 from dhelix_compile import _torch_compat as compat
 
 c10d = torch.ops._c10d_functional
@@ -210,12 +211,5 @@ def _shares(count: int, weights: Sequence[float]) -> list[int]:
 
 def _times_alone(replay: CollectiveReplay, samples: int) -> list[float]:
     """Each collective's time issued and waited alone: the median of ``samples`` after a warm-up."""
-    alone = []
-    for i in range(len(replay)):
-        times = []
-        for _ in range(samples + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            replay.wait(replay.issue(i))
-            times.append(time.perf_counter() - start)
-        alone.append(sorted(times[1:])[samples // 2])
-    return alone
+    cpu = torch.device("cpu")
+    return [median_run_s(lambda i=i: replay.wait(replay.issue(i)), 1, samples, cpu) for i in range(len(replay))]

@@ -106,6 +106,14 @@ def _t_compute(compute_run: dict[str, Any]) -> float:
     return compute.get("inductor", min(compute.values()))
 
 
+def _cpu_and_idle(step_s: float, cpu_samples: list[float] | None) -> dict[str, float | None]:
+    """The median CPU time per step and ``idle = step - CPU`` (None without CPU samples)."""
+    if not cpu_samples:
+        return {"cpu_s_median": None, "idle_s": None}
+    cpu = statistics.median(cpu_samples)
+    return {"cpu_s_median": cpu, "idle_s": max(step_s - cpu, 0.0)}
+
+
 def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) -> dict[str, Any]:
     """The JSON summary of one benchmark (see the module docstring)."""
     t_comm = statistics.median(link_run["t_comm_s"])
@@ -116,8 +124,6 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         own_compute = compute.get(name, t_compute)
         median = statistics.median(samples)
         predicted = (link_run.get("predicted_step_s") or {}).get(name)
-        cpu = (link_run.get("cpu_s") or {}).get(name)
-        cpu_median = statistics.median(cpu) if cpu else None
         variants[name] = {
             "predicted_step_s": max(predicted) if predicted and None not in predicted else None,
             "step_s_median": median,
@@ -126,19 +132,16 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
             "step_s_max": max(samples),
             "t_compute_s": own_compute,
             "hidden_share": hidden_share(median, own_compute, t_comm),
-            "cpu_s_median": cpu_median,
-            "idle_s": max(median - cpu_median, 0.0) if cpu_median is not None else None,
+            **_cpu_and_idle(median, (link_run.get("cpu_s") or {}).get(name)),
         }
     comm_cpu = link_run.get("t_comm_cpu_s")
     ceiling = link_run.get("ceiling")
     if ceiling:
         step, own = statistics.median(ceiling["step_s"]), statistics.median(ceiling["compute_s"])
-        cpu_median = statistics.median(ceiling["cpu_s"])
         ceiling = {
             "step_s_median": step,
             "t_compute_s": own,
-            "cpu_s_median": cpu_median,
-            "idle_s": max(step - cpu_median, 0.0),
+            **_cpu_and_idle(step, ceiling["cpu_s"]),
             "hidden_share": hidden_share(step, own, t_comm),
         }
     return {
