@@ -38,10 +38,9 @@ import torch
 import torch.fx
 
 from cost_model.op_kinds import kind_of
+from cost_model.rank_agreement import agree_max, check_same_signatures
 from cost_model.profile import (
     ProfiledEstimator,
-    agree_max,
-    check_same_signatures,
     device_of_nodes,
     median_run_s,
 )

@@ -45,7 +45,6 @@ With the measured time ``t`` and the base estimate ``b(sizes)``, ``time_expr`` b
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -68,6 +67,7 @@ from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size,
 from cost_model.estimator import Estimator, NodeCost
 from cost_model.memory import is_schema_view
 from cost_model.op_kinds import kind_of
+from cost_model.rank_agreement import agree_max, backend_name, check_same_signatures, comm_device
 from cost_model.symbolic import (
     concretize,
     evaluate,
@@ -223,15 +223,6 @@ def _materialize(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> torch.Ten
     return t
 
 
-def _backend_name(group: Any) -> str:
-    try:
-        import torch.distributed as dist
-
-        return str(dist.get_backend(group))
-    except Exception:
-        return "unknown"
-
-
 @dataclass
 class _Item:
     """One signature to price, with the first node that has it."""
@@ -376,7 +367,7 @@ class ProfiledEstimator:
             ]
             return (
                 f"{node.target}|{';'.join(parts)}|group_size={call.group_size}"
-                f"|backend={_backend_name(group)}"
+                f"|backend={backend_name(group)}"
             )
         # Top-level Python scalars (offsets, fill values) vary by rank but not cost: they are
         # written by type, so every rank of an SPMD graph has the same signatures. The output
@@ -496,7 +487,7 @@ class ProfiledEstimator:
             group = self._group_of(node)
             if group is None:
                 return "no process group"
-            if _backend_name(group) == "fake":
+            if backend_name(group) == "fake":
                 return "fake process group"
             size = _group_size(group)
             try:
@@ -614,7 +605,7 @@ class ProfiledEstimator:
         The op is repeated to span about one transfer of the graph's largest collective,
         timed alone and with an async all_reduce of that size (1 MiB..64 MiB) in flight.
         """
-        if group is None or _backend_name(group) == "fake" or _group_size(group) in (None, 1):
+        if group is None or backend_name(group) == "fake" or _group_size(group) in (None, 1):
             return None
         compute = [(t, it.sig, it) for it, t in zip(items, times, strict=True)
                    if not it.is_collective and t != _FAILED]
@@ -631,7 +622,7 @@ class ProfiledEstimator:
         iters = int(min(1000, max(1, math.ceil(min(t_comm, 0.02) / max(t_compute, 1e-7)))))
         key = (
             f"contention|{sig}|bytes={nbytes}|iters={iters}"
-            f"|backend={_backend_name(group)}|size={_group_size(group)}"
+            f"|backend={backend_name(group)}|size={_group_size(group)}"
         )
         # Every rank must take the same branch: measure unless the key is cached everywhere.
         if not agree_max([0.0 if key in cache else 1.0], group)[0]:
@@ -647,7 +638,7 @@ class ProfiledEstimator:
             args, kwargs = self.real_args(node, hints, False)
         except Exception:
             args = None
-        buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=_comm_device(group, device))
+        buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=comm_device(group, device))
 
         def compute_once() -> None:
             if args is not None:
@@ -723,12 +714,6 @@ def _rank(group: Any) -> int:
         return 0
 
 
-def _comm_device(group: Any, default: torch.device) -> torch.device:
-    if _backend_name(group) == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu") if default.type != "cuda" else default
-
-
 def _comm_nbytes(node: torch.fx.Node) -> int:
     try:
         call = describe_comm(node, 1)
@@ -754,36 +739,6 @@ def median_run_s(
         _synchronize(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
-
-
-def agree_max(values: Sequence[float], group: Any) -> list[float]:
-    """Element-wise max over the ranks of ``group`` (identity without a group)."""
-    values = [float(v) for v in values]
-    if group is None or not values:
-        return values
-    import torch.distributed as dist
-
-    if _group_size(group) in (None, 1) or _backend_name(group) == "fake":
-        return values
-    device = _comm_device(group, torch.device("cpu"))
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [float(v) for v in t.cpu().tolist()]
-
-
-def check_same_signatures(sigs: Sequence[str], group: Any) -> None:
-    """Raise (never hang) when ranks are about to measure different signature lists."""
-    if group is None or _group_size(group) in (None, 1) or _backend_name(group) == "fake":
-        return
-    digest = hashlib.sha256("\n".join(sigs).encode()).digest()
-    h = float(int.from_bytes(digest[:6], "little"))  # exact in float64
-    n = float(len(sigs))
-    agreed = agree_max([h, -h, n, -n], group)
-    if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:
-        raise RuntimeError(
-            "ProfiledEstimator.calibrate: ranks are calibrating different graphs "
-            f"(this rank has {len(sigs)} signatures); every rank must pass the same graph"
-        )
 
 
 __all__ = [

@@ -37,6 +37,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from cost_model.rank_agreement import agree_max
     from dhelix_compile.bench.measure import time_interleaved
     from dhelix_compile.bench.steps import step_function
     from dhelix_compile.bench.worker import model_config
@@ -96,9 +97,7 @@ def _worker(args: argparse.Namespace) -> None:
         steps[name](timed)
     timed_steps = {name: (lambda step=steps[name]: step(timed)) for name in DEMO_VARIANTS}
     times = time_interleaved(timed_steps, args.repeats, dist.barrier).wall_s
-    gathered: list[dict[str, list[float]] | None] = [None] * world_size
-    dist.all_gather_object(gathered, times)
-    slowest = {name: [max(s) for s in zip(*(g[name] for g in gathered if g))] for name in DEMO_VARIANTS}
+    slowest = {name: agree_max(times[name], dist.group.WORLD) for name in DEMO_VARIANTS}
     if rank == 0:
         result = {
             "model": args.model,

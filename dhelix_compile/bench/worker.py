@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cost_model.rank_agreement import agree_max, all_agree, gather_floats
 from dhelix_compile.bench.measure import (
     ceiling_steps,
     record_collectives,
@@ -134,23 +135,6 @@ def init_process_group(mode: str) -> tuple[int, int]:
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     return rank, world_size
-
-
-def _gather_max(values: list[float], mode: str) -> list[float]:
-    """Per-sample maximum over ranks (a step ends when its slowest rank ends)."""
-    if mode == "compute":  # fake group: nothing to gather; each rank reports its own
-        return values
-    gathered: list[list[float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, values)
-    return [max(samples) for samples in zip(*gathered)]  # type: ignore[arg-type]
-
-
-def _agree(ok: bool, mode: str) -> bool:
-    if mode == "compute":
-        return ok
-    flags: list[bool | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, ok)
-    return all(flags)
 
 
 def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | None:
@@ -262,7 +246,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             errors[name] = traceback.format_exc(limit=3)
             ok = False
-        if _agree(ok, args.mode):
+        if all_agree(ok, dist.group.WORLD):
             steps[name] = step
         else:
             errors.setdefault(name, "failed on another rank")
@@ -281,8 +265,8 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "microbatches": args.microbatches,
         "threads": args.threads,
         "repeats": repeats,
-        "step_s": {name: _gather_max(samples, args.mode) for name, samples in times.wall_s.items()},
-        "cpu_s": {name: _gather_max(samples, args.mode) for name, samples in times.cpu_s.items()},
+        "step_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.wall_s.items()},
+        "cpu_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.cpu_s.items()},
         "errors": errors,
     }
     if args.mode == "link":
@@ -291,27 +275,27 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         timed: dict[str, Any] = {"comm": replay}
         if args.t_compute_s > 0:
             ceiling_compute, ceiling = ceiling_steps(
-                replay, args.t_compute_s, lambda counts: [int(c) for c in _gather_max(counts, args.mode)]
+                replay, args.t_compute_s, lambda counts: [int(c) for c in agree_max(counts, dist.group.WORLD)]
             )
             timed.update(ceiling_compute=ceiling_compute, ceiling=ceiling)
         for warm_up in timed.values():
             warm_up()
         comm_times = time_interleaved(timed, repeats, barrier)
-        result["t_comm_s"] = _gather_max(comm_times.wall_s["comm"], args.mode)
-        result["t_comm_cpu_s"] = _gather_max(comm_times.cpu_s["comm"], args.mode)
+        result["t_comm_s"] = agree_max(comm_times.wall_s["comm"], dist.group.WORLD)
+        result["t_comm_cpu_s"] = agree_max(comm_times.cpu_s["comm"], dist.group.WORLD)
         if "ceiling" in timed:
             result["ceiling"] = {
-                "compute_s": _gather_max(comm_times.wall_s["ceiling_compute"], args.mode),
-                "step_s": _gather_max(comm_times.wall_s["ceiling"], args.mode),
-                "cpu_s": _gather_max(comm_times.cpu_s["ceiling"], args.mode),
+                "compute_s": agree_max(comm_times.wall_s["ceiling_compute"], dist.group.WORLD),
+                "step_s": agree_max(comm_times.wall_s["ceiling"], dist.group.WORLD),
+                "cpu_s": agree_max(comm_times.cpu_s["ceiling"], dist.group.WORLD),
             }
         predicted = {
             name: _predicted_step_s(dump_root / name, rank, args.microbatches)
             for name in steps if name.startswith(("dhelix", "helix"))
         }
-        gathered: list[dict[str, float | None] | None] = [None] * world_size
-        dist.all_gather_object(gathered, predicted)
-        result["predicted_step_s"] = {name: [g[name] for g in gathered] for name in predicted}  # type: ignore[index]
+        names = sorted(predicted)
+        per_rank = gather_floats([predicted[name] for name in names], dist.group.WORLD)
+        result["predicted_step_s"] = {name: [row[i] for row in per_rank] for i, name in enumerate(names)}
     dist.barrier() if args.mode == "link" else None
     return result if rank == 0 else {}
 
@@ -334,10 +318,7 @@ def _repeats_within(limit_s: float, steps: dict[str, Any], wanted: int, barrier:
     time_interleaved(steps, 1, barrier)
     round_s = max(time.perf_counter() - start, 1e-6)
     fit = int(limit_s / round_s)
-    agreed = [0] * (dist.get_world_size() if dist.get_backend() != "fake" else 1)
-    if dist.get_backend() != "fake":
-        dist.all_gather_object(agreed, fit)
-        fit = min(agreed)
+    fit = -int(agree_max([-fit], dist.group.WORLD)[0])  # the fewest that fit on any rank
     return max(3, min(wanted, fit))
 
 
