@@ -29,7 +29,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(compiler, name)
     if name in ("helix", "HelixError"):
-        from dhelix_compile import helix_step
+        from dhelix_compile.helix_runtime import step
 
-        return getattr(helix_step, name)
+        return getattr(step, name)
     raise AttributeError(f"module 'dhelix_compile' has no attribute {name!r}")

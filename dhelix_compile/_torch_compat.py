@@ -289,60 +289,13 @@ def profiler_running() -> bool:
     return bool(torch._C._autograd._profiler_enabled())
 
 
-# ---------------------------------------------------------------------------------- P2P exchange
-#
-# ``_c10d_functional.batch_p2p_ops`` registers the *send input* in the functional-collective work
-# registry (keyed by its storage) and that entry is never cleared by waiting the op's outputs
-# (checked on gloo, torch 2.13: ``_get_work_registry_size()`` stays one higher, and waiting the
-# send input blocks). Inductor reuses storage freely, so a later receive buffer that reuses a sent
-# tensor's storage finds the stale entry, and its ``wait_tensor`` blocks forever (seen as a hang
-# in a TP+SP backward graph; gone with ``allow_buffer_reuse=False``). ``dhelix::exchange`` sends
-# a private copy of its input and receives into a tensor it allocates, and registers exactly its two
-# outputs, so nothing Inductor manages is ever registered.
-
-_IN_FLIGHT_SENDS: list[tuple[Any, torch.Tensor]] = []  # (work, payload) kept alive until done
-
-
-def _resolve_group(group_name: str) -> Any:
+def resolve_group(group_name: str) -> Any:
+    """The live process group a functional collective's ``group_name`` names."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
 
 
-@torch.library.custom_op("dhelix::exchange", mutates_args=())
-def p2p_exchange(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, group_name: str) -> list[torch.Tensor]:
-    """Send ``send`` to group rank ``to_peer`` and receive a tensor of its shape from ``from_peer``.
-
-    Asynchronous: returns ``[send_done, received]``; complete each with
-    ``_c10d_functional.wait_tensor`` (``send_done`` is an empty placeholder). Works on gloo and
-    NCCL (``batch_isend_irecv`` groups the pair, so two ranks sending to each other first cannot
-    deadlock on NCCL).
-    """
-    import torch.distributed as dist
-
-    group = _resolve_group(group_name)
-    if dist.get_backend(group) == "fake":  # nothing is sent; its works never complete
-        return [send.new_empty(0), torch.empty_like(send, memory_format=torch.contiguous_format)]
-    payload = send.clone(memory_format=torch.contiguous_format)  # ours until the send completes: one copy
-    received = torch.empty_like(payload)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, payload, group=group, group_peer=to_peer, tag=tag),
-        dist.P2POp(dist.irecv, received, group=group, group_peer=from_peer, tag=tag),
-    ])
-    send_work, recv_work = (works[0], works[-1]) if works else (None, None)
-    done = send.new_empty(0)
-    if send_work is not None:
-        torch._C._distributed_c10d._register_work(done, send_work)
-        torch._C._distributed_c10d._register_work(received, recv_work)
-        _IN_FLIGHT_SENDS[:] = [(w, t) for w, t in _IN_FLIGHT_SENDS if not w.is_completed()]
-        _IN_FLIGHT_SENDS.append((send_work, payload))
-    return [done, received]
-
-
-@p2p_exchange.register_fake
-def _p2p_exchange_fake(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, group_name: str) -> list[torch.Tensor]:
-    return [send.new_empty(0), torch.empty_like(send, memory_format=torch.contiguous_format)]
-
-
-#: The op the decompose pass emits (``torch.ops.dhelix.exchange.default``).
-P2P_EXCHANGE = torch.ops.dhelix.exchange.default
+def register_work(tensor: torch.Tensor, work: Any) -> None:
+    """Make ``_c10d_functional.wait_tensor(tensor)`` wait for ``work`` (how functional collectives complete)."""
+    torch._C._distributed_c10d._register_work(tensor, work)

@@ -9,7 +9,7 @@ Data flow for one Dynamo graph::
 
     compile_partition:  estimator (graphs with collectives) ─► copy ─► graph_passes.run_pipeline
                         ─► rank-consistency check ─► dumps (with dump_dir) ─► codegen.generate
-                        ─► with profile_steps: the first N calls profiled (dhelix_compile.measured)
+                        ─► with profile_steps: the first N calls profiled (dhelix_compile.observe.measured)
                         a pass raised?  fallback="inductor": warn, plain Inductor on the untouched graph
                                         fallback="error":    raise the PassError
 
@@ -24,21 +24,24 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
 from cost_model import Estimator
 from dhelix_compile import _torch_compat as compat
+from dhelix_compile import ops as _ops  # noqa: F401 - registers dhelix::exchange, which decompose emits
 from dhelix_compile.codegen import generate, has_communication
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.consistency import check_rank_consistency
-from dhelix_compile.dumps import GraphDumper
 from dhelix_compile.estimation import build_estimator
-from dhelix_compile.measured import MeasurementPlan, profile_first_steps
 from graph_passes import PassContext, PassError, Phase, run_pipeline
 from graph_passes.decompose import CHAIN, DecomposeOptions
 from graph_passes.reorder import ReorderOptions
+
+if TYPE_CHECKING:  # observe/ is imported only when a dump or a profile is asked for
+    from dhelix_compile.observe.dumps import GraphDumper
+    from dhelix_compile.observe.measured import MeasurementPlan
 
 log = logging.getLogger("dhelix")
 
@@ -76,7 +79,7 @@ def compile_partition(
     """
     phase = _phase_of(inductor_kwargs)
     name = graph_name or _graph_name(phase)
-    dumper = GraphDumper(config.dump_dir, name) if config.dump_dir else None
+    dumper = _dumper(config, name)
     ctx = PassContext(
         graph_name=name,
         phase=phase,
@@ -112,12 +115,23 @@ def compile_partition(
     return _profiled(generate(scheduled, example_inputs, config.codegen, inductor_kwargs), plan, dumper, config)
 
 
+def _dumper(config: DHelixConfig, name: str) -> GraphDumper | None:
+    """The graph's dump writer with ``dump_dir`` (the only place the backend loads ``observe``)."""
+    if not config.dump_dir:
+        return None
+    from dhelix_compile.observe.dumps import GraphDumper
+
+    return GraphDumper(config.dump_dir, name)
+
+
 def _measurement_plan(
     gm: torch.fx.GraphModule, name: str, dumper: GraphDumper | None, config: DHelixConfig
 ) -> MeasurementPlan | None:
     """What ``profile_steps`` measures of ``gm`` (``None`` when not asked); call it before codegen."""
     if dumper is None or config.profile_steps == 0:
         return None
+    from dhelix_compile.observe.measured import MeasurementPlan
+
     return MeasurementPlan.of(gm, name, dumper.predicted)
 
 
@@ -127,6 +141,8 @@ def _profiled(
     """``compiled``; with a plan, ``config.profile_steps`` calls after a warm-up call are profiled into the dump folder."""
     if plan is None or dumper is None:
         return compiled
+    from dhelix_compile.observe.measured import profile_first_steps
+
     return profile_first_steps(compiled, plan, config.profile_steps, on_done=dumper.write_measured)
 
 

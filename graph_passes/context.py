@@ -13,7 +13,7 @@ Phase = Literal["fwd", "bwd", "inference"]
 
 
 class PassObserver(Protocol):
-    """Watches the pipeline (``dhelix_compile.dumps.GraphDumper`` implements it)."""
+    """Watches the pipeline (``dhelix_compile.observe.dumps.GraphDumper`` implements it)."""
 
     def snapshot(self, gm: torch.fx.GraphModule) -> Any: ...
 

@@ -232,7 +232,7 @@ class _Emitter:
         self, send: torch.fx.Node, to_peer: int, from_peer: int, tag: int, group_name: str
     ) -> torch.fx.Node:
         """Send ``send`` to ``to_peer`` and receive a tensor of its shape from ``from_peer``."""
-        from dhelix_compile._torch_compat import P2P_EXCHANGE
+        from dhelix_compile.ops.exchange import P2P_EXCHANGE
 
         return self.call(P2P_EXCHANGE, send, to_peer, from_peer, tag, group_name)
 

@@ -21,7 +21,7 @@ from cost_model.cluster import (
     strands,
 )
 from cost_model.hardware import get_device
-from dhelix_compile.__main__ import main
+from dhelix_compile.cli import main
 
 aten = torch.ops.aten
 

@@ -135,7 +135,7 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
                                   repeats=1, progress=False, measure_contention=False)
     skewed.calibrate(gm)
     issue = next(n for n in gm.graph.nodes if n.target == c10d.all_reduce.default)
-    from dhelix_compile._torch_compat import P2P_EXCHANGE
+    from dhelix_compile.ops.exchange import P2P_EXCHANGE
 
     exchange = trace_aten(lambda x: P2P_EXCHANGE(x, 1 - rank, 1 - rank, 3, dist.group.WORLD.group_name),
                           torch.randn(64, 64))

@@ -25,7 +25,7 @@ from cost_model import ProfiledEstimator
 from cost_model.estimator import AnalyticEstimator, TableEstimator
 from cost_model.hardware import Device, Link
 from cost_model.testing import fake_world, trace_aten
-from dhelix_compile._torch_compat import P2P_EXCHANGE
+from dhelix_compile.ops.exchange import P2P_EXCHANGE
 from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass

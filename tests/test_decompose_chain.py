@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dhelix_compile._torch_compat import P2P_EXCHANGE
+from dhelix_compile.ops.exchange import P2P_EXCHANGE
 from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes.decompose_chain import _locate, _Rows
 from tests.test_collective_matches import _swiglu_backward_graph

@@ -22,9 +22,9 @@ import torch.distributed._functional_collectives as fc
 
 import dhelix_compile
 from cost_model.testing import fake_world
-from dhelix_compile import graph_picture
-from dhelix_compile.__main__ import main
-from dhelix_compile.report import collect_summaries, format_table
+from dhelix_compile.observe import graph_picture
+from dhelix_compile.cli import main
+from dhelix_compile.observe.report import collect_summaries, format_table
 from dhelix_compile.testing.toy_models import MLP
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dhelix_compile
-from dhelix_compile.helix_step import HelixError
+from dhelix_compile.helix_runtime.step import HelixError
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.moe import MoEConfig, ReferenceMoE
 

@@ -22,9 +22,9 @@ from torch._functorch.aot_autograd import make_boxed_func
 import dhelix_compile
 from cost_model import SimEvent, SimResult
 from cost_model.testing import fake_world, trace_aten
-from dhelix_compile.__main__ import main
+from dhelix_compile.cli import main
 from dhelix_compile.config import ConfigError, DHelixConfig
-from dhelix_compile.measured import (
+from dhelix_compile.observe.measured import (
     Boundary,
     MeasuredTimeline,
     MeasurementPlan,

@@ -6,7 +6,7 @@ scheduled forward F, the scheduled backward B, and the merged graph M = F ⊕ B
 (``graph_passes.merge_strands`` + the ``interleave`` pass), compiled when B is.
 
 AOTAutograd calls F from the forward of each micro-batch and B from ``loss.backward()``. The
-runner (``dhelix_compile.helix_step``) makes the two meet::
+runner (``dhelix_compile.helix_runtime.step``) makes the two meet::
 
     main thread                                  backward thread
     loss_1 = f(mb_1)          -> F alone

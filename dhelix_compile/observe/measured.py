@@ -73,7 +73,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from cost_model import SimEvent, SimResult
 from cost_model.op_kinds import NodeKind, kind_of
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.timeline import LabelledTimeline
+from dhelix_compile.observe.timeline import LabelledTimeline
 
 log = logging.getLogger("dhelix")
 

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dhelix_demo_") as tmp:
         out = Path(tmp) / "demo.json"
         argv = [
-            sys.executable, "-m", "dhelix_compile.demo", "--worker", "--out", str(out),
+            sys.executable, "-m", "dhelix_compile.bench.demo", "--worker", "--out", str(out),
             "--model", args.model, "--steps", str(args.steps), "--microbatches", str(args.microbatches),
             "--repeats", str(args.repeats), "--dump-dir", str(dump_dir),
         ]
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's options (shared by ``dhelix demo`` and ``python -m dhelix_compile.demo``)."""
+    """The demo's options (shared by ``dhelix demo`` and ``python -m dhelix_compile.bench.demo``)."""
     from dhelix_compile.bench.worker import MODEL_SIZES
 
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="tiny", help="reference model size")

@@ -11,13 +11,13 @@ With ``dump_dir`` set, every compiled partition gets a folder::
         graph.dot, graph.svg          the final graph, nodes filled by kind, outlined by strand
                                       (Graphviz's rendering, or a node list without ``dot``)
         timeline.trace.json           predicted timelines of the original order and of the
-                                      schedule, Perfetto / Chrome trace (``dhelix_compile.timeline``)
+                                      schedule, Perfetto / Chrome trace (``dhelix_compile.observe.timeline``)
         timeline.svg                  the same as a Gantt chart, exposed communication hatched red
         summary.json                  pass times (s), the per-pass stats counters and, under
-                                      ``"timeline"``, the predicted numbers (``dhelix_compile.report``)
+                                      ``"timeline"``, the predicted numbers (``dhelix_compile.observe.report``)
         index.html                    the numbers, the chart and links to every file
       with ``profile_steps=N``, written when the graph's N-th profiled call returns (calls 2 to
-      N + 1: the first is a warm-up; ``dhelix_compile.measured``):
+      N + 1: the first is a warm-up; ``dhelix_compile.observe.measured``):
         measured.trace.json           the N calls as ``torch.profiler`` recorded them, plus a
                                       ``dhelix`` process whose tracks show each call and its segments
         measured.svg                  Gantt chart of the median measured call (host clock): compute
@@ -52,10 +52,10 @@ import torch.distributed as dist
 import torch.fx
 
 from cost_model import Estimator, SimResult, simulate
-from dhelix_compile import report
-from dhelix_compile.graph_picture import write_graph_picture
-from dhelix_compile.measured import MeasuredTimeline
-from dhelix_compile.timeline import LabelledTimeline, chrome_trace, gantt_svg
+from dhelix_compile.observe import report
+from dhelix_compile.observe.graph_picture import write_graph_picture
+from dhelix_compile.observe.measured import MeasuredTimeline
+from dhelix_compile.observe.timeline import LabelledTimeline, chrome_trace, gantt_svg
 from graph_passes import PassContext
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.fx
 
 from cost_model.op_kinds import kind_of
-from dhelix_compile.timeline import strand_colour
+from dhelix_compile.observe.timeline import strand_colour
 
 log = logging.getLogger("dhelix")
 

@@ -13,7 +13,7 @@ Contract
       loss(mb).backward()`` would leave: gradients accumulate onto existing ``.grad``, in
       micro-batch order.
     - Execution: F(1), M(2,1), M(3,2), ..., M(n,n-1), B(n), where M is the merged graph
-      ordered by the ``interleave`` pass (``dhelix_compile.strands`` explains the mechanics).
+      ordered by the ``interleave`` pass (``dhelix_compile.helix_runtime.strands`` explains the mechanics).
       n = 1 is F then B.
     - The model is captured whole (``fullgraph=True``, static shapes): a graph break is an
       error. Micro-batches of another shape compile their own graphs; a forward and a
@@ -38,7 +38,7 @@ import torch
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
-from dhelix_compile.strands import BackwardThread, HelixError, StrandExchange, StrandPair, compile_strand_partition
+from dhelix_compile.helix_runtime.strands import BackwardThread, HelixError, StrandExchange, StrandPair, compile_strand_partition
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 

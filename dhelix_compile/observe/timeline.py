@@ -53,7 +53,7 @@ class LabelledTimeline:
     """One simulated order and what to call it (``"original order"``, ``"dhelix schedule"``).
 
     ``header`` replaces the Gantt panel's title line (label, makespan, exposed communication)
-    when the standard wording does not fit, e.g. a measured call (``dhelix_compile.measured``).
+    when the standard wording does not fit, e.g. a measured call (``dhelix_compile.observe.measured``).
     """
 
     label: str

@@ -1,0 +1,138 @@
+"""The ``dhelix`` command line (also ``python -m dhelix_compile``).
+
+Commands (one ``_add_<name>`` function each registers its sub-parser and handler):
+
+    report DUMP_DIR [--html]   the predicted summary of every graph dumped under DUMP_DIR
+                               (``rank*/`` folders included), as a table; ``--html`` also
+                               writes DUMP_DIR/index.html linking every graph's page
+    demo [--rate R] ...        train the TP+SP reference model with helix on 2 ranks over an
+                               emulated link: losses beside eager's, step times vs Inductor
+    simulate [--setting S]     cluster-scale predictions of the cost model for the DHelix
+                               paper's settings: sequential vs dhelix step time and MFU
+    bench [--rate R] ...       every variant in one interleaved run beside T_compute, T_comm
+                               and the limit max(T_compute, T_comm) (``dhelix_compile.bench.run``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from dhelix_compile.observe.report import collect_summaries, dump_index_html, format_table
+
+    found = collect_summaries(args.dump_dir)
+    if not found:
+        print(f"no summary.json under {args.dump_dir}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_table(found))
+    if args.html:
+        page = Path(args.dump_dir) / "index.html"
+        page.write_text(dump_index_html(args.dump_dir))
+        print(f"wrote {page}")
+    return 0
+
+
+def _add_report(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "report", help="print the predicted summary of a dump directory as a table"
+    )
+    parser.add_argument("dump_dir", metavar="DUMP_DIR", help="a dhelix dump_dir (DHELIX_DUMP_DIR)")
+    parser.add_argument("--html", action="store_true", help="also write DUMP_DIR/index.html")
+    parser.set_defaults(handler=_run_report)
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    from dhelix_compile.bench import demo
+
+    parser = commands.add_parser(
+        "demo", help="train the TP+SP reference model with helix on 2 ranks over an emulated link",
+        description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_arguments(parser)
+    parser.set_defaults(handler=demo.run)
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from dhelix_compile.bench import run as bench_run
+
+    parser = commands.add_parser(
+        "bench", help="every variant in one interleaved run beside T_compute, T_comm and the limit",
+        description=bench_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_run.add_arguments(parser)
+    parser.set_defaults(handler=bench_run.run)
+
+
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    """``simulate``: cluster-scale step predictions of the cost model (``cost_model.cluster``)."""
+
+    def run(args: argparse.Namespace) -> int:
+        import json
+
+        from cost_model import cluster
+
+        names = None if args.setting == "all" else [args.setting]
+        try:
+            preds = cluster.simulate_settings(
+                names, contention_factor=args.contention, matmul_efficiency=args.matmul_efficiency
+            )
+        except (cluster.UnknownSettingError, ValueError) as err:
+            print(f"dhelix simulate: {err}", file=sys.stderr)
+            return 2
+        factors = ", ".join(sorted({f"{p.contention_factor:g}" for p in preds}))
+        contention = f"{factors} (the devices' default)" if args.contention is None else f"{args.contention:g}"
+        print(
+            "Predictions from the cost model (cost_model/cluster.py), not measurements. "
+            f"Contention factor: {contention}; matmul efficiency: {args.matmul_efficiency:g} "
+            "(1 = roofline). Sequential = Megatron-like, nothing overlapped; dhelix = the Strand "
+            "Interleaving DP of graph_passes/interleave.py over one micro-batch's forward and another's "
+            "backward.\n"
+        )
+        print(f"Paper: {cluster.PAPER_SUMMARY}.\n")
+        if len(preds) > 1:
+            print(cluster.format_summary(preds))
+        for pred in preds:
+            print(cluster.format_prediction(pred))
+        if args.json:
+            Path(args.json).write_text(json.dumps([p.to_dict() for p in preds], indent=2) + "\n")
+            print(f"wrote {args.json}")
+        return 0
+
+    parser = commands.add_parser(
+        "simulate",
+        help="predicted step time and MFU of the DHelix paper's cluster settings (cost model, sequential vs dhelix)",
+    )
+    parser.add_argument(
+        "--setting", default="all", metavar="NAME|all",
+        help="one setting (e.g. a40-llama-8b; an unknown name lists them) or 'all' (default)",
+    )
+    parser.add_argument(
+        "--contention", type=float, default=None, metavar="F",
+        help="compute slowdown while the other strand's transfer is in flight (default: the device's)",
+    )
+    parser.add_argument(
+        "--matmul-efficiency", type=float, default=1.0, metavar="E",
+        help="achieved share of peak bf16 FLOP/s for matmuls and attention (default 1.0: roofline)",
+    )
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write the predictions as JSON to OUT")
+    parser.set_defaults(handler=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dhelix", description="dhelix: a torch.compile backend that hides communication")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_report(commands)
+    _add_demo(commands)
+    _add_bench(commands)
+    _add_simulate(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
