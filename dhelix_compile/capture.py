@@ -35,9 +35,8 @@ from dhelix_compile.codegen import generate, has_communication
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator
+from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
-from graph_passes.decompose import CHAIN, DecomposeOptions
-from graph_passes.reorder import ReorderOptions
 
 if TYPE_CHECKING:  # observe/ is imported only when a dump or a profile is asked for
     from dhelix_compile.observe.dumps import GraphDumper
@@ -169,24 +168,6 @@ def comm_order(gm: torch.fx.GraphModule) -> list[str]:
         for n in gm.graph.nodes
         if n.meta.get("dhelix", {}).get("kind") in ("collective", "p2p", "wait")
     ]
-
-
-def pass_options(config: DHelixConfig) -> dict[str, Any]:
-    """Per-pass options objects built from the config, keyed by pass name."""
-    return {
-        "reorder": ReorderOptions(
-            memory_budget_ratio=config.memory_budget_ratio,
-            max_in_flight=config.max_in_flight,
-            max_issue_distance=config.max_issue_distance,
-        ),
-        "decompose": DecomposeOptions(
-            mode=config.decompose,
-            max_chunks=config.decompose_max_chunks,
-            pieces=config.decompose_pieces,
-            min_gain_ratio=config.decompose_min_gain_ratio,
-            patterns=((CHAIN,) if config.decompose_chains else ()) + DecomposeOptions.patterns,
-        ),
-    }
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

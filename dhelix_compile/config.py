@@ -125,6 +125,22 @@ class DHelixConfig:
     decompose_min_gain_ratio: float = _option(
         0.02, "decompose='auto' rewrites a site only if its predicted time drops by at least this fraction ([0, 1))."
     )
+    interleave_memory_budget_ratio: float = _option(
+        1.15,
+        "helix: the merged forward+backward graph's order may raise its predicted peak live bytes "
+        "to at most this multiple of the backward-then-forward order's (>= 1).",
+    )
+    interleave_defer_weight_grads: tuple[int, ...] = _option(
+        (1,),
+        "helix: for each distance d, the strand plan also tries a backward whose weight gradients "
+        "(work no later transfer depends on) run d segments later (a list of ints >= 1, or "
+        "'1,2'; () turns it off).",
+    )
+    interleave_refine_evals: int = _option(
+        4000,
+        "helix: evaluations of the local search that refines the strand plan's DP path "
+        "(0 turns it off; >= 0).",
+    )
     consistency_timeout_s: float = _option(
         300.0,
         "How long a rank waits for the others' collective sequences at compile time before "
@@ -189,6 +205,10 @@ class DHelixConfig:
         _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)
         if self.decompose_min_gain_ratio >= 1.0:
             raise ConfigError(f"dhelix option decompose_min_gain_ratio={self.decompose_min_gain_ratio!r}: must be < 1")
+        _check_number("interleave_memory_budget_ratio", self.interleave_memory_budget_ratio, float, minimum=1.0)
+        for distance in self.interleave_defer_weight_grads:
+            _check_number("interleave_defer_weight_grads", distance, int, minimum=1)
+        _check_number("interleave_refine_evals", self.interleave_refine_evals, int, minimum=0)
         _check_number("profile_steps", self.profile_steps, int, minimum=0)
         if self.profile_steps > 0 and self.dump_dir is None:
             raise ConfigError(
@@ -254,6 +274,15 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, (list, tuple)):
             return tuple(value)
         raise ConfigError(f"dhelix option disable_passes={value!r}: expected a list or 'a,b' string")
+    if name == "interleave_defer_weight_grads":
+        if isinstance(value, str):
+            try:
+                return tuple(int(d.strip()) for d in value.split(",") if d.strip())
+            except ValueError:
+                raise ConfigError(f"dhelix option {name}={value!r}: expected integers like '1,2'") from None
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        raise ConfigError(f"dhelix option {name}={value!r}: expected a list of integers")
     if name == "dump_dir" and value is not None:
         return os.fspath(value)
     if name == "profile_steps" and isinstance(value, str):

@@ -123,3 +123,61 @@ def test_non_callable_model_is_rejected_by_torch_compile() -> None:
 
     with pytest.raises(Exception, match="callable"):
         torch.compile(5, backend="dhelix")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------- config -> passes
+
+
+def test_every_pass_option_is_a_config_field() -> None:
+    from dhelix_compile.pass_options import FIELDS, unmapped_fields
+
+    assert unmapped_fields() == []
+    for name, (_, fields) in FIELDS.items():
+        for source in fields.values():
+            assert source in option_names(), f"{name}: {source} is not a DHelixConfig field"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "pass_name", "field"),
+    [
+        ("memory_budget_ratio", 1.5, "reorder", "memory_budget_ratio"),
+        ("max_in_flight", 3, "reorder", "max_in_flight"),
+        ("max_issue_distance", 64, "reorder", "max_issue_distance"),
+        ("decompose", "auto", "decompose", "mode"),
+        ("decompose_max_chunks", 2, "decompose", "max_chunks"),
+        ("decompose_pieces", 4, "decompose", "pieces"),
+        ("decompose_min_gain_ratio", 0.1, "decompose", "min_gain_ratio"),
+        ("interleave_memory_budget_ratio", 1.4, "interleave", "memory_budget_ratio"),
+        ("interleave_defer_weight_grads", "1,2", "interleave", "defer_weight_grads"),
+        ("interleave_refine_evals", 0, "interleave", "refine_evals"),
+    ],
+)
+def test_an_option_reaches_its_pass(option: str, value: object, pass_name: str, field: str) -> None:
+    from dhelix_compile.pass_options import pass_options
+
+    default = getattr(pass_options(DHelixConfig())[pass_name], field)
+    got = getattr(pass_options(DHelixConfig.from_options({option: value}, environ={}))[pass_name], field)
+    expected = (1, 2) if option == "interleave_defer_weight_grads" else value
+    assert got == expected != default
+
+
+def test_decompose_chains_adds_the_chain_pattern() -> None:
+    from dhelix_compile.pass_options import pass_options
+    from graph_passes.decompose import CHAIN
+
+    assert CHAIN not in pass_options(DHelixConfig())["decompose"].patterns
+    assert pass_options(DHelixConfig(decompose_chains=True))["decompose"].patterns[0] == CHAIN
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("interleave_memory_budget_ratio", 0.9, "must be >= 1.0"),
+        ("interleave_defer_weight_grads", "1,x", "expected integers"),
+        ("interleave_defer_weight_grads", [0], "must be >= 1"),
+        ("interleave_refine_evals", -1, "must be >= 0"),
+    ],
+)
+def test_bad_interleave_options_are_clear_errors(option: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DHelixConfig.from_options({option: value}, environ={})

@@ -586,7 +586,7 @@ def test_exchange_leaves_no_stale_work_registration() -> None:
 
 
 def test_pass_runs_after_annotate_before_reorder_and_is_off_by_default() -> None:
-    from dhelix_compile.capture import pass_options
+    from dhelix_compile.pass_options import pass_options
     from dhelix_compile.config import DHelixConfig
     from graph_passes.pipeline import pass_names
 
