@@ -1,11 +1,11 @@
 """Tests of ``dhelix_compile.testing.multirank.run_on_ranks``: results, errors, hangs, cleanup.
 
-The rank functions are module-level so that spawned workers can import them by name.
+The rank functions are module-level so that the rank processes can import them by name. No test
+here asserts a wall-clock time: on a loaded machine that would fail for the wrong reason.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 
@@ -67,7 +67,6 @@ def _assert_reaped(pids: list[int] | tuple[int, ...]) -> None:
     """Every worker is gone: reaped (no zombie) and not running."""
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} still exists"
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("dhelix-rank")]
 
 
 def _zombie_children() -> list[int]:
@@ -109,7 +108,6 @@ def test_results_are_collected_in_rank_order(world_size: int) -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_exception_names_the_rank_and_its_traceback() -> None:
-    start = time.monotonic()
     with pytest.raises(MultiRankError) as info:
         run_on_ranks(_one_rank_raises_others_wait, 4, 2, timeout_s=90, grace_s=2.0)
     err = info.value
@@ -122,7 +120,6 @@ def test_exception_names_the_rank_and_its_traceback() -> None:
     assert text.startswith("run_on_ranks: rank 2 of 4 failed first (exception)")
     assert "ValueError: boom from rank 2" in text
     assert "_inner_helper_that_raises" in text  # the remote traceback, not just the message
-    assert time.monotonic() - start < 60
     _assert_reaped(err.pids)
     assert _zombie_children() == []
 
@@ -131,15 +128,12 @@ def test_exception_names_the_rank_and_its_traceback() -> None:
 @pytest.mark.timeout(120)
 def test_hang_fails_with_timeout_naming_unfinished_ranks() -> None:
     timeout_s = 20.0  # includes spawning the workers and importing torch (several seconds)
-    start = time.monotonic()
     with pytest.raises(MultiRankTimeout) as info:
         run_on_ranks(_rank0_blocks_in_collective_rank1_sleeps, 2, timeout_s=timeout_s)
-    elapsed = time.monotonic() - start
     err = info.value
     assert err.unfinished_ranks == [0, 1]
     assert err.failed_ranks == []
     assert "did not finish within timeout_s=20" in str(err)
-    assert timeout_s <= elapsed < timeout_s + 15
     stacks = {f.rank: f.stack for f in err.failures}
     assert "all_reduce" in stacks[0]
     assert "_rank0_blocks_in_collective_rank1_sleeps" in stacks[1]
@@ -170,7 +164,6 @@ def test_crash_unpicklable_result_and_stuck_rank_are_reported() -> None:
 def test_unpicklable_function_fails_fast_without_leaving_workers() -> None:
     with pytest.raises(Exception, match="pickle|Can't get|local object"):
         run_on_ranks(lambda rank, world_size: rank, 2, timeout_s=30)
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("dhelix-rank")]
     assert _zombie_children() == []
 
 

@@ -2,7 +2,7 @@
 
     dhelix demo [--model tiny] [--rate 300mbit] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
 
-The parent launches two gloo ranks (``bench.link.launch_ranks``): inside two network
+The parent launches two gloo ranks (``dhelix_compile.launch.ranks.launch_ranks``): inside two network
 namespaces joined by a rate-limited veth link when run as root with ``ip`` and ``tc``, on
 loopback otherwise (the output says which, and why). Each rank
 
@@ -137,7 +137,7 @@ def _print_results(result: dict[str, Any], link: str, dump_dir: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The parent: launch the two ranks, print what they measured."""
-    from dhelix_compile.bench.link import LinkSpec, launch_ranks
+    from dhelix_compile.launch.ranks import LinkSpec, launch_ranks
 
     dump_dir = Path(args.dump_dir).resolve()
     rate = None if args.rate.lower() == "none" else args.rate

@@ -7,7 +7,7 @@
    communication -> ``T_compute`` (per variant; the top-level number is Inductor's, the
    codegen dhelix uses).
 2. ``--mode link`` workers on gloo over a rate-limited veth link between two network
-   namespaces (``bench.link``; loopback when that is impossible, and the output says so):
+   namespaces (``dhelix_compile.launch``; loopback when that is impossible, and the output says so):
    every variant interleaved, then the step's collectives alone -> ``T_comm``.
 3. Summary per variant: median and spread of the step time, and the share of hideable
    communication it hid::
@@ -44,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dhelix_compile.bench.link import LaunchResult, LinkSpec, launch_ranks
+from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
 
 def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:

@@ -1,6 +1,6 @@
 """One rank of a benchmark run: ``python -m dhelix_compile.bench.worker --out F.json ...``.
 
-Launched (by ``dhelix_compile.bench.link.launch_ranks``) with RANK / WORLD_SIZE / MASTER_ADDR
+Launched (by ``dhelix_compile.launch.ranks.launch_ranks``) with RANK / WORLD_SIZE / MASTER_ADDR
 / MASTER_PORT in the environment. Two modes:
 
     --mode link      gloo over the real (possibly rate-limited) link: every variant's step time,

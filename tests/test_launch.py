@@ -1,4 +1,4 @@
-"""Tests of ``dhelix_compile.bench.link.launch_ranks``: loopback, rate-limited namespaces, cleanup.
+"""Tests of the one launcher, ``dhelix_compile.launch.ranks.launch_ranks``: loopback, rate-limited namespaces, cleanup.
 
 The namespace tests need root, ``ip`` and ``tc`` (``can_rate_limit()``) and are skipped without
 them. After every test no namespace made by this process (``dhx<pid>-...``) may remain.
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import dhelix_compile.bench.link as link_module
-from dhelix_compile.bench.link import LaunchResult, LinkSpec, can_rate_limit, launch_ranks
+import dhelix_compile.launch.link as link_module
+from dhelix_compile.launch.link import LinkSpec, can_rate_limit
+from dhelix_compile.launch.ranks import LaunchResult, launch_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -29,7 +30,6 @@ needs_netns = pytest.mark.skipif(
 LOOPBACK = LinkSpec(rate=None)
 RATE = "100mbit"
 GATHER_FLOATS = 1 << 20  # 4 MiB of float32 sent by each rank
-LINK_PATH = str(Path(link_module.__file__).resolve())
 
 # Inits gloo from the environment, all-reduces, then times one all_gather of 4 MiB per rank.
 GLOO_PROGRAM = textwrap.dedent(
@@ -179,22 +179,15 @@ def test_peers_of_a_failed_rank_are_killed_after_grace() -> None:
     assert time.monotonic() - start < 10
 
 
-def test_address_in_use_is_retried_once(tmp_path: Path) -> None:
-    program = textwrap.dedent(
-        """
-        import os, sys
-        marker = os.path.join(os.environ["DHX_DIR"], "tried" + os.environ["RANK"])
-        if not os.path.exists(marker):
-            open(marker, "w").close()
-            sys.exit("RuntimeError: EADDRINUSE: Address already in use")
-        print("port", os.environ["MASTER_PORT"])
-        """
-    )
-    result = launch_ranks(
-        [sys.executable, "-c", program], 2, LOOPBACK, timeout_s=20, env={"DHX_DIR": str(tmp_path)}
-    )
-    assert result.returncodes == [0, 0]
-    assert all(out.startswith("port ") for out in result.stdout)
+def test_loopback_rendezvous_is_a_store_this_process_hosts() -> None:
+    """No free-port race: the launcher binds port 0 and every rank joins as a client (torchrun's way)."""
+    program = "import os; print(os.environ['MASTER_PORT'], os.environ['TORCHELASTIC_USE_AGENT_STORE'])"
+    first = launch_ranks([sys.executable, "-c", program], 2, LOOPBACK, timeout_s=20)
+    second = launch_ranks([sys.executable, "-c", program], 2, LOOPBACK, timeout_s=20)
+    for result in (first, second):
+        assert result.returncodes == [0, 0]
+        ports = {out.split()[0] for out in result.stdout}
+        assert len(ports) == 1 and all(out.split()[1] == "True" for out in result.stdout)
 
 
 # ---- timeouts and signals -------------------------------------------------------------------
@@ -230,20 +223,16 @@ def test_timeout_kills_every_process(link: LinkSpec, tmp_path: Path) -> None:
 def test_sigterm_cleans_up(rate: str | None, tmp_path: Path) -> None:
     launcher = textwrap.dedent(
         f"""
-        import importlib.util, sys
-        # Load link.py alone: importing the dhelix_compile package would import torch (slow).
-        spec = importlib.util.spec_from_file_location("dhx_link", {LINK_PATH!r})
-        link = importlib.util.module_from_spec(spec)
-        sys.modules["dhx_link"] = link
-        spec.loader.exec_module(link)
-        link.launch_ranks([sys.executable, "-c", {SLEEPER_PROGRAM!r}], 2,
-                          link.LinkSpec(rate={rate!r}), timeout_s=60,
-                          env={{"DHX_PID_DIR": {str(tmp_path)!r}}})
+        import sys
+        from dhelix_compile.launch.ranks import LinkSpec, launch_ranks
+        launch_ranks([sys.executable, "-c", {SLEEPER_PROGRAM!r}], 2,
+                     LinkSpec(rate={rate!r}), timeout_s=60,
+                     env={{"DHX_PID_DIR": {str(tmp_path)!r}}})
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", launcher], stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # the launcher imports torch first
         while not all((tmp_path / f"pids{r}").exists() for r in range(2)):
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "ranks did not start"
