@@ -17,7 +17,6 @@ Deterministic: the DOT text and the fallback depend only on the graph.
 
 from __future__ import annotations
 
-import html
 import logging
 import shutil
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch.fx
 
 from cost_model.op_kinds import kind_of
+from dhelix_compile.observe import svg
 from dhelix_compile.observe.timeline import strand_colour
 
 log = logging.getLogger("dhelix")
@@ -118,9 +118,8 @@ def node_list_svg(gm: torch.fx.GraphModule, title: str = "") -> str:
     nodes = list(gm.graph.nodes)
     height_px = 60 + _ROW_H_PX * (len(nodes) + 2)
     rows = [
-        _svg_text(8, 20, title or "graph", 14, "bold"),
-        _svg_text(8, 38, "Graphviz 'dot' not installed: nodes in schedule order "
-                  "(fill = kind, left bar = strand)", 11, "normal"),
+        svg.text(8, 20, title or "graph", size=14, weight="bold"),
+        svg.text(8, 38, "Graphviz 'dot' not installed: nodes in schedule order (fill = kind, left bar = strand)", size=11),
     ]
     y = 50
     for index, node in enumerate(nodes):
@@ -133,25 +132,17 @@ def node_list_svg(gm: torch.fx.GraphModule, title: str = "") -> str:
             f'fill="{KIND_COLOURS.get(kind, "#ffffff")}" stroke="#bbb"/>'
         )
         text = f"{index:4d}  {node.name} = {_target_name(node)}({inputs})   [{kind}, strand {strand}]"
-        rows.append(_svg_text(20, y + 13, text[:150], 11, "normal", mono=True))
+        rows.append(svg.text(20, y + 13, text[:150], size=11, mono=True))
         y += _ROW_H_PX
     legend_x = 8
     for kind, colour in KIND_COLOURS.items():
         rows.append(f'<rect x="{legend_x}" y="{y + 6}" width="14" height="12" fill="{colour}" stroke="#999"/>')
-        rows.append(_svg_text(legend_x + 18, y + 16, kind, 11, "normal"))
+        rows.append(svg.text(legend_x + 18, y + 16, kind, size=11))
         legend_x += 30 + 7 * len(kind)
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH_PX}" height="{height_px}" '
         f'viewBox="0 0 {_WIDTH_PX} {height_px}" font-family="Helvetica, Arial, sans-serif">\n'
         f'<rect width="{_WIDTH_PX}" height="{height_px}" fill="white"/>\n' + "\n".join(rows) + "\n</svg>\n"
-    )
-
-
-def _svg_text(x: float, y: float, text: str, size: int, weight: str, *, mono: bool = False) -> str:
-    family = ' font-family="DejaVu Sans Mono, monospace"' if mono else ""
-    return (
-        f'<text x="{x}" y="{y}" font-size="{size}" font-weight="{weight}"{family} xml:space="preserve">'
-        f"{html.escape(text)}</text>"
     )
 
 

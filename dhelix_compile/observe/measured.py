@@ -74,6 +74,7 @@ from cost_model import SimEvent, SimResult
 from cost_model.op_kinds import NodeKind, kind_of
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.observe.timeline import LabelledTimeline
+from graph_passes.annotate import issue_of
 
 log = logging.getLogger("dhelix")
 
@@ -122,7 +123,8 @@ def comm_boundaries(gm: torch.fx.GraphModule) -> tuple[Boundary, ...]:
         namespace, _, op = _schema_name(node.target).partition("::")
         meta = node.meta.get("dhelix")
         strand = int(meta.get("strand", 0)) if isinstance(meta, dict) else 0
-        issue = _issue_of(node) if kind == "wait" else None
+        issue_node = issue_of(node) if kind == "wait" else None
+        issue = issue_node.name if issue_node is not None else None
         found.append(Boundary(node.name, op, namespace, kind, issue, strand))
     return tuple(found)
 
@@ -130,16 +132,6 @@ def comm_boundaries(gm: torch.fx.GraphModule) -> tuple[Boundary, ...]:
 def _schema_name(target: Any) -> str:
     schema = getattr(target, "_schema", None)
     return schema.name if schema is not None else str(target)
-
-
-def _issue_of(wait: torch.fx.Node) -> str | None:
-    """The issue node a wait waits on, looking through ``getitem`` (coalesced collectives)."""
-    node = wait.args[0] if wait.args else None
-    while isinstance(node, torch.fx.Node):
-        if kind_of(node) in ("collective", "p2p"):
-            return node.name
-        node = node.args[0] if node.op == "call_function" and node.args else None
-    return None
 
 
 def base_op(name: str) -> str:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cost_model import SimEvent, SimResult
+from dhelix_compile.observe import svg
 
 #: Chrome trace viewer's reserved colour names (trace_viewer/base/color_scheme.html), one per
 #: strand in turn; Perfetto colours slices by name and ignores them.
@@ -203,7 +204,7 @@ def gantt_svg(timelines: Sequence[LabelledTimeline], title: str = "") -> str:
     scale = _Scale(max(math.ceil(end_s / step_s * (1 - 1e-9)), 1) * step_s, step_s)
     parts: list[str] = [_svg_defs()]
     if title:
-        parts.append(_text(8, 22, title, size=15, weight="bold"))
+        parts.append(svg.text(8, 22, title, size=15, weight="bold"))
     y_px = _TOP_PX
     for timeline in timelines:
         panel, y_px = _panel(timeline, scale, y_px)
@@ -254,7 +255,7 @@ def _panel(timeline: LabelledTimeline, scale: _Scale, y_px: float) -> tuple[str,
         f"exposed communication {res.exposed_comm_s * 1e3:.3f} ms "
         f"of {res.comm_s * 1e3:.3f} ms"
     )
-    parts = [_text(8, y_px + 16, header, size=13, weight="bold")]
+    parts = [svg.text(8, y_px + 16, header, size=13, weight="bold")]
     y_px += _PANEL_TITLE_H_PX
     for resource in resources_of(res):
         parts.append(_track(res, resource, scale, y_px))
@@ -269,7 +270,7 @@ def _panel(timeline: LabelledTimeline, scale: _Scale, y_px: float) -> tuple[str,
 
 def _track(res: SimResult, resource: str, scale: _Scale, y_px: float) -> str:
     parts = [
-        _text(8, y_px + _TRACK_H_PX / 2 + 4, track_name(resource), size=12),
+        svg.text(8, y_px + _TRACK_H_PX / 2 + 4, track_name(resource), size=12),
         (
             f'<rect x="{_LABEL_W_PX}" y="{y_px:.1f}" width="{_PLOT_W_PX}" height="{_TRACK_H_PX}" '
             'fill="#f4f4f4" stroke="#ccc"/>'
@@ -301,7 +302,7 @@ def _bar(ev: SimEvent, scale: _Scale, y_px: float) -> str:
     )
     if width >= _MIN_LABEL_W_PX:
         label = _fit(ev.node_name, width)
-        bar += "\n" + _text(
+        bar += "\n" + svg.text(
             x0 + 3, y_px + _TRACK_H_PX / 2 + 4, label, size=10, fill="white" if is_compute else "#222"
         )
     return bar
@@ -326,8 +327,8 @@ def _axis(scale: _Scale, y_px: float) -> str:
         t_s = scale.step_s * i
         x = scale.x(t_s)
         parts.append(f'<line x1="{x:.1f}" y1="{y_px:.1f}" x2="{x:.1f}" y2="{y_px + 5:.1f}" stroke="#222"/>')
-        parts.append(_text(x - 12, y_px + 17, _format_ms(t_s * 1e3), size=10))
-    parts.append(_text(_LABEL_W_PX + _PLOT_W_PX / 2 - 30, y_px + 31, "time (ms)", size=11))
+        parts.append(svg.text(x - 12, y_px + 17, _format_ms(t_s * 1e3), size=10))
+    parts.append(svg.text(_LABEL_W_PX + _PLOT_W_PX / 2 - 30, y_px + 31, "time (ms)", size=11))
     return "\n".join(parts)
 
 
@@ -349,7 +350,7 @@ def _legend(strands: list[int], y_px: float) -> tuple[str, float]:
         if x + width_px > _LABEL_W_PX + _PLOT_W_PX:
             x, y_px = 8.0, y_px + _LEGEND_ROW_H_PX
         parts.append(f'<rect x="{x:.1f}" y="{y_px:.1f}" width="16" height="12" {style}/>')
-        parts.append(_text(x + 22, y_px + 10.5, label, size=11))
+        parts.append(svg.text(x + 22, y_px + 10.5, label, size=11))
         x += width_px
     return "\n".join(parts), y_px + _LEGEND_ROW_H_PX
 
@@ -367,10 +368,3 @@ def _lighten(colour: str, amount: float = 0.6) -> str:
     r, g, b = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
     mix = [round(c + (255 - c) * amount) for c in (r, g, b)]
     return "#" + "".join(f"{c:02x}" for c in mix)
-
-
-def _text(x: float, y: float, text: str, *, size: int, weight: str = "normal", fill: str = "#222") -> str:
-    return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" font-weight="{weight}" '
-        f'fill="{fill}">{html.escape(text)}</text>'
-    )
