@@ -4,7 +4,7 @@ A library that knows nothing of passes: passes receive an :class:`Estimator` and
 :func:`simulate` on candidate orders.
 
     hardware     Device / Link tables with sources; measured "cpu" entry
-    op_kinds     node classification (compute / collective / wait / p2p / view / other)
+    op_kinds     node classification (compute / collective / wait / p2p / view / other), op_name
     flops        FLOPs and bytes per aten op (torch.utils.flop_counter formulas)
     collectives  alpha-beta models (ring / tree, nccl / gloo)
     estimator    NodeCost, Estimator protocol, AnalyticEstimator, TableEstimator
@@ -12,6 +12,7 @@ A library that knows nothing of passes: passes receive an :class:`Estimator` and
     memory       aliasing and liveness, peak live bytes of an order
     simulator    one compute stream + N comm channels -> makespan, exposed comm, events
     symbolic     sympy sizes and their hints
+    units        numbers as text: format_ms, format_pct, format_ratio
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from cost_model.hardware import (
     register_link,
 )
 from cost_model.memory import alias_source, live_bytes_profile, peak_memory_bytes, storage_root
-from cost_model.op_kinds import NodeKind, is_comm, kind_of
+from cost_model.op_kinds import NodeKind, is_comm, kind_of, op_name
 from cost_model.profile import CalibrationReport, ProfiledEstimator
 from cost_model.simulator import SimEvent, SimResult, simulate
 from cost_model.symbolic import evaluate, size_hints
@@ -87,6 +88,7 @@ __all__ = [
     "measure_cpu_device",
     "op_bytes",
     "op_flops",
+    "op_name",
     "peak_memory_bytes",
     "register_device",
     "register_link",

@@ -12,6 +12,8 @@ Functional collectives (``torch.ops._c10d_functional``) are split in two nodes::
 
 The issue node returns a tensor whose contents are undefined until its ``wait_tensor``;
 everything between the two may run while the transfer is in flight.
+
+:func:`op_name` is the one way to name an op (logs, dumps, pictures, the profiler's groups).
 """
 
 from __future__ import annotations
@@ -117,8 +119,37 @@ def kind_of(node: torch.fx.Node) -> NodeKind:
     if schema is not None and schema.name in P2P_OP_NAMES:
         return "p2p"
     if getattr(target, "__module__", None) == "_operator":
-        return "view" if getattr(target, "__name__", "") == "getitem" else "other"
+        return "view" if op_name(target) == "getitem" else "other"
     return "compute"
+
+
+def op_name(node_or_target: torch.fx.Node | object, *, qualified: bool = False) -> str:
+    """The name of the op a node calls (or of a call target): no namespace, no overload.
+
+    * an aten overload or its packet, ``aten.add.Tensor`` / ``aten.add``: ``"add"``;
+    * a functional collective, ``_c10d_functional.all_gather_into_tensor.default``:
+      ``"all_gather_into_tensor"`` (its wait: ``"wait_tensor"``);
+    * an op defined outside torch, ``dhelix::exchange``: ``"exchange"``;
+    * ``operator.getitem`` and other Python functions: their ``__name__`` (``"getitem"``);
+    * a placeholder, get_attr or output node: ``node.op`` (``"placeholder"``);
+    * a call_method / call_module node: the method name / the module's path.
+
+    ``qualified=True`` gives ``str(target)`` for call targets instead: for torch ops namespace,
+    name and overload (``"aten.add.Tensor"``, which tells it from ``aten.add.Scalar``); the
+    profiler groups and signs its measurements by it.
+    """
+    if isinstance(node_or_target, torch.fx.Node):
+        if node_or_target.op in ("placeholder", "get_attr", "output"):
+            return node_or_target.op
+        target: object = node_or_target.target
+    else:
+        target = node_or_target
+    if isinstance(target, str):
+        return target
+    if qualified:
+        return str(target)
+    name = getattr(_packet(target), "__name__", None)
+    return name if isinstance(name, str) else str(target)
 
 
 def is_comm(kind: NodeKind) -> bool:
