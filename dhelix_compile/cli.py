@@ -19,6 +19,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _run_report(args: argparse.Namespace) -> int:
@@ -45,26 +46,27 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run_report)
 
 
+def _add_module_command(commands: argparse._SubParsersAction, name: str, help_text: str, module: Any) -> None:
+    """A command whose module brings its own ``add_arguments(parser)``, ``run(args)`` and docstring."""
+    parser = commands.add_parser(
+        name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    module.add_arguments(parser)
+    parser.set_defaults(handler=module.run)
+
+
 def _add_demo(commands: argparse._SubParsersAction) -> None:
     from dhelix_compile.bench import demo
 
-    parser = commands.add_parser(
-        "demo", help="train the TP+SP reference model with helix on 2 ranks over an emulated link",
-        description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    demo.add_arguments(parser)
-    parser.set_defaults(handler=demo.run)
+    _add_module_command(commands, "demo", "train the TP+SP reference model with helix on 2 ranks over an emulated link", demo)
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
     from dhelix_compile.bench import run as bench_run
 
-    parser = commands.add_parser(
-        "bench", help="every variant in one interleaved run beside T_compute, T_comm and the limit",
-        description=bench_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    _add_module_command(
+        commands, "bench", "every variant in one interleaved run beside T_compute, T_comm and the limit", bench_run
     )
-    bench_run.add_arguments(parser)
-    parser.set_defaults(handler=bench_run.run)
 
 
 def _add_simulate(commands: argparse._SubParsersAction) -> None:

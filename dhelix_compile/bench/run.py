@@ -71,25 +71,26 @@ def _launch(
 
 
 @contextlib.contextmanager
-def _progress_bar(path: Path, label: str, width: int = 30) -> Iterator[None]:
-    """Draw ``label [#####.....] done/total variant`` on stderr from the file rank 0 updates."""
+def _progress_bar(path: Path, label: str) -> Iterator[None]:
+    """A tqdm bar on stderr, fed from the file rank 0 rewrites after each timed step (``done total variant``)."""
+    from tqdm import tqdm
+
     done = threading.Event()
 
     def draw() -> None:
-        shown = ""
+        bar: tqdm[None] | None = None
         while not done.wait(0.5):
             try:
                 count, total, variant = path.read_text().split()
             except (OSError, ValueError):
                 continue  # compiling and warming up: nothing timed yet
-            filled = width * int(count) // max(int(total), 1)
-            line = f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {count}/{total} {variant:<18}"
-            if line != shown:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-                shown = line
-        if shown:
-            sys.stderr.write("\n")
+            if bar is None:
+                bar = tqdm(total=int(total), desc=label, file=sys.stderr, unit="step", dynamic_ncols=True)
+            bar.n = int(count)
+            bar.set_postfix_str(variant, refresh=False)
+            bar.refresh()
+        if bar is not None:
+            bar.close()
 
     thread = threading.Thread(target=draw, daemon=True)
     thread.start()

@@ -6,9 +6,8 @@ Contract
 runs ``argv`` once per rank where ``dhelix_compile.launch.link.place`` puts it (two rate-limited
 network namespaces, or loopback) and returns a ``LaunchResult`` (return codes, stdout, stderr per
 rank, pids, and a human description of the link). It never raises because a rank failed: look
-at ``returncodes``. ``run_ranks`` is the same without raising on a timeout (``unfinished`` says
-which ranks were still running); ``dhelix_compile.testing.multirank.run_on_ranks`` runs a Python
-function on ranks through it.
+at ``returncodes`` (and ``unfinished``: the ranks killed while still running).
+``dhelix_compile.testing.multirank.run_on_ranks`` runs a Python function on ranks through it.
 
 * **Rendezvous** is torch's own: ``MASTER_ADDR``/``MASTER_PORT`` for ``init_process_group``'s
   ``env://``. On loopback this process hosts the ``TCPStore`` on a port the OS picks (port 0,
@@ -27,8 +26,9 @@ function on ranks through it.
 * Once a rank exits non-zero, the others get ``failure_grace_s`` to finish; those still running
   then are listed in ``unfinished`` and killed (their return code is then ``-SIGKILL``): peers of
   a crashed rank would otherwise wait in gloo's rendezvous until the timeout.
-* After ``timeout_s`` (counted from the first rank's start) unfinished ranks are killed;
-  ``launch_ranks`` raises ``TimeoutError`` naming them, with the tail of their stderr.
+* After ``timeout_s`` (counted from the first rank's start) unfinished ranks are killed, and
+  ``TimeoutError`` names them, with the tail of their stderr (``raise_on_timeout=False``: the
+  result says ``timed_out``).
 * ``stack_signal``: sent to every rank about to be killed while still running, ``_STACK_DUMP_S``
   before the kill (``run_on_ranks`` registers ``faulthandler`` on it to record where a rank hung).
 """
@@ -52,7 +52,7 @@ from typing import IO, Any
 
 from dhelix_compile.launch.link import LinkSpec, Placement, delete_namespaces, place
 
-__all__ = ["LaunchResult", "LinkSpec", "launch_ranks", "run_ranks"]
+__all__ = ["LaunchResult", "LinkSpec", "launch_ranks"]
 
 # MASTER_PORT inside a fresh namespace: high, and below the ephemeral range gloo's sockets use.
 _NS_PORT_RANGE = (20000, 32767)
@@ -219,7 +219,7 @@ def _sigterm_raises_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-def run_ranks(
+def launch_ranks(
     argv: Sequence[str],
     world_size: int = 2,
     link: LinkSpec = LinkSpec(),
@@ -229,8 +229,13 @@ def run_ranks(
     cwd: str | None = None,
     failure_grace_s: float = 10.0,
     stack_signal: int | None = None,
+    raise_on_timeout: bool = True,
 ) -> LaunchResult:
-    """Run ``argv`` on ``world_size`` ranks over ``link`` (or loopback); see the module doc."""
+    """Run ``argv`` on ``world_size`` ranks over ``link`` (or loopback); see the module doc.
+
+    At the timeout: ``TimeoutError`` naming the unfinished ranks, with their stderr, or with
+    ``raise_on_timeout=False`` the result, its ``timed_out`` set.
+    """
     if not argv:
         raise ValueError("argv is empty")
     if world_size < 1:
@@ -257,31 +262,12 @@ def run_ranks(
         stdout = [_read(rank.out) for rank in ranks]
         stderr = [_read(rank.err) for rank in ranks]
     codes = [rank.proc.returncode if rank.proc.returncode is not None else -9 for rank in ranks]
+    if timed_out and raise_on_timeout:
+        tails = "\n".join(f"--- rank {r} stderr (tail) ---\n{stderr[r][-_STDERR_TAIL_CHARS:]}" for r in unfinished)
+        raise TimeoutError(
+            f"ranks {unfinished} did not finish within {timeout_s:g} s on {placement.description}; killed.\n{tails}"
+        )
     return LaunchResult(
         placement.description, placement.rate_limited, codes, stdout, stderr,
         pids=[rank.proc.pid for rank in ranks], unfinished=unfinished, timed_out=timed_out,
     )
-
-
-def launch_ranks(
-    argv: Sequence[str],
-    world_size: int = 2,
-    link: LinkSpec = LinkSpec(),
-    *,
-    timeout_s: float = 600,
-    env: Mapping[str, Any] | None = None,
-    cwd: str | None = None,
-    failure_grace_s: float = 10.0,
-) -> LaunchResult:
-    """``run_ranks``, raising ``TimeoutError`` (naming the ranks, with their stderr) at the timeout."""
-    result = run_ranks(
-        argv, world_size, link, timeout_s=timeout_s, env=env, cwd=cwd, failure_grace_s=failure_grace_s
-    )
-    if result.timed_out:
-        tails = "\n".join(
-            f"--- rank {r} stderr (tail) ---\n{result.stderr[r][-_STDERR_TAIL_CHARS:]}" for r in result.unfinished
-        )
-        raise TimeoutError(
-            f"ranks {result.unfinished} did not finish within {timeout_s:g} s on {result.link}; killed.\n{tails}"
-        )
-    return result

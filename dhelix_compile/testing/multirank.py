@@ -6,7 +6,7 @@ Contract
 
 * ``fn`` must be picklable by reference (a module-level function). It is called in a fresh
   Python process (``dhelix_compile.testing.rank_main``, started by the project's one launcher,
-  ``dhelix_compile.launch.ranks.run_ranks``, with this process's ``sys.path``) as
+  ``dhelix_compile.launch.ranks.launch_ranks``, with this process's ``sys.path``) as
   ``fn(rank, world_size, *args, **kwargs)`` after the default process group has been
   initialised with the gloo backend on 127.0.0.1; the group is destroyed after ``fn`` returns.
   ``args``/``kwargs`` and the return value must be picklable; the return value crosses the
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, run_ranks
+from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
 __all__ = [
     "MultiRankError",
@@ -156,7 +156,7 @@ def run_on_ranks(
     job = pickle.dumps((fn, args, kwargs, pg_timeout_s if pg_timeout_s is not None else timeout_s, num_threads))
     with tempfile.TemporaryDirectory(prefix="dhelix_multirank_") as workdir:
         (Path(workdir) / "job.pkl").write_bytes(job)
-        launched = run_ranks(
+        launched = launch_ranks(
             [sys.executable, "-m", "dhelix_compile.testing.rank_main", workdir],
             world_size,
             LinkSpec(rate=None),
@@ -164,6 +164,7 @@ def run_on_ranks(
             env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
             failure_grace_s=grace_s,
             stack_signal=signal.SIGUSR1,
+            raise_on_timeout=False,
         )
         return _Outcome(launched, Path(workdir), timeout_s, grace_s).results()
 
