@@ -2,11 +2,22 @@
 
 Contract
 --------
-An :class:`Estimator` maps one FX node to a :class:`NodeCost`. Passes and the simulator
-only call ``node_cost``; which model stands behind it (analytic, profiled, a table in a
-test) is the caller's choice. An estimator may also expose ``contention_factor``
-(compute slowdown while a transfer is in flight); the simulator reads it with
-``getattr(estimator, "contention_factor", 1.0)``.
+An :class:`Estimator` maps one FX node to a :class:`NodeCost`; which model stands behind it
+(analytic, profiled, a table in a test) is the caller's choice. Besides ``node_cost`` every
+estimator answers three questions, with a neutral answer where it has no real one (the
+defaults of :class:`EstimatorBase`, which every estimator here inherits)::
+
+    member                              what it is                                   neutral answer
+    node_cost(node)                     the node's cost                              (required)
+    contention_factor                   compute slowdown while a transfer is in      1.0
+                                        flight (the simulator, the interleave DP)
+    segment_pair_times(fwd, bwd)        measured co-execution time of segment        {}  (nothing measured:
+                                        pairs, keyed (i, j), None for "no segment"       the caller keeps its formula)
+    measure_new(nodes)                  measure nodes a pass created after           does nothing
+                                        calibration, before they are priced
+
+Callers call them directly; nothing is probed with ``getattr``. :class:`ProfiledEstimator`
+(:mod:`cost_model.profile`) is the one with real answers for all three.
 
 :class:`AnalyticEstimator` -- the roofline / alpha-beta model::
 
@@ -48,6 +59,7 @@ from cost_model.flops import ALLOCATION_OPS, op_bytes, op_flops, output_bytes_ex
 from cost_model.hardware import Device, Link, get_device, get_link
 from cost_model.memory import alias_source, is_schema_view
 from cost_model.op_kinds import NodeKind, is_comm, kind_of
+from cost_model.strand_plan import Pair
 from cost_model.symbolic import (
     SizeExpr,
     evaluate,
@@ -94,9 +106,44 @@ class NodeCost:
 
 @runtime_checkable
 class Estimator(Protocol):
-    """Anything that prices a node. Optionally has ``contention_factor: float``."""
+    """Anything that prices a node, and answers the three questions of the module docstring."""
 
-    def node_cost(self, node: torch.fx.Node) -> NodeCost: ...
+    @property
+    def contention_factor(self) -> float:
+        """Compute slowdown (>= 1.0) while at least one transfer is in flight."""
+        ...
+
+    def node_cost(self, node: torch.fx.Node) -> NodeCost:
+        """The cost of one node."""
+        ...
+
+    def segment_pair_times(
+        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+    ) -> dict[Pair, float]:
+        """Measured seconds of forward segment ``i`` and backward segment ``j`` run together, keyed
+        ``(i, j)`` (``None`` for "no segment": one run alone); pairs without a measurement are absent."""
+        ...
+
+    def measure_new(self, nodes: Sequence[torch.fx.Node]) -> object:
+        """Measure ``nodes``, created by a pass after calibration, before they are priced; every
+        rank calls it with the same nodes in the same order. The return value is for logs only."""
+        ...
+
+
+class EstimatorBase:
+    """The neutral answers (module docstring); an estimator inherits them and overrides what it can do."""
+
+    contention_factor: float = 1.0
+
+    def segment_pair_times(
+        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+    ) -> dict[Pair, float]:
+        """Nothing measured: ``{}``."""
+        return {}
+
+    def measure_new(self, nodes: Sequence[torch.fx.Node]) -> None:
+        """Nothing to measure."""
+        return None
 
 
 def _allocated_bytes(node: torch.fx.Node) -> SizeExpr:
@@ -116,7 +163,7 @@ def _dtype_of(node: torch.fx.Node) -> torch.dtype | None:
     return outs[0].dtype if outs else None
 
 
-class AnalyticEstimator:
+class AnalyticEstimator(EstimatorBase):
     """Roofline compute + alpha-beta communication (see module docstring).
 
     Args:
@@ -256,7 +303,7 @@ def _hints_for(node: torch.fx.Node, exprs: Sequence[object]) -> dict[sympy.Symbo
     return {sym: symbol_hint(sym, env) for sym in symbols}
 
 
-class TableEstimator:
+class TableEstimator(EstimatorBase):
     """Times given per node name or per kind; for tests and hand-made schedules.
 
     Lookup order for ``time_s``: ``times_s[node.name]``, then ``kind_times_s[kind]``,
@@ -306,13 +353,17 @@ class TableEstimator:
 class MemoizedEstimator:
     """Wraps an estimator so each node is costed once (passes simulate several orders).
 
-    Other attributes (``contention_factor``...) are read from the wrapped estimator. Valid only
-    while the nodes' metadata does not change.
+    The other members of :class:`Estimator` are the wrapped estimator's. Valid only while the
+    nodes' metadata does not change.
     """
 
     def __init__(self, base: Estimator) -> None:
         self.base = base
         self._costs: dict[torch.fx.Node, NodeCost] = {}
+
+    @property
+    def contention_factor(self) -> float:
+        return self.base.contention_factor
 
     def node_cost(self, node: torch.fx.Node) -> NodeCost:
         cost = self._costs.get(node)
@@ -320,8 +371,13 @@ class MemoizedEstimator:
             cost = self._costs[node] = self.base.node_cost(node)
         return cost
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.base, name)
+    def segment_pair_times(
+        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+    ) -> dict[Pair, float]:
+        return self.base.segment_pair_times(fwd, bwd)
+
+    def measure_new(self, nodes: Sequence[torch.fx.Node]) -> object:
+        return self.base.measure_new(nodes)
 
 
 #: Alias: the stub estimator tests hand to passes.

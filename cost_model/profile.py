@@ -64,7 +64,7 @@ import torch.fx
 
 from cost_model.nodes import node_list
 from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size, resolve_process_group
-from cost_model.estimator import Estimator, NodeCost
+from cost_model.estimator import Estimator, EstimatorBase, NodeCost
 from cost_model.memory import is_schema_view
 from cost_model.op_kinds import kind_of
 from cost_model.rank_agreement import agree_max, backend_name, check_same_signatures, comm_device
@@ -232,7 +232,7 @@ class _Item:
     is_collective: bool
 
 
-class ProfiledEstimator:
+class ProfiledEstimator(EstimatorBase):
     """``base`` corrected by measurements (see the module docstring).
 
     Args:
@@ -288,7 +288,7 @@ class ProfiledEstimator:
     def contention_factor(self) -> float:
         if self.measured_contention_factor is not None:
             return self.measured_contention_factor
-        return float(getattr(self.base, "contention_factor", 1.0))
+        return float(self.base.contention_factor)
 
     @property
     def link_scale(self) -> float | None:

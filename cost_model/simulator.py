@@ -17,7 +17,7 @@ order is the caller's job) and places each on a resource:
 
 Contention: compute that runs while at least one transfer is in flight progresses
 ``contention_factor`` times slower (``simulate(..., contention_factor=)``, else the
-estimator's ``contention_factor`` attribute, else 1.0)::
+estimator's ``contention_factor``, 1.0 for estimators without contention)::
 
     timeline of one compute node of work w starting at t0:
       outside transfers: 1 s of wall time does 1 s of work
@@ -192,11 +192,7 @@ def simulate(
     """Simulate ``nodes`` in order (see the module docstring for the model)."""
     if num_comm_channels < 1:
         raise ValueError(f"num_comm_channels must be >= 1, got {num_comm_channels}")
-    factor = (
-        float(getattr(estimator, "contention_factor", 1.0))
-        if contention_factor is None
-        else float(contention_factor)
-    )
+    factor = float(estimator.contention_factor if contention_factor is None else contention_factor)
     if factor < 1.0:
         raise ValueError(f"contention_factor must be >= 1.0, got {factor}")
     order = node_list(nodes)

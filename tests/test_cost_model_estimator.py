@@ -320,3 +320,27 @@ def test_memoized_estimator_costs_each_node_once_and_forwards_attributes() -> No
     assert [memo.node_cost(n) for n in nodes] == first
     assert calls == [n.name for n in nodes]
     assert memo.contention_factor == 1.3
+
+
+def test_every_estimator_answers_the_whole_protocol(tmp_path) -> None:
+    """contention_factor, segment_pair_times and measure_new are part of :class:`Estimator`:
+    called directly, with the neutral answer where an estimator has no real one."""
+    from cost_model import Estimator, MemoizedEstimator, ProfiledEstimator
+
+    gm = trace_aten(lambda x, w: (x @ w).relu(), torch.randn(4, 8), torch.randn(8, 8))
+    nodes = list(gm.graph.nodes)
+    analytic = AnalyticEstimator(DEVICE, LINK, contention_factor=1.2)
+    table = TableEstimator(default_s=1.0)
+    profiled = ProfiledEstimator(analytic, tmp_path, progress=False)
+    for est in (analytic, table, profiled, MemoizedEstimator(table), MemoizedEstimator(profiled)):
+        assert isinstance(est, Estimator)
+        assert est.contention_factor >= 1.0
+    for est in (analytic, table, MemoizedEstimator(table)):
+        assert est.segment_pair_times([nodes[:2]], [nodes[2:]]) == {}  # nothing measured
+    pairs = MemoizedEstimator(profiled).segment_pair_times([nodes[:2]], [nodes[2:]])  # measured here
+    assert set(pairs) == {(0, None), (None, 0), (0, 0)} and min(pairs.values()) > 0
+    assert table.contention_factor == MemoizedEstimator(table).contention_factor == 1.0
+    assert profiled.contention_factor == MemoizedEstimator(profiled).contention_factor == 1.2
+    assert table.measure_new(nodes) is None and MemoizedEstimator(analytic).measure_new(nodes) is None
+    report = MemoizedEstimator(profiled).measure_new(nodes)  # the profiled one measures them
+    assert report.measured == 2 and profiled.measurements
