@@ -8,7 +8,9 @@ A library that knows nothing of passes: passes receive an :class:`Estimator` and
     flops        FLOPs and bytes per aten op (torch.utils.flop_counter formulas)
     collectives  alpha-beta models (ring / tree, nccl / gloo)
     estimator    NodeCost, Estimator protocol, AnalyticEstimator, TableEstimator
-    profile      ProfiledEstimator: measured ops and collectives, agreed across ranks, cached
+    profile/     ProfiledEstimator: measured ops, collectives and segment pairs, agreed across
+                 ranks, cached (estimator, signatures, cache, running, contention, pairs)
+    progress     the progress bar (tqdm)
     memory       aliasing and liveness, peak live bytes of an order
     simulator    one compute stream + N comm channels -> makespan, exposed comm, events
     symbolic     sympy sizes and their hints

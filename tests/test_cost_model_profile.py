@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from cost_model import AnalyticEstimator, Device, Link, ProfiledEstimator, simulate
-from cost_model.profile import ProgressBar
+from cost_model.progress import progress_bar
 from cost_model.testing import fake_world, trace_aten
 from dhelix_compile.testing.multirank import run_on_ranks
 
@@ -90,10 +90,10 @@ def test_symbolic_graph_shares_signatures_and_scales_expression(tmp_path: pathli
 
 def test_progress_bar_and_fake_group_collectives_skipped(tmp_path: pathlib.Path) -> None:
     stream = io.StringIO()
-    bar = ProgressBar(4, "calibrate", enabled=True, stream=stream)
-    for i in range(4):
-        bar.step(f"op{i}")
-    bar.close()
+    with progress_bar(4, "calibrate", enabled=True, stream=stream) as bar:
+        for i in range(4):
+            bar.set_postfix_str(f"op{i}")
+            bar.update()
     assert "[" + "#" * 30 + "] 4/4" in stream.getvalue()
 
     with fake_world(4):
@@ -104,6 +104,43 @@ def test_progress_bar_and_fake_group_collectives_skipped(tmp_path: pathlib.Path)
         report = est.calibrate(gm)
     assert report.measured == 1
     assert report.skipped == {"fake process group": 1}
+
+
+def test_the_progress_bar_shows_where_it_did(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Silent without work or when disabled; calibrate's bar: rank 0 only, ``progress`` when set,
+    else only on a terminal and from 8 measurements on."""
+    quiet = io.StringIO()
+    with progress_bar(0, "none", enabled=True, stream=quiet):
+        pass
+    with progress_bar(3, "off", enabled=False, stream=quiet) as bar:
+        bar.update(3)
+    assert quiet.getvalue() == ""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    class RankOne:
+        def rank(self) -> int:
+            return 1
+
+    base = AnalyticEstimator(DEVICE, LINK)
+    auto = ProfiledEstimator(base, tmp_path)
+    assert not auto._show_progress(100, None)  # stderr is no terminal under pytest
+    monkeypatch.setattr("sys.stderr", Terminal())
+    assert auto._show_progress(8, None) and not auto._show_progress(7, None)
+    assert not auto._show_progress(100, RankOne())
+    monkeypatch.undo()
+    assert ProfiledEstimator(base, tmp_path, progress=True)._show_progress(1, None)
+    assert not ProfiledEstimator(base, tmp_path, progress=True)._show_progress(100, RankOne())
+    assert not ProfiledEstimator(base, tmp_path, progress=False)._show_progress(100, None)
+
+    capsys.readouterr()
+    gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    ProfiledEstimator(base, tmp_path / "shown", warmup=0, repeats=1, progress=True).calibrate(gm)
+    shown = capsys.readouterr().err
+    assert "dhelix calibrate" in shown and "] 3/3" in shown and shown.endswith("\n")
 
 
 class _RankSkewedEstimator(ProfiledEstimator):
@@ -128,7 +165,7 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
     if rank == 1:
         mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
         cache.mkdir(parents=True)
-        real._cache_path("unit").write_text(json.dumps(
+        real.disk_cache.path("unit").write_text(json.dumps(
             {"version": 1, "device": "unit", "entries": {real.signature(mm): 1.0}}))
     report = real.calibrate(gm)
     skewed = _RankSkewedEstimator(base, pathlib.Path(cache_root, f"skew{rank}"), warmup=0,

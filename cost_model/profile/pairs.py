@@ -9,6 +9,10 @@ Contract
 --------
 ``segment_pair_times(profiled, fwd, bwd, runner=None, max_pairs=256) -> dict[(i, j), seconds]``
 
+* ``profiled``: a :class:`PairProfiler` -- what a measurement needs of the profiled estimator
+  (its signatures, skip reasons, real arguments, agreement group, warmup / repeats, and the
+  memo); :class:`cost_model.profile.ProfiledEstimator` is one, and answers
+  ``Estimator.segment_pair_times`` by calling this function with itself.
 * ``fwd`` / ``bwd``: each strand's segments as node lists; keys ``(i, j)`` use ``None`` for "no
   segment of that strand" (a segment run alone).
 * A segment's *signature* is the tuple of ``profiled.signature`` of its compute and collective
@@ -22,7 +26,7 @@ Contract
   every collective at the end; the median of ``profiled.repeats`` runs after
   ``profiled.warmup``, agreed across ranks by ``all_reduce(MAX)``.
 * More distinct pairs than ``max_pairs``: nothing is measured (``{}``).
-* Results are memoized on ``profiled`` (``pair_measurements``) for later compiles in the same
+* Results are memoized in ``profiled.pair_measurements`` for later compiles in the same
   process, never on disk: they include collectives, whose cost depends on the link.
 * ``runner(fn)`` runs the measurement (``dhelix_compile`` passes one that leaves the compiler's
   fake-tensor mode); ``None`` runs it inline.
@@ -32,28 +36,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
+import sympy
 import torch
 import torch.fx
 
 from cost_model.op_kinds import kind_of
+from cost_model.profile.running import device_of_nodes, median_run_s
 from cost_model.rank_agreement import agree_max, check_same_signatures
-from cost_model.profile import (
-    ProfiledEstimator,
-    device_of_nodes,
-    median_run_s,
-)
+from cost_model.strand_plan import Pair
 from cost_model.symbolic import size_hints
 
 c10d = torch.ops._c10d_functional
 
 Segment = Sequence[torch.fx.Node]
-PairKey = tuple[int | None, int | None]
 SegmentSignature = tuple[str, ...]
 
 
-def segment_signature(profiled: ProfiledEstimator, nodes: Segment) -> SegmentSignature | None:
+class PairProfiler(Protocol):
+    """What measuring segment pairs needs of the profiled estimator."""
+
+    warmup: int
+    repeats: int
+    pair_measurements: dict[tuple[SegmentSignature, SegmentSignature], float]
+    """Seconds by (forward, backward) segment signature; -1.0: the measurement failed."""
+
+    def signature(self, node: torch.fx.Node) -> str | None: ...
+
+    def skip_reason(self, node: torch.fx.Node) -> str | None: ...
+
+    def real_args(
+        self, node: torch.fx.Node, hints: dict[sympy.Symbol, int], is_collective: bool
+    ) -> tuple[list[Any], dict[str, Any]]: ...
+
+    def agreement_group(self) -> Any: ...
+
+
+def segment_signature(profiled: PairProfiler, nodes: Segment) -> SegmentSignature | None:
     """The measured ops of a segment, or None if one of them cannot be measured."""
     parts: list[str] = []
     for node in nodes:
@@ -75,20 +95,20 @@ def segment_signature(profiled: ProfiledEstimator, nodes: Segment) -> SegmentSig
 
 
 def segment_pair_times(
-    profiled: ProfiledEstimator,
+    profiled: PairProfiler,
     fwd: Sequence[Segment],
     bwd: Sequence[Segment],
     *,
     runner: Callable[[Callable[[], Any]], Any] | None = None,
     max_pairs: int = 256,
-) -> dict[PairKey, float]:
+) -> dict[Pair, float]:
     """Measured ``P`` for every pair of segments (see the module docstring)."""
     fwd_sigs = [segment_signature(profiled, s) for s in fwd]
     bwd_sigs = [segment_signature(profiled, s) for s in bwd]
     fwd_options: list[int | None] = [None, *(i for i, s in enumerate(fwd_sigs) if s is not None)]
     bwd_options: list[int | None] = [None, *(j for j, s in enumerate(bwd_sigs) if s is not None)]
-    first_of: dict[tuple[SegmentSignature, SegmentSignature], PairKey] = {}
-    key_of: dict[PairKey, tuple[SegmentSignature, SegmentSignature]] = {}
+    first_of: dict[tuple[SegmentSignature, SegmentSignature], Pair] = {}
+    key_of: dict[Pair, tuple[SegmentSignature, SegmentSignature]] = {}
     for i in fwd_options:
         for j in bwd_options:
             if i is None and j is None:
@@ -96,9 +116,7 @@ def segment_pair_times(
             sig = (fwd_sigs[i] if i is not None else (), bwd_sigs[j] if j is not None else ())
             key_of[(i, j)] = sig
             first_of.setdefault(sig, (i, j))
-    cache: dict[tuple[SegmentSignature, SegmentSignature], float] = profiled.__dict__.setdefault(
-        "pair_measurements", {}
-    )
+    cache = profiled.pair_measurements
     todo = [sig for sig in first_of if sig not in cache]
     if len(first_of) > max_pairs:
         return {}
@@ -118,7 +136,7 @@ def segment_pair_times(
     return {key: cache[sig] for key, sig in key_of.items() if cache.get(sig, -1.0) >= 0}
 
 
-def _measure_pair(profiled: ProfiledEstimator, fwd: Segment, bwd: Segment) -> float:
+def _measure_pair(profiled: PairProfiler, fwd: Segment, bwd: Segment) -> float:
     """Median seconds of B's nodes then F's, collectives in flight until the end; NaN on failure."""
     import torch.distributed as dist
 
@@ -151,3 +169,6 @@ def _measure_pair(profiled: ProfiledEstimator, fwd: Segment, bwd: Segment) -> fl
         return median_run_s(run, profiled.warmup, profiled.repeats, device)
     except Exception:  # noqa: BLE001
         return math.nan
+
+
+__all__ = ["PairProfiler", "Segment", "SegmentSignature", "segment_pair_times", "segment_signature"]

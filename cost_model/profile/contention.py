@@ -1,0 +1,120 @@
+"""The contention factor, measured: how much slower compute runs while a collective is in flight.
+
+Contract
+--------
+``measure_contention(compute, comms, group, cache, repeats) -> float | None``::
+
+    None   without a real multi-rank group (none, a fake one, one rank) or without both a
+           measured compute op and a measured collective
+    op     the slowest measured compute op (ties: the larger signature)
+    bytes  the largest measured collective's size, clamped to 1 MiB .. 64 MiB
+    iters  calls of the op that span about one such transfer (at most 20 ms, 1..1000 calls)
+    key    "contention|<op signature>|bytes=..|iters=..|backend=..|size=.."
+    if every rank has key in cache:   factor = max over ranks of the cached factors
+    else, repeats times:   t_alone = time(iters calls)
+                           barrier; async all_reduce(bytes); t_busy = time(iters calls); wait
+           factor = max over ranks of max(1, median(t_busy) / median(t_alone))
+    cache[key] = factor
+
+Every rank takes the same branch (the cache check is agreed first), so the all_reduces match.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from cost_model.comm_nodes import describe_comm, resolve_group_size
+from cost_model.profile.running import device_of_nodes, real_args, synchronize
+from cost_model.rank_agreement import agree_max, backend_name, comm_device
+from cost_model.symbolic import evaluate, size_hints
+
+MIN_BYTES: int = 1 << 20
+MAX_BYTES: int = 64 << 20
+MAX_SAMPLE_S: float = 0.02
+MAX_ITERS: int = 1000
+
+
+def measure_contention(
+    compute: Sequence[tuple[float, str, torch.fx.Node]],
+    comms: Sequence[tuple[float, torch.fx.Node]],
+    group: Any,
+    cache: dict[str, float],
+    repeats: int,
+) -> float | None:
+    """The compute slowdown under a collective (module docstring).
+
+    ``compute``: ``(seconds, signature, node)`` of every measured compute op; ``comms``:
+    ``(seconds, node)`` of every measured collective issue; ``cache`` gains the factor's key.
+    """
+    if group is None or backend_name(group) == "fake" or resolve_group_size(group) in (None, 1):
+        return None
+    if not compute or not comms:
+        return None
+    t_compute, sig, node = max(compute, key=lambda c: (c[0], c[1]))
+    largest_bytes, t_comm = max((_comm_nbytes(n), t) for t, n in comms)
+    nbytes = int(min(max(largest_bytes, MIN_BYTES), MAX_BYTES))
+    # Repeat the op so that it spans the transfer (capped at ~20 ms per sample).
+    iters = int(min(MAX_ITERS, max(1, math.ceil(min(t_comm, MAX_SAMPLE_S) / max(t_compute, 1e-7)))))
+    key = (
+        f"contention|{sig}|bytes={nbytes}|iters={iters}"
+        f"|backend={backend_name(group)}|size={resolve_group_size(group)}"
+    )
+    # Every rank must take the same branch: measure unless the key is cached everywhere.
+    if not agree_max([0.0 if key in cache else 1.0], group)[0]:
+        factor = agree_max([cache[key]], group)[0]
+        cache[key] = factor
+        return factor
+    import torch.distributed as dist
+
+    hints = size_hints([node, *node.all_input_nodes])
+    device = device_of_nodes([node])
+    try:
+        args, kwargs = real_args(node, hints)
+    except Exception:  # noqa: BLE001 - no inputs for the op: time the all_reduce alone
+        args = None
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=comm_device(group, device))
+
+    def compute_once() -> None:
+        if args is not None:
+            for _ in range(iters):
+                node.target(*args, **kwargs)  # type: ignore[operator]
+            synchronize(device)
+
+    alone: list[float] = []
+    busy: list[float] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        compute_once()
+        alone.append(time.perf_counter() - t0)
+        dist.barrier(group=group)
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        t0 = time.perf_counter()
+        compute_once()
+        busy.append(time.perf_counter() - t0)
+        work.wait()
+    base = statistics.median(alone)
+    local = max(1.0, statistics.median(busy) / base) if base > 0 else 1.0
+    factor = agree_max([local], group)[0]
+    cache[key] = factor
+    return factor
+
+
+def _comm_nbytes(node: torch.fx.Node) -> int:
+    try:
+        call = describe_comm(node, 1)
+    except ValueError:
+        return 0
+    nbytes = call.nbytes
+    if isinstance(nbytes, int):
+        return nbytes
+    return int(evaluate(nbytes, size_hints([node, *node.all_input_nodes])))
+
+
+__all__ = ["measure_contention"]

@@ -1,0 +1,444 @@
+"""The profiled estimator: a graph's ops and collectives measured on the live device and group.
+
+Contract
+--------
+``ProfiledEstimator(base, cache_dir, process_group)`` answers ``node_cost`` like ``base``,
+except that a node whose *signature* has been measured gets the measured time.
+``calibrate(gm)`` does the measuring::
+
+    sigs   = unique signatures of the graph's compute and collective nodes, graph order
+    check  every rank has the same list (hash agreed via all_reduce)  -> else RuntimeError
+    need   = signatures missing on *any* rank (all_reduce MAX of flags) from what this
+             process measured before and, for compute ops only, the disk cache
+    for sig in need (graph order, same on every rank):
+        compute:    real tensors of the node's shapes/strides/dtypes (size hints for
+                    symbols), ``warmup`` calls, then the median of ``repeats`` timed calls
+        collective: the same on the live process group (barrier first, wait included)
+    times  = all_reduce(MAX) over ranks of every signature's time -> every rank plans the
+             same schedule from the same numbers
+    contention factor (optional): a measured compute op timed alone and while an async
+             all_reduce is in flight on the group; ratio, agreed by MAX
+    write the compute ops to the cache (JSON, one file per device, atomically replaced)
+    progress bar (cost_model.progress): rank 0 only; ``progress=None`` shows it when stderr
+             is a terminal and at least 8 signatures are measured
+
+Collectives are never cached on disk: their time depends on the link, which nothing in
+the key names (the same shapes on NVLink, InfiniBand or a rate-limited veth).
+
+Nodes that cannot be measured (unknown groups, a fake process group, an op that raises on
+random inputs) keep the base estimate; ``CalibrationReport.skipped`` counts why. P2P
+transfers are not measured (the decompose pass creates them after calibration); they get
+the base estimate times ``link_scale``, the median over every collective measured so far of
+measured / base time -- the link as measured, agreed like the times it comes from.
+The decompose pass measures its variants' new compute nodes (``measure_new``) before it
+prices them. A compute node that was never measured gets the base estimate times ``compute_scale``: the
+median measured / base time of the measured nodes of its op (of all compute nodes when none
+has it), so that a half-size matmul costs about half the measured whole one rather than the
+base model's peak-FLOP guess.
+With the measured time ``t`` and the base estimate ``b(sizes)``, ``time_expr`` becomes
+``b(sizes) * t / b(hints)``: exact at the hints, the base model's growth elsewhere.
+
+The pieces: signatures :mod:`cost_model.profile.signatures`, the disk cache
+:mod:`cost_model.profile.cache`, running a node alone :mod:`cost_model.profile.running`, the
+contention factor :mod:`cost_model.profile.contention`, segment pairs
+(``segment_pair_times``) :mod:`cost_model.profile.pairs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size, resolve_process_group
+from cost_model.estimator import Estimator, EstimatorBase, NodeCost
+from cost_model.memory import is_schema_view
+from cost_model.nodes import NodesLike, node_list
+from cost_model.op_kinds import kind_of, op_name
+from cost_model.profile.cache import MeasurementCache, device_key
+from cost_model.profile.contention import measure_contention
+from cost_model.profile.pairs import SegmentSignature, segment_pair_times
+from cost_model.profile.running import device_of_nodes, median_run_s, real_args
+from cost_model.profile.signatures import collective_signature, compute_signature, is_collective_signature
+from cost_model.progress import item_label, progress_bar
+from cost_model.rank_agreement import agree_max, backend_name, check_same_signatures
+from cost_model.strand_plan import Pair
+from cost_model.symbolic import size_hints, tensors_in
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+#: A signature's agreed time when its measurement failed on some rank.
+_FAILED: float = -1.0
+#: ``progress=None`` shows the bar from this many measurements on (and only on a terminal).
+PROGRESS_MIN_MEASUREMENTS: int = 8
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    """What :meth:`ProfiledEstimator.calibrate` did.
+
+    Attributes:
+        measured: signatures measured in this call.
+        cached: signatures taken from the disk cache.
+        skipped: reason -> number of nodes left to the base estimate.
+        contention_factor: measured compute slowdown under a collective (None if not
+            measured).
+        seconds: wall time of the calibration.
+    """
+
+    measured: int
+    cached: int
+    skipped: dict[str, int]
+    contention_factor: float | None
+    seconds: float
+
+
+def _scaled(cost: NodeCost, scale: float | None) -> NodeCost:
+    """``cost`` with its time (and time expression) multiplied by ``scale`` (unchanged for None)."""
+    if scale is None:
+        return cost
+    return dataclasses.replace(cost, time_s=cost.time_s * scale, time_expr=cost.time_expr * sympy.Float(scale))
+
+
+@dataclass
+class _Item:
+    """One signature to price, with the first node that has it."""
+
+    sig: str
+    node: torch.fx.Node
+    is_collective: bool
+
+
+class ProfiledEstimator(EstimatorBase):
+    """``base`` corrected by measurements (see the module docstring).
+
+    Args:
+        base: the estimator to fall back on (and to scale symbolic expressions with).
+        cache_dir: directory of the JSON cache (created if missing).
+        process_group: group for collectives and for agreeing on measurements; None means
+            the group named by each collective node and the default group for agreement
+            (when ``torch.distributed`` is initialized).
+        warmup / repeats: untimed and timed calls per signature.
+        progress: progress bar on stderr: True, False, or None for "on rank 0 when stderr
+            is a terminal and there are at least 8 measurements".
+        device_name: overrides the cache key of the device.
+        measure_contention: measure the compute slowdown under a collective when a real
+            (non-fake) multi-rank group is available.
+        runner: runs measurements made while a graph pass is running
+            (:meth:`segment_pair_times`); ``dhelix_compile`` passes one that leaves the
+            compiler's fake-tensor mode. None runs them inline.
+    """
+
+    def __init__(
+        self,
+        base: Estimator,
+        cache_dir: str | os.PathLike[str],
+        process_group: Any = None,
+        *,
+        warmup: int = 2,
+        repeats: int = 5,
+        progress: bool | None = None,
+        device_name: str | None = None,
+        measure_contention: bool = True,
+        runner: Callable[[Callable[[], Any]], Any] | None = None,
+    ) -> None:
+        if repeats < 1 or warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0")
+        self.base = base
+        self.cache_dir = pathlib.Path(cache_dir)
+        self.disk_cache = MeasurementCache(self.cache_dir)
+        self.process_group = process_group
+        self.warmup = warmup
+        self.repeats = repeats
+        self.progress = progress
+        self.device_name = device_name
+        self.measure_contention = measure_contention
+        self.runner = runner
+        self.measurements: dict[str, float] = {}
+        self.measured_contention_factor: float | None = None
+        self._link_ratios: dict[str, float] = {}  # collective signature -> measured / base time
+        self._compute_ratios: dict[str, dict[str, float]] = {}  # op -> {signature: measured / base time}
+        self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
+        #: measured segment pairs (cost_model.profile.pairs), kept for later compiles in this process
+        self.pair_measurements: dict[tuple[SegmentSignature, SegmentSignature], float] = {}
+
+    # ------------------------------------------------------------------ estimator API
+
+    @property
+    def contention_factor(self) -> float:
+        if self.measured_contention_factor is not None:
+            return self.measured_contention_factor
+        return float(self.base.contention_factor)
+
+    @property
+    def link_scale(self) -> float | None:
+        """Median measured / base time of the collectives measured so far (None before any)."""
+        return statistics.median(self._link_ratios.values()) if self._link_ratios else None
+
+    def compute_scale(self, node: torch.fx.Node) -> float | None:
+        """Median measured / base time of the measured compute nodes of ``node``'s op (of every
+        measured compute node when none has that op); None before any was measured."""
+        ratios = self._compute_ratios.get(op_name(node, qualified=True))
+        if not ratios:
+            ratios = {sig: r for by_sig in self._compute_ratios.values() for sig, r in by_sig.items()}
+        return statistics.median(ratios.values()) if ratios else None
+
+    def node_cost(self, node: torch.fx.Node) -> NodeCost:
+        cost = self.base.node_cost(node)
+        if cost.kind == "p2p" and self._link_ratios:
+            return _scaled(cost, self.link_scale)
+        if not self.measurements or cost.kind not in ("compute", "collective"):
+            return cost
+        sig = self.signature(node)
+        measured = self.measurements.get(sig) if sig is not None else None
+        if measured is None:
+            return _scaled(cost, self.compute_scale(node)) if cost.kind == "compute" else cost
+        expr: sympy.Expr
+        if cost.time_s > 0 and cost.time_expr.free_symbols:
+            expr = cost.time_expr * sympy.Float(measured / cost.time_s)
+        else:
+            expr = sympy.Float(measured)
+        return dataclasses.replace(cost, time_s=measured, time_expr=expr)
+
+    def measure_new(self, nodes: Sequence[torch.fx.Node]) -> CalibrationReport:
+        """``calibrate`` nodes a pass created after calibration (the decompose pass's variants),
+        through ``runner``; every rank must call it with the same signatures, in the same order."""
+        return self.runner(lambda: self.calibrate(nodes)) if self.runner is not None else self.calibrate(nodes)
+
+    def segment_pair_times(
+        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+    ) -> dict[Pair, float]:
+        """Measured co-execution time of segment pairs (:mod:`cost_model.profile.pairs`)."""
+        return segment_pair_times(self, fwd, bwd, runner=self.runner)
+
+    def signature(self, node: torch.fx.Node) -> str | None:
+        """The node's measurement key (:mod:`cost_model.profile.signatures`), or None for nodes
+        that are never measured (neither compute nor collective; a collective without a live group)."""
+        kind = kind_of(node)
+        if kind not in ("compute", "collective"):
+            return None
+        val = node.meta.get("val")
+        hit = self._signature_cache.get(node)
+        if hit is not None and hit[0] is val:  # same metadata object: same signature
+            return hit[1]
+        sig: str | None
+        if kind == "compute":
+            sig = compute_signature(node)
+        else:
+            group = self._group_of(node)
+            sig = collective_signature(node, group) if group is not None else None
+        self._signature_cache[node] = (val, sig)
+        return sig
+
+    def skip_reason(self, node: torch.fx.Node) -> str | None:
+        """Why ``node`` is not measured (``"free"``: costs nothing), or None when it is."""
+        kind = kind_of(node)
+        if kind == "p2p":
+            return "p2p: base estimate times link_scale"
+        if kind == "compute":
+            if is_schema_view(node):
+                return "free"
+            vals = [node.meta.get("val"), *(i.meta.get("val") for i in node.all_input_nodes)]
+            for t in (t for v in vals for t in tensors_in(v)):
+                if t.device.type == "cuda" and not torch.cuda.is_available():
+                    return "device unavailable"
+                if t.device.type not in ("cpu", "cuda"):
+                    return "device unavailable"
+            if not any(tensors_in(v) for v in vals):
+                return "no tensor metadata"
+            return None
+        if kind == "collective":
+            group = self._group_of(node)
+            if group is None:
+                return "no process group"
+            if backend_name(group) == "fake":
+                return "fake process group"
+            size = resolve_group_size(group)
+            try:
+                call = describe_comm(node, size)
+            except ValueError:
+                return "unknown collective"
+            if size is not None and call.group_size != size:
+                return "group size mismatch"
+            return None
+        return "free"
+
+    def agreement_group(self) -> Any:
+        """The process group measurements are agreed over (None: a single process)."""
+        if self.process_group is not None:
+            return self.process_group
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                return dist.group.WORLD
+        except Exception:
+            return None
+        return None
+
+    def real_args(
+        self, node: torch.fx.Node, hints: dict[sympy.Symbol, int], is_collective: bool
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """Real arguments for running ``node`` alone (:func:`cost_model.profile.running.real_args`);
+        a collective's (``is_collective``) on the live group it runs on."""
+        if not is_collective:
+            return real_args(node, hints)
+        group = self._group_of(node)
+        if group is None:
+            raise RuntimeError(f"{node.name}: no live process group to run the collective on")
+        return real_args(node, hints, group)
+
+    def _group_of(self, node: torch.fx.Node) -> Any:
+        """The live process group a collective node runs on (``process_group`` wins)."""
+        if self.process_group is not None:
+            return self.process_group
+        return resolve_process_group(bound_args(node).get("group_name"))
+
+    # ------------------------------------------------------------------ calibration
+
+    def calibrate(self, gm: NodesLike) -> CalibrationReport:
+        """Measure the graph's ops and collectives; see the module docstring."""
+        t_start = time.perf_counter()
+        nodes = node_list(gm)
+        device = device_of_nodes(nodes)
+        key = self.device_name or device_key(device)
+        cache = self.disk_cache.load(key)
+        agree_group = self.agreement_group()
+
+        skipped: dict[str, int] = {}
+        items: list[_Item] = []
+        seen: dict[str, None] = {}
+        for node in nodes:
+            reason = self.skip_reason(node)
+            if reason is not None:
+                if reason != "free":
+                    skipped[reason] = skipped.get(reason, 0) + 1
+                continue
+            sig = self.signature(node)
+            if sig is None or sig in seen:
+                continue
+            seen[sig] = None
+            items.append(_Item(sig, node, kind_of(node) == "collective"))
+
+        check_same_signatures([it.sig for it in items], agree_group)
+        # Collectives depend on the link, which the cache key cannot name: they come only from
+        # this process's own measurements, never from (or into) the disk cache.
+        known = {**{k: v for k, v in cache.items() if not is_collective_signature(k)}, **self.measurements}
+        missing = [0.0 if it.sig in known else 1.0 for it in items]
+        missing = agree_max(missing, agree_group)
+
+        times: list[float] = []
+        measured = cached = 0
+        to_measure = int(sum(missing))
+        with progress_bar(
+            to_measure, f"dhelix calibrate {key}", enabled=self._show_progress(to_measure, agree_group)
+        ) as bar:
+            for item, need in zip(items, missing, strict=True):
+                if need:
+                    bar.set_postfix_str(item_label(op_name(item.node, qualified=True)), refresh=False)
+                    t = self._measure(item)
+                    measured += 1
+                    bar.update()
+                else:
+                    t = known[item.sig]
+                    cached += 1
+                times.append(t if not math.isnan(t) else _FAILED)
+        times = agree_max(times, agree_group)
+
+        for item, t in zip(items, times, strict=True):
+            if t == _FAILED:
+                skipped["measurement failed"] = skipped.get("measurement failed", 0) + 1
+                continue
+            self.measurements[item.sig] = t
+            base_s = self.base.node_cost(item.node).time_s
+            if not item.is_collective:
+                cache[item.sig] = t
+                if base_s > 0:
+                    self._compute_ratios.setdefault(op_name(item.node, qualified=True), {})[item.sig] = t / base_s
+            elif base_s > 0:
+                self._link_ratios[item.sig] = t / base_s
+
+        contention = None
+        if self.measure_contention:
+            contention = measure_contention(
+                [(t, it.sig, it.node) for it, t in zip(items, times, strict=True) if not it.is_collective and t != _FAILED],
+                [(t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != _FAILED],
+                agree_group,
+                cache,
+                self.repeats,
+            )
+            if contention is not None:
+                self.measured_contention_factor = contention
+        self.disk_cache.store(key, cache)
+        return CalibrationReport(
+            measured=measured,
+            cached=cached,
+            skipped=skipped,
+            contention_factor=contention,
+            seconds=time.perf_counter() - t_start,
+        )
+
+    def _show_progress(self, total: int, group: Any) -> bool:
+        """The bar's rule: rank 0 only; then ``progress`` when set, else a terminal and enough work."""
+        if _rank(group) != 0:
+            return False
+        if self.progress is not None:
+            return self.progress
+        return sys.stderr.isatty() and total >= PROGRESS_MIN_MEASUREMENTS
+
+    def _measure(self, item: _Item) -> float:
+        """Median seconds of one signature; NaN when it cannot run."""
+        node = item.node
+        hints = size_hints([node, *node.all_input_nodes])
+        device = device_of_nodes([node])
+        try:
+            args, kwargs = self.real_args(node, hints, item.is_collective)
+        except Exception:
+            return math.nan
+        if item.is_collective:
+            group = self._group_of(node)
+            import torch.distributed as dist
+
+            def run() -> object:
+                out = node.target(*args, **kwargs)  # type: ignore[operator]
+                for t in out if isinstance(out, (list, tuple)) else (out,):
+                    c10d.wait_tensor(t)
+                return out
+
+            try:
+                dist.barrier(group=group)
+                return median_run_s(run, self.warmup, self.repeats, device)
+            except Exception:
+                return math.nan
+
+        def run_compute() -> object:
+            return node.target(*args, **kwargs)  # type: ignore[operator]
+
+        try:
+            return median_run_s(run_compute, self.warmup, self.repeats, device)
+        except Exception:
+            return math.nan
+
+
+def _rank(group: Any) -> int:
+    if group is None:
+        return 0
+    try:
+        return int(group.rank())
+    except Exception:
+        return 0
+
+
+__all__ = ["PROGRESS_MIN_MEASUREMENTS", "CalibrationReport", "ProfiledEstimator"]

@@ -1,0 +1,116 @@
+"""Running a graph's node alone, for real, and timing it: what every measurement of the profiler shares.
+
+Contract
+--------
+* :func:`real_args` -- the arguments to call ``node.target`` with outside its graph: every input
+  node becomes a random tensor of its ``meta["val"]``'s shape, strides, dtype and device at the
+  size hints (:func:`materialize`: normal floats, zero integers -- valid indices and masks);
+  given a live ``group``, a collective's ``group_name`` argument names that group.
+* :func:`median_run_s` -- ``warmup`` untimed calls, then the median wall time of ``repeats``
+  calls, the device synchronized after each.
+* :func:`device_of_nodes` -- where the nodes' tensors live (the first one found; CPU if none).
+
+Nothing here knows estimators: :mod:`cost_model.profile.estimator` (ops and collectives alone)
+and :mod:`cost_model.profile.pairs` (two segments together) both build on it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from cost_model.symbolic import concretize, hinted_shape, hinted_stride, tensors_in
+
+
+def device_of_nodes(nodes: Iterable[torch.fx.Node]) -> torch.device:
+    """The device of the first tensor value among ``nodes`` (CPU if none has one)."""
+    for node in nodes:
+        for t in tensors_in(node.meta.get("val")):
+            return torch.device(t.device)
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_run_s(
+    fn: Callable[[], object], warmup: int, repeats: int, device: torch.device
+) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` after ``warmup`` calls (device synchronized)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples: list[float] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def materialize(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> torch.Tensor:
+    """A real tensor with ``val``'s (hinted) shape, strides, dtype and device."""
+    shape = hinted_shape(val, hints)
+    stride = hinted_stride(val, hints)
+    t = torch.empty_strided(shape, stride, dtype=val.dtype, device=val.device)
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.normal_()
+    else:
+        t.zero_()  # zeros are valid indices, masks and divisors-free integers
+    return t
+
+
+def real_args(
+    node: torch.fx.Node, hints: dict[sympy.Symbol, int], group: Any = None
+) -> tuple[list[Any], dict[str, Any]]:
+    """Real arguments for running ``node`` alone: random tensors of its inputs' shapes at
+    ``hints``; with a ``group``, the collective's ``group_name`` argument names it."""
+    made: dict[torch.fx.Node, Any] = {}
+
+    def real(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            if value not in made:
+                val = value.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    made[value] = materialize(val, hints)
+                elif isinstance(val, (list, tuple)):
+                    made[value] = type(val)(
+                        materialize(v, hints)
+                        if isinstance(v, torch.Tensor)
+                        else concretize(v, hints)
+                        for v in val
+                    )
+                else:
+                    made[value] = concretize(val, hints)
+            return made[value]
+        if isinstance(value, list):
+            return [real(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(real(v) for v in value)
+        return concretize(value, hints)
+
+    args = [real(a) for a in node.args]
+    kwargs = {k: real(v) for k, v in node.kwargs.items()}
+    if group is not None:
+        schema = node.target._schema  # type: ignore[union-attr]
+        for i, arg in enumerate(schema.arguments):
+            if arg.name != "group_name":
+                continue
+            if i < len(args):
+                args[i] = group.group_name
+            else:
+                kwargs["group_name"] = group.group_name
+    return args, kwargs
+
+
+__all__ = ["device_of_nodes", "materialize", "median_run_s", "real_args", "synchronize"]
