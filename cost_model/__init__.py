@@ -3,18 +3,22 @@
 A library that knows nothing of passes: passes receive an :class:`Estimator` and may run
 :func:`simulate` on candidate orders.
 
-    hardware     Device / Link tables with sources; measured "cpu" entry
-    op_kinds     node classification (compute / collective / wait / p2p / view / other), op_name
-    flops        FLOPs and bytes per aten op (torch.utils.flop_counter formulas)
-    collectives  alpha-beta models (ring / tree, nccl / gloo)
-    estimator    NodeCost, Estimator protocol, AnalyticEstimator, TableEstimator
-    profile/     ProfiledEstimator: measured ops, collectives and segment pairs, agreed across
-                 ranks, cached (estimator, signatures, cache, running, contention, pairs)
-    progress     the progress bar (tqdm)
-    memory       aliasing and liveness, peak live bytes of an order
-    simulator    one compute stream + N comm channels -> makespan, exposed comm, events
-    symbolic     sympy sizes and their hints
-    units        numbers as text: format_ms, format_pct, format_ratio
+    hardware        Device / Link tables with sources; measured "cpu" entry
+    op_kinds        node classification (compute / collective / wait / p2p / view / other), op_name
+    flops           FLOPs and bytes per aten op (torch.utils.flop_counter formulas)
+    collectives     alpha-beta models (ring / tree, nccl / gloo)
+    estimator       NodeCost, the Estimator protocol and EstimatorBase (its neutral answers),
+                    AnalyticEstimator, TableEstimator, MemoizedEstimator
+    profile/        ProfiledEstimator: measured ops, collectives and segment pairs, agreed across
+                    ranks, cached (estimator, signatures, cache, running, contention, pairs)
+    rank_agreement  every rank plans with the same numbers (tensor collectives)
+    memory          aliasing and liveness, peak live bytes of an order
+    simulator       one compute stream + N comm channels -> makespan, exposed comm, events
+    strand_plan     the Strand Interleaving DP over two strands' segments (DHelix's plan)
+    symbolic        sympy sizes and their hints
+    cluster/        the DHelix paper's settings at cluster scale (``dhelix simulate``)
+    units           numbers as text: format_ms, format_pct, format_ratio
+    progress        the progress bar (tqdm)
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from cost_model.comm_nodes import CommCall, describe_comm
 from cost_model.estimator import (
     AnalyticEstimator,
     Estimator,
+    EstimatorBase,
     MemoizedEstimator,
     NodeCost,
     StubEstimator,
@@ -63,6 +68,7 @@ __all__ = [
     "CommCall",
     "Device",
     "Estimator",
+    "EstimatorBase",
     "Link",
     "MemoizedEstimator",
     "NodeCost",

@@ -4,20 +4,22 @@ Contract
 --------
 An :class:`Estimator` maps one FX node to a :class:`NodeCost`; which model stands behind it
 (analytic, profiled, a table in a test) is the caller's choice. Besides ``node_cost`` every
-estimator answers three questions, with a neutral answer where it has no real one (the
-defaults of :class:`EstimatorBase`, which every estimator here inherits)::
+estimator answers three questions, with a neutral answer where it has no real one::
 
-    member                              what it is                                   neutral answer
-    node_cost(node)                     the node's cost                              (required)
-    contention_factor                   compute slowdown while a transfer is in      1.0
-                                        flight (the simulator, the interleave DP)
-    segment_pair_times(fwd, bwd)        measured co-execution time of segment        {}  (nothing measured:
-                                        pairs, keyed (i, j), None for "no segment"       the caller keeps its formula)
-    measure_new(nodes)                  measure nodes a pass created after           does nothing
-                                        calibration, before they are priced
+    member                        answers                                        neutral answer
+    node_cost(node)               the node's cost                                (required)
+    contention_factor             compute slowdown while a transfer is in        1.0
+                                  flight (the simulator, the interleave DP)
+    segment_pair_times(fwd, bwd)  seconds of forward segment i and backward      {}: nothing measured,
+                                  segment j run together, keyed (i, j)           the caller keeps its
+                                  (None: no segment of that strand)              formula
+    measure_new(nodes)            measures nodes a pass created after            nothing
+                                  calibration, before they are priced
 
-Callers call them directly; nothing is probed with ``getattr``. :class:`ProfiledEstimator`
-(:mod:`cost_model.profile`) is the one with real answers for all three.
+Callers call them directly; nothing is probed with ``getattr``. :class:`EstimatorBase` holds the
+neutral answers: :class:`AnalyticEstimator` and :class:`TableEstimator` inherit them (and set
+their own contention factor), :class:`MemoizedEstimator` forwards all four to the estimator it
+wraps, and :class:`cost_model.profile.ProfiledEstimator` has real answers for all three.
 
 :class:`AnalyticEstimator` -- the roofline / alpha-beta model::
 
