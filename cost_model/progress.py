@@ -33,7 +33,6 @@ def progress_bar(total: int, label: str, *, enabled: bool, stream: TextIO | None
         disable=not (enabled and total > 0),
         bar_format=BAR_FORMAT,
         ascii=".#",
-        dynamic_ncols=False,
     )
 
 
