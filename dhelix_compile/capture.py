@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx
 
 from cost_model import Estimator
+from cost_model.op_kinds import op_name
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile import ops as _ops  # noqa: F401 - registers dhelix::exchange, which decompose emits
 from dhelix_compile.codegen import generate, has_communication
@@ -164,7 +165,7 @@ def _dump_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inpu
 def comm_order(gm: torch.fx.GraphModule) -> list[str]:
     """The graph's collective issues and waits in order, e.g. ``["all_gather_into_tensor", "wait_tensor"]``."""
     return [
-        getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        op_name(n)
         for n in gm.graph.nodes
         if n.meta.get("dhelix", {}).get("kind") in ("collective", "p2p", "wait")
     ]

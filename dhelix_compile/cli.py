@@ -88,7 +88,7 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
         factors = ", ".join(sorted({f"{p.contention_factor:g}" for p in preds}))
         contention = f"{factors} (the devices' default)" if args.contention is None else f"{args.contention:g}"
         print(
-            "Predictions from the cost model (cost_model/cluster.py), not measurements. "
+            "Predictions from the cost model (cost_model/cluster/), not measurements. "
             f"Contention factor: {contention}; matmul efficiency: {args.matmul_efficiency:g} "
             "(1 = roofline). Sequential = Megatron-like, nothing overlapped; dhelix = the Strand "
             "Interleaving DP of graph_passes/interleave.py over one micro-batch's forward and another's "

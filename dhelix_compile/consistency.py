@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from cost_model.op_kinds import kind_of
+from cost_model.op_kinds import kind_of, op_name
 from dhelix_compile import _torch_compat as compat
 
 log = logging.getLogger("dhelix")
@@ -70,7 +70,7 @@ def collective_signatures(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
         group = _group_name_of(node)
         if group is None:
             continue
-        op = str(node.target).removeprefix("_c10d_functional.")
+        op = op_name(node, qualified=True).removeprefix("_c10d_functional.")
         inputs = ", ".join(_describe(a) for a in node.args if isinstance(a, (torch.fx.Node, list, tuple)))
         per_group.setdefault(group, []).append(f"{op}({inputs}) -> {_describe(node)}")
     return per_group

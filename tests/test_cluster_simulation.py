@@ -149,7 +149,11 @@ def test_cli_one_setting(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     assert "DHeLlam-502/dhellam" in out
     data = json.loads(out_json.read_text())
     assert [d["setting"] for d in data] == ["a40-llama-8b"]
-    assert data[0]["contention_factor"] == 1.2
+    # the flag reached the model: the JSON is the contended prediction, which differs from the default's
+    setting = get_setting("a40-llama-8b")
+    contended = simulate_setting(setting, contention_factor=1.2)
+    assert data[0] == json.loads(json.dumps(contended.to_dict()))
+    assert data[0]["dhelix"]["step_s"] > simulate_setting(setting).dhelix.step_s
 
 
 def test_cli_all(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from cost_model.units import format_ms
 
 #: Step-time variants of the demo, in table order.
 DEMO_VARIANTS = ("eager", "inductor", "helix")
@@ -126,7 +127,7 @@ def _print_results(result: dict[str, Any], link: str, dump_dir: Path) -> None:
     print("|---|---:|---:|---:|")
     for name, samples in result["step_s"].items():
         print(
-            f"| {name} | {medians[name] * 1e3:.1f} | {min(samples) * 1e3:.1f}-{max(samples) * 1e3:.1f} "
+            f"| {name} | {format_ms(medians[name])} | {format_ms(min(samples))}-{format_ms(max(samples))} "
             f"| {base / medians[name]:.2f}x |"
         )
     print()

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from cost_model.units import format_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     makespans = {k[len("predicted_makespan_"):-2] or "chosen": v for k, v in record.items()
                  if k.startswith("predicted_makespan_") and k.endswith("_s")}
     print("predicted makespan per candidate order (ms): "
-          + ", ".join(f"{name} {value * 1e3:.2f}" for name, value in makespans.items()))
+          + ", ".join(f"{name} {format_ms(value, 2)}" for name, value in makespans.items()))
     print(f"plan (segments + DP + refinement): {record['plan_time_s']:.3f} s; "
           f"interleave pass: {summary['pass_seconds']['interleave']:.3f} s; whole first step incl. compile: {total_s:.1f} s")
     dist.destroy_process_group()

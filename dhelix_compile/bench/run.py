@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
+from cost_model.progress import item_label, progress_bar
+from cost_model.units import format_ms
 
 
 def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
@@ -72,23 +74,20 @@ def _launch(
 
 @contextlib.contextmanager
 def _progress_bar(path: Path, label: str) -> Iterator[None]:
-    """A tqdm bar on stderr, fed from the file rank 0 rewrites after each timed step (``done total variant``)."""
-    from tqdm import tqdm
-
+    """The project's progress bar (``cost_model.progress``) on stderr, fed from the file rank 0 rewrites after each timed step (``done total variant``)."""
     done = threading.Event()
 
     def draw() -> None:
-        bar: tqdm[None] | None = None
+        bar = None
         while not done.wait(0.5):
             try:
                 count, total, variant = path.read_text().split()
             except (OSError, ValueError):
                 continue  # compiling and warming up: nothing timed yet
             if bar is None:
-                bar = tqdm(total=int(total), desc=label, file=sys.stderr, unit="step", dynamic_ncols=True)
-            bar.n = int(count)
-            bar.set_postfix_str(variant, refresh=False)
-            bar.refresh()
+                bar = progress_bar(int(total), label, enabled=True, stream=sys.stderr)
+            bar.set_postfix_str(item_label(variant), refresh=False)
+            bar.update(int(count) - bar.n)
         if bar is not None:
             bar.close()
 
@@ -168,10 +167,6 @@ def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
     return (t_compute_s + t_comm_s - step_s) / hideable if hideable > 0 else 0.0
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
 def markdown(summary: dict[str, Any]) -> str:
     """The summary as a markdown table, ratios beside seconds."""
     limit = summary["limit_s"]
@@ -181,11 +176,11 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{summary['world_size']} ranks, {summary.get('microbatches', 1)} micro-batches per step, "
         f"{summary['repeats']} interleaved repeats",
         "",
-        f"T_compute = {summary['t_compute_s'] * 1e3:.1f} ms, T_comm = {summary['t_comm_s'] * 1e3:.1f} ms, "
-        f"limit max(T_compute, T_comm) = {limit * 1e3:.1f} ms, "
-        f"sequential T_compute + T_comm = {(summary['t_compute_s'] + summary['t_comm_s']) * 1e3:.1f} ms"
+        f"T_compute = {format_ms(summary['t_compute_s'])} ms, T_comm = {format_ms(summary['t_comm_s'])} ms, "
+        f"limit max(T_compute, T_comm) = {format_ms(limit)} ms, "
+        f"sequential T_compute + T_comm = {format_ms((summary['t_compute_s'] + summary['t_comm_s']))} ms"
         + (
-            f"; T_comm takes {summary['t_comm_cpu_s'] * 1e3:.1f} ms of CPU per rank"
+            f"; T_comm takes {format_ms(summary['t_comm_cpu_s'])} ms of CPU per rank"
             if summary.get("t_comm_cpu_s") is not None else ""
         ),
         "",
@@ -198,17 +193,17 @@ def markdown(summary: dict[str, Any]) -> str:
         own = v.get("t_compute_s", summary["t_compute_s"])
         common = hidden_share(v["step_s_median"], summary["t_compute_s"], summary["t_comm_s"])
         lines.append(
-            f"| {name} | {v['step_s_median'] * 1e3:.1f} | {v['step_s_min'] * 1e3:.1f}-{v['step_s_max'] * 1e3:.1f} "
-            f"| {speedup} | {v['step_s_median'] / limit:.2f} | {v['hidden_share']:.0%} | {own * 1e3:.1f} "
+            f"| {name} | {format_ms(v['step_s_median'])} | {format_ms(v['step_s_min'])}-{format_ms(v['step_s_max'])} "
+            f"| {speedup} | {v['step_s_median'] / limit:.2f} | {v['hidden_share']:.0%} | {format_ms(own)} "
             f"| {common:.0%} "
-            f"| {_ms(v.get('cpu_s_median'))} | {_ms(v.get('idle_s'))} |"
+            f"| {format_ms(v.get('cpu_s_median'))} | {format_ms(v.get('idle_s'))} |"
         )
     ceiling = summary.get("ceiling")
     if ceiling:
         lines.append(
-            f"| *ceiling* | {ceiling['step_s_median'] * 1e3:.1f} | | | {ceiling['step_s_median'] / limit:.2f} "
-            f"| {ceiling['hidden_share']:.0%} | {ceiling['t_compute_s'] * 1e3:.1f} | | {_ms(ceiling['cpu_s_median'])} "
-            f"| {_ms(ceiling['idle_s'])} |"
+            f"| *ceiling* | {format_ms(ceiling['step_s_median'])} | | | {ceiling['step_s_median'] / limit:.2f} "
+            f"| {ceiling['hidden_share']:.0%} | {format_ms(ceiling['t_compute_s'])} | | {format_ms(ceiling['cpu_s_median'])} "
+            f"| {format_ms(ceiling['idle_s'])} |"
         )
     lines += [
         "",
@@ -225,7 +220,7 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += ["", "| variant | predicted step (ms) | measured median (ms) | predicted / measured |", "|---|---:|---:|---:|"]
         for name, v in predicted.items():
             lines.append(
-                f"| {name} | {v['predicted_step_s'] * 1e3:.1f} | {v['step_s_median'] * 1e3:.1f} "
+                f"| {name} | {format_ms(v['predicted_step_s'])} | {format_ms(v['step_s_median'])} "
                 f"| {v['predicted_step_s'] / v['step_s_median']:.2f} |"
             )
     if summary.get("errors"):

@@ -44,6 +44,7 @@ import torch.fx
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.capture import compile_partition
 from dhelix_compile.config import DHelixConfig
+from cost_model.op_kinds import op_name
 from graph_passes.merge_strands import MergedStrands, merge_strands
 
 log = logging.getLogger("dhelix.helix")
@@ -70,9 +71,8 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        if name in _RANDOM_OP_NAMES:
-            found.append(str(node.target))
+        if op_name(node) in _RANDOM_OP_NAMES:
+            found.append(op_name(node, qualified=True))
     return found
 
 

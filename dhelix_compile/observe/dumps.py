@@ -51,6 +51,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.fx
 
+from cost_model.op_kinds import op_name
 from cost_model import Estimator, SimResult, simulate
 from dhelix_compile.observe import report
 from dhelix_compile.observe.graph_picture import write_graph_picture
@@ -61,7 +62,7 @@ from graph_passes import PassContext
 
 def op_counts(gm: torch.fx.GraphModule) -> Counter[str]:
     """How many ``call_function`` nodes of each target the graph has."""
-    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    return Counter(op_name(n, qualified=True) for n in gm.graph.nodes if n.op == "call_function")
 
 
 def format_op_count_diff(before: Counter[str], after: Counter[str]) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.fx
 
-from cost_model.op_kinds import kind_of
+from cost_model.op_kinds import kind_of, op_name
 from dhelix_compile.observe import svg
 from dhelix_compile.observe.timeline import strand_colour
 
@@ -57,9 +57,7 @@ def node_strand(node: torch.fx.Node) -> int:
 
 
 def _target_name(node: torch.fx.Node) -> str:
-    if node.op == "call_function":
-        return str(getattr(node.target, "__name__", node.target))
-    return node.op
+    return op_name(node) if node.op == "call_function" else node.op
 
 
 def _dot_id(name: str) -> str:

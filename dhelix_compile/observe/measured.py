@@ -72,6 +72,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from cost_model import SimEvent, SimResult
 from cost_model.op_kinds import NodeKind, kind_of
+from cost_model.units import format_ms
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.observe.timeline import LabelledTimeline
 from graph_passes.annotate import issue_of
@@ -385,12 +386,12 @@ class MeasuredTimeline:
         if len(self.steps) > 1 and step == self.median_step():
             label += " (median)" if len(self.steps) % 2 else " (lower median)"
         result = measured_sim_result(self.plan, self.steps[step])
-        header = f"{label}: {result.makespan_s * 1e3:.3f} ms"
+        header = f"{label}: {format_ms(result.makespan_s, 3)} ms"
         if self.steps[step].boundaries is None:
             header += f", no segments ({self.steps[step].mismatch})" if self.steps[step].mismatch else ""
         elif self.plan.boundaries:
             header += (
-                f", blocked in waits {result.exposed_comm_s * 1e3:.3f} ms; "
+                f", blocked in waits {format_ms(result.exposed_comm_s, 3)} ms; "
                 "comm bars: issue → its wait returned"
             )
         return LabelledTimeline(label, result, header)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from cost_model import SimResult
+from cost_model.units import format_ms, format_pct
 
 
 def timeline_numbers(before: SimResult, after: SimResult) -> dict[str, Any]:
@@ -58,16 +59,8 @@ def timeline_numbers(before: SimResult, after: SimResult) -> dict[str, Any]:
 # --------------------------------------------------------------------------- formatting
 
 
-def _ms(value_s: Any) -> str:
-    return "-" if value_s is None else f"{value_s * 1e3:.3f}"
-
-
 def _mib(value_bytes: Any) -> str:
     return "-" if value_bytes is None else f"{value_bytes / 2**20:.2f}"
-
-
-def _percent(share: Any) -> str:
-    return "-" if share is None else f"{share * 100:.1f}%"
 
 
 def _ratio(ratio: Any) -> str:
@@ -79,7 +72,7 @@ def _measured_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if m:
         calls = f"median of {m['steps']} profiled call{'s' if m['steps'] != 1 else ''}"
         return [
-            (f"measured call, {calls}, {m['clock']} clock (ms)", _ms(m.get("measured_step_s"))),
+            (f"measured call, {calls}, {m['clock']} clock (ms)", format_ms(m.get("measured_step_s"), 3)),
             ("measured / predicted (dhelix schedule)", _ratio(m.get("ratio"))),
         ]
     if summary.get("profile_steps"):
@@ -91,18 +84,18 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """``(label, value)`` pairs of one graph's summary, as the page and the table show them."""
     t = summary.get("timeline") or {}
     rows = [
-        ("predicted makespan, original order (ms)", _ms(t.get("makespan_before_s"))),
-        ("predicted makespan, dhelix schedule (ms)", _ms(t.get("makespan_after_s"))),
-        ("exposed communication, original order (ms)", _ms(t.get("exposed_comm_before_s"))),
-        ("exposed communication, dhelix schedule (ms)", _ms(t.get("exposed_comm_after_s"))),
-        ("compute / communication total (ms)", f"{_ms(t.get('compute_s'))} / {_ms(t.get('comm_s'))}"),
-        ("share of hideable communication hidden", _percent(t.get("hidden_share"))),
+        ("predicted makespan, original order (ms)", format_ms(t.get("makespan_before_s"), 3)),
+        ("predicted makespan, dhelix schedule (ms)", format_ms(t.get("makespan_after_s"), 3)),
+        ("exposed communication, original order (ms)", format_ms(t.get("exposed_comm_before_s"), 3)),
+        ("exposed communication, dhelix schedule (ms)", format_ms(t.get("exposed_comm_after_s"), 3)),
+        ("compute / communication total (ms)", f"{format_ms(t.get('compute_s'), 3)} / {format_ms(t.get('comm_s'), 3)}"),
+        ("share of hideable communication hidden", format_pct(t.get("hidden_share"))),
         ("peak memory, original order (MiB)", _mib(t.get("peak_memory_before_bytes"))),
         ("peak memory, dhelix schedule (MiB)", _mib(t.get("peak_memory_after_bytes"))),
     ]
     rows.extend(_measured_rows(summary))
     for name, seconds in (summary.get("pass_seconds") or {}).items():
-        rows.append((f"pass {name} (ms)", _ms(seconds)))
+        rows.append((f"pass {name} (ms)", format_ms(seconds, 3)))
     if summary.get("fallback"):
         rows.append(("fell back to plain Inductor", str(summary["fallback"])))
     return rows
@@ -165,11 +158,11 @@ SEGMENT_COLUMNS = ("#", "segment", "predicted ms", "measured ms", "measured / pr
 def segment_table_rows(measured: dict[str, Any]) -> list[tuple[str, ...]]:
     """Rows of the predicted-vs-measured table: one per segment, then the whole call."""
     rows = [
-        (str(seg["segment"]), seg["label"], _ms(seg["predicted_s"]), _ms(seg["measured_s"]), _ratio(seg["ratio"]))
+        (str(seg["segment"]), seg["label"], format_ms(seg["predicted_s"], 3), format_ms(seg["measured_s"], 3), _ratio(seg["ratio"]))
         for seg in measured.get("segments") or []
     ]
     rows.append(
-        ("", "whole call", _ms(measured.get("predicted_step_s")), _ms(measured.get("measured_step_s")), _ratio(measured.get("ratio")))
+        ("", "whole call", format_ms(measured.get("predicted_step_s"), 3), format_ms(measured.get("measured_step_s"), 3), _ratio(measured.get("ratio")))
     )
     return rows
 
@@ -257,15 +250,15 @@ def table_row(folder: Path, summary: dict[str, Any]) -> tuple[str, ...]:
     pass_total_s = sum((summary.get("pass_seconds") or {}).values())
     return (
         str(folder),
-        _ms(t.get("makespan_before_s")),
-        _ms(t.get("makespan_after_s")),
-        _ms(t.get("exposed_comm_before_s")),
-        _ms(t.get("exposed_comm_after_s")),
-        _percent(t.get("hidden_share")),
+        format_ms(t.get("makespan_before_s"), 3),
+        format_ms(t.get("makespan_after_s"), 3),
+        format_ms(t.get("exposed_comm_before_s"), 3),
+        format_ms(t.get("exposed_comm_after_s"), 3),
+        format_pct(t.get("hidden_share")),
         _mib(t.get("peak_memory_before_bytes")),
         _mib(t.get("peak_memory_after_bytes")),
-        _ms(pass_total_s),
-        _ms(m.get("measured_step_s")),
+        format_ms(pass_total_s, 3),
+        format_ms(m.get("measured_step_s"), 3),
         _ratio(m.get("ratio")),
     )
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cost_model import SimEvent, SimResult
+from cost_model.units import format_ms
 from dhelix_compile.observe import svg
 
 #: Chrome trace viewer's reserved colour names (trace_viewer/base/color_scheme.html), one per
@@ -142,8 +143,8 @@ def chrome_trace(timelines: Sequence[LabelledTimeline]) -> dict[str, Any]:
 def _trace_metadata(pid: int, timeline: LabelledTimeline) -> list[dict[str, Any]]:
     res = timeline.result
     label = (
-        f"{timeline.label} (predicted: makespan {res.makespan_s * 1e3:.3f} ms, "
-        f"exposed comm {res.exposed_comm_s * 1e3:.3f} ms)"
+        f"{timeline.label} (predicted: makespan {format_ms(res.makespan_s, 3)} ms, "
+        f"exposed comm {format_ms(res.exposed_comm_s, 3)} ms)"
     )
     meta: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}},
@@ -251,9 +252,9 @@ def _svg_defs() -> str:
 def _panel(timeline: LabelledTimeline, scale: _Scale, y_px: float) -> tuple[str, float]:
     res = timeline.result
     header = timeline.header or (
-        f"{timeline.label}: makespan {res.makespan_s * 1e3:.3f} ms, "
-        f"exposed communication {res.exposed_comm_s * 1e3:.3f} ms "
-        f"of {res.comm_s * 1e3:.3f} ms"
+        f"{timeline.label}: makespan {format_ms(res.makespan_s, 3)} ms, "
+        f"exposed communication {format_ms(res.exposed_comm_s, 3)} ms "
+        f"of {format_ms(res.comm_s, 3)} ms"
     )
     parts = [svg.text(8, y_px + 16, header, size=13, weight="bold")]
     y_px += _PANEL_TITLE_H_PX
@@ -293,7 +294,7 @@ def _bar(ev: SimEvent, scale: _Scale, y_px: float) -> str:
     fill = colour if is_compute else _lighten(colour)
     tooltip = (
         f"{ev.node_name} ({ev.kind}, strand {ev.strand}): "
-        f"{ev.start_s * 1e3:.4f} - {ev.end_s * 1e3:.4f} ms"
+        f"{format_ms(ev.start_s, 4)} - {format_ms(ev.end_s, 4)} ms"
     )
     bar = (
         f'<rect x="{x0:.2f}" y="{y_px + 2:.1f}" width="{width:.2f}" height="{_TRACK_H_PX - 4}" '
@@ -310,7 +311,7 @@ def _bar(ev: SimEvent, scale: _Scale, y_px: float) -> str:
 
 def _exposed_band(start_s: float, end_s: float, scale: _Scale, y_px: float) -> str:
     x0, x1 = scale.x(start_s), scale.x(end_s)
-    tooltip = f"exposed communication: {start_s * 1e3:.4f} - {end_s * 1e3:.4f} ms"
+    tooltip = f"exposed communication: {format_ms(start_s, 4)} - {format_ms(end_s, 4)} ms"
     return (
         f'<rect x="{x0:.2f}" y="{y_px:.1f}" width="{max(x1 - x0, 1.0):.2f}" height="{_TRACK_H_PX}" '
         f'fill="url(#exposed)" stroke="{_EXPOSED_COLOUR}" stroke-width="1.2">'
