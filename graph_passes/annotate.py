@@ -12,6 +12,9 @@ Contract
 
     The graph itself is not changed. Running the pass twice gives the same meta.
 
+    Counts (``ctx.stats["annotate"]``): one per node under its kind (``compute``, ``wait``...),
+    and ``wait without a collective issue`` (detail in ``ctx.notes``: which wait).
+
 Pseudo-code::
 
     for n in graph order:
@@ -70,7 +73,7 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphM
             if issue is not None:
                 meta["comm_id"] = comm_ids[issue]
             else:
-                ctx.count("annotate", "wait without a collective issue")
+                ctx.explain("annotate", "wait without a collective issue", f"{ctx.graph_name}: {node.name} reads {node.args[:1]}")
         node.meta[META_KEY] = meta
         ctx.count("annotate", kind)
     return gm

@@ -27,7 +27,7 @@ Algorithm::
     P(F_i, B_j) = max(C_F + C_B + (f-1)·overlap,  X_F + X_B)   (one channel: the transfers
         queue behind each other; f = contention factor: compute under a transfer runs slower)
         with cost_model="profile": P measured by co-executing the two segments on the live
-        device and group (``cost_model.pair_profile``; distinct pairs only, agreed by ranks)
+        device and group (``cost_model.profile.pairs``; distinct pairs only, agreed by ranks)
     T[i][j] = min(T[i-1][j] + P(F_i, ∅), T[i][j-1] + P(∅, B_j), T[i-1][j-1] + P(F_i, B_j))
         a move whose live bytes exceed memory_budget_ratio x the sequential order's peak is
         forbidden (live bytes at a cut = forward's live bytes + backward's, each strand's
@@ -46,6 +46,16 @@ Algorithm::
         not see a wait that a chain of transfers leaves exposed); keep the shortest predicted
         makespan whose peak live bytes (the backward's saved inputs freed at last use) stay
         within memory_budget_ratio x the sequential order's
+
+Reason codes (``ctx.stats["interleave"]``; details in ``ctx.notes["interleave"]``)::
+
+    skipped: one strand                  not a merged graph
+    sequential: no estimator             nothing to hide: the sequential order
+    sequential: no predicted gain        detail: the best candidate's and the sequential makespans
+    interleaved                          an interleaved order is kept, and which one:
+    interleaved by <candidate>           dp, dp_defer<d>, dp_refined, dp_defer<d>_refined, list
+    <candidate> order over the memory budget   detail: its peak and the budget
+    nodes moved                          (counted by how many positions changed)
 
 Picture (two layers of TP: each strand's collective in flight under the other's matmuls)::
 
@@ -232,13 +242,21 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         **{f"predicted_peak_bytes_{n}": float(p) for n, p in peaks.items()},
     )
     if chosen == "sequential":
-        ctx.count("interleave", "sequential: no predicted gain")
+        best = min((n for n in candidates if n != "sequential"), key=lambda n: results[n].makespan_s)
+        ctx.explain(
+            "interleave", "sequential: no predicted gain",
+            f"{ctx.graph_name}: sequential {results['sequential'].makespan_s:.4g} s, the fastest other order "
+            f"({best}{'' if best in fits else ', over the memory budget'}) {results[best].makespan_s:.4g} s",
+        )
     else:
         ctx.count("interleave", "interleaved")
         ctx.count("interleave", f"interleaved by {chosen}")
     for name in candidates:
         if name not in fits:
-            ctx.count("interleave", f"{name} order over the memory budget")
+            ctx.explain(
+                "interleave", f"{name} order over the memory budget",
+                f"{ctx.graph_name}: peak {peaks[name]} B > {options.memory_budget_ratio} x sequential {peaks['sequential']} B",
+            )
     ctx.count("interleave", "nodes moved", apply_order(gm.graph, candidates[chosen]))
     return gm
 

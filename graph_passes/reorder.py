@@ -2,8 +2,7 @@
 
 Contract
     Input: an annotated graph (``meta["dhelix"]``) and ``ctx.estimator``. Output: the same
-    nodes in a new topological order, or the graph untouched with the reason counted
-    (no collectives / no estimator / no predicted gain / over the memory budget).
+    nodes in a new topological order, or the graph untouched with the reason counted.
     - Semantics: only the order changes; order-sensitive nodes (mutation, RNG, side effects)
       keep their relative position (``scheduling.is_order_sensitive``).
     - Memory: the new order's peak live bytes (``cost_model.memory``) stay within
@@ -13,6 +12,16 @@ Contract
     - Judged by the simulator: kept only if ``cost_model.simulate`` predicts a shorter makespan.
       ``ctx.records["reorder"]`` holds the predictions before/after and
       ``predicted_makespan_s`` of the order the pass returns.
+
+Reason codes (``ctx.stats["reorder"]``; details in ``ctx.notes["reorder"]``)::
+
+    reordered graphs                              the new order is kept
+    nodes moved                                   (counted by how many positions changed)
+    skipped: no collectives
+    skipped: no estimator
+    skipped: merged strands                       a helix graph: ``interleave`` orders it
+    kept original order: no predicted gain        detail: both predicted makespans
+    kept original order: over the memory budget   detail: both peaks and the ratio
 
 The algorithm is ``scheduling.list_schedule``; this module is its priority rule.
 
@@ -134,7 +143,7 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
         ctx.count("reorder", "skipped: no estimator")
         return gm
     if len({n.meta.get("dhelix", {}).get("strand", 0) for n in all_nodes}) > 1:
-        ctx.count("reorder", "skipped: merged strands (interleave orders them)")
+        ctx.count("reorder", "skipped: merged strands")
         return gm
     estimator = MemoizedEstimator(ctx.estimator)  # several orders are simulated below
     body = [n for n in all_nodes if n.op not in ("placeholder", "output")]
@@ -157,12 +166,18 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     )
     ctx.record("reorder", predicted_makespan_s=before.makespan_s)
     if after.makespan_s >= before.makespan_s:
-        ctx.count("reorder", "kept original order: no predicted gain")
+        ctx.explain(
+            "reorder", "kept original order: no predicted gain",
+            f"{ctx.graph_name}: the new order predicts {after.makespan_s:.4g} s, the original {before.makespan_s:.4g} s",
+        )
         return gm
     peak_before = peak_memory_bytes(all_nodes, output_bytes)
     peak_after = peak_memory_bytes(new_nodes, output_bytes)
     if peak_after > options.memory_budget_ratio * peak_before:
-        ctx.count("reorder", "kept original order: over the memory budget")
+        ctx.explain(
+            "reorder", "kept original order: over the memory budget",
+            f"{ctx.graph_name}: peak {peak_after} B > {options.memory_budget_ratio} x the original's {peak_before} B",
+        )
         return gm
     ctx.record("reorder", predicted_makespan_s=after.makespan_s)
     ctx.count("reorder", "nodes moved", apply_order(graph, order))

@@ -95,6 +95,28 @@ def test_verify_accepts_a_good_graph_and_counts() -> None:
     assert ctx.stats["verify"]["collective issue with wait"] == 1
 
 
+def test_reasons_are_counted_by_code_and_their_details_noted_apart() -> None:
+    ctx = _ctx()
+    ctx.count("p", "skipped: no estimator")
+    ctx.explain("p", "site: skipped: indivisible", "site0: dim 1 (3) not divisible by 2")
+    ctx.explain("p", "site: skipped: indivisible", "site1: dim 0 (5) not divisible by 2", n=2)
+    ctx.explain("p", "site: skipped: indivisible", "site0: dim 1 (3) not divisible by 2")
+    assert ctx.stats["p"] == {"skipped: no estimator": 1, "site: skipped: indivisible": 4}
+    # distinct details, in the order they came; none for a code only counted
+    assert ctx.notes["p"] == {"site: skipped: indivisible": ["site0: dim 1 (3) not divisible by 2",
+                                                            "site1: dim 0 (5) not divisible by 2"]}
+
+
+def test_annotate_explains_a_wait_without_an_issue() -> None:
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(c10d.wait_tensor.default, (x,)))
+    ctx = _ctx()
+    annotate_pass(_gm(g), ctx)
+    assert ctx.stats["annotate"]["wait without a collective issue"] == 1
+    assert ctx.notes["annotate"]["wait without a collective issue"]
+
+
 def test_verify_rejects_a_collective_without_wait() -> None:
     with pytest.raises(VerifyError, match="'all_gather_into_tensor_default'.*has no wait_tensor"):
         verify_pass(_all_gather_mm_graph(with_wait=False), _ctx())
