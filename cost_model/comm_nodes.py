@@ -108,6 +108,17 @@ def resolve_group_size(group: Any) -> int | None:
     return None if resolved is None else int(resolved.size())
 
 
+def resolve_group_rank(group: Any) -> int | None:
+    """This process's rank inside a process group given by name (or object): the *group* rank
+    P2P peers are named by. ``None`` if torch.distributed does not know the group or this
+    process is not in it."""
+    resolved = resolve_process_group(group)
+    if resolved is None:
+        return None
+    rank = int(resolved.rank())
+    return rank if rank >= 0 else None
+
+
 def _val(value: Any) -> Any:
     if isinstance(value, torch.fx.Node):
         return value.meta.get("val")

@@ -2,9 +2,26 @@
 
 Contract
     Each ``find_*(graph, skipped=None)`` returns the matches of one pattern, in graph order, and
-    changes nothing. A candidate that does not qualify is skipped and counted in ``skipped``
-    (``Counter[reason]``) so that "why was this not decomposed?" has an answer. Works on
-    forward and backward graphs alike (it matches ops, not phases).
+    changes nothing. A candidate that does not qualify is skipped and its reason code counted in
+    ``skipped`` (``Counter[code]``) so that "why was this not decomposed?" has an answer (the
+    decompose pass counts them as ``"not matched: <code>"``). Works on forward and backward
+    graphs alike (it matches ops, not phases).
+
+Reason codes (``<collective>: <why>``)::
+
+    all_gather: no single wait           the issue is not read by exactly one wait_tensor
+    all_gather: unrecognised layout      the wait's readers are not the chunk + cat of a gather along a dim
+    all_gather: unsupported gather dim   gathers the last (contraction) dim, or has no shape
+    all_gather: non-matmul consumer      the gathered tensor feeds something besides matmul rows,
+                                         weight-gradient matmuls and graph outputs
+    reduce_scatter: no single wait
+    reduce_scatter: not fed by matmuls   the input is not a matmul output (through views) or a sum of them
+    all_reduce: no single wait
+    all_reduce: not fed by a matmul      the input is not a matmul output (through views)
+    all_to_all: no single wait
+    all_to_all: not fed by bmms          the input is not a bmm output or a sum of them (through regrouping)
+    all_to_all: feeds no matmul          the output reaches no mm / addmm / bmm (through regrouping)
+    chain: no feeding all-gather         no all-gather on the reduce-scatter's group feeds its matmuls
 
 Patterns (aten IR as AOTAutograd hands it to dhelix)::
 
@@ -42,12 +59,10 @@ import torch
 import torch.fx
 
 from cost_model.op_kinds import kind_of
+from graph_passes.op_groups import MATMULS, RESHAPES
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-_MATMULS = (aten.mm.default, aten.addmm.default)
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +153,9 @@ class BmmAllToAll:
     group_name: str
 
 
-def _count(skipped: Counter[str] | None, reason: str) -> None:
+def _count(skipped: Counter[str] | None, code: str) -> None:
     if skipped is not None:
-        skipped[reason] += 1
+        skipped[code] += 1
 
 
 def _single_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
@@ -157,7 +172,7 @@ def _issues_with_wait(
             continue
         wait = _single_wait(issue)
         if wait is None:
-            _count(skipped, f"{label}: not a single wait")
+            _count(skipped, f"{label}: no single wait")
             continue
         yield issue, wait
 
@@ -171,7 +186,7 @@ def _through_views_to_rows(node: torch.fx.Node, last_dim: int) -> list[torch.fx.
     """Matmuls whose row operand is ``node`` or a view chain of it keeping the last dim."""
     found: list[torch.fx.Node] = []
     for user in node.users:
-        if user.target in _VIEWS:
+        if user.target in RESHAPES:
             val = _val(user)
             if val is not None and val.shape[-1] == last_dim:
                 found.extend(_through_views_to_rows(user, last_dim))
@@ -186,7 +201,7 @@ def _transposed_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Matmuls ``mm(t(v), x)`` with ``v`` = ``node`` or a 2-d view chain of it keeping the last dim."""
     found: list[torch.fx.Node] = []
     for user in node.users:
-        if user.target in _VIEWS:
+        if user.target in RESHAPES:
             found.extend(_transposed_users(user))
         elif _is_transpose(user) and len(user.users) == 1:
             (mm,) = user.users
@@ -262,21 +277,21 @@ def find_all_gather_matmuls(
         shard, group_size, group_name = issue.args[0], int(issue.args[1]), str(issue.args[2])
         layout = _gathered_layout(wait, group_size)
         if layout is None:
-            _count(skipped, "all_gather: gathered tensor not in a recognised layout")
+            _count(skipped, "all_gather: unrecognised layout")
             continue
         gathered, gather_dim = layout
         val = _val(gathered)
         if val is None or gather_dim in (-1, val.dim() - 1):
-            _count(skipped, "all_gather: gathers the contraction dim or has no shape")
+            _count(skipped, "all_gather: unsupported gather dim")
             continue
         matmuls = _through_views_to_rows(gathered, int(val.shape[-1]))
         transposed = _transposed_users(gathered)
         transposes = [t for mm in transposed for t in mm.all_input_nodes if _is_transpose(t)]
         others = [
-            c for c in _all_consumers(gathered) if c not in matmuls and c not in transposes and c.op != "output"
+            c for c in consumers_through(gathered) if c not in matmuls and c not in transposes and c.op != "output"
         ]
         if not matmuls or others:
-            _count(skipped, "all_gather: gathered tensor has non-matmul consumers")
+            _count(skipped, "all_gather: non-matmul consumer")
             continue
         matches.append(
             AllGatherMatmul(
@@ -286,12 +301,12 @@ def find_all_gather_matmuls(
     return matches
 
 
-def _all_consumers(node: torch.fx.Node, through: tuple[object, ...] = _VIEWS) -> list[torch.fx.Node]:
-    """Consumers of ``node`` other than ``through`` (views), looking through chains of those."""
+def consumers_through(node: torch.fx.Node, through: tuple[object, ...] = RESHAPES) -> list[torch.fx.Node]:
+    """Consumers of ``node`` other than ``through`` (reshapes), looking through chains of those."""
     out: list[torch.fx.Node] = []
     for user in node.users:
         if user.target in through:
-            out.extend(_all_consumers(user, through))
+            out.extend(consumers_through(user, through))
         else:
             out.append(user)
     return out
@@ -299,9 +314,9 @@ def _all_consumers(node: torch.fx.Node, through: tuple[object, ...] = _VIEWS) ->
 
 def _matmul_behind_views(node: torch.fx.Node) -> torch.fx.Node | None:
     """The matmul that produced ``node`` through views; its output must have no other use."""
-    while node.target in _VIEWS:
+    while node.target in RESHAPES:
         node = node.args[0]  # type: ignore[assignment]
-    return node if node.target in _MATMULS and len(node.users) == 1 else None
+    return node if node.target in MATMULS and len(node.users) == 1 else None
 
 
 def _matmuls_of_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
@@ -324,7 +339,7 @@ def _add_tree_leaves(node: torch.fx.Node, leaf_of: Any) -> list[torch.fx.Node] |
     single = leaf_of(node)
     if single is not None:
         return [single]
-    while node.target in _VIEWS:
+    while node.target in RESHAPES:
         node = node.args[0]  # type: ignore[assignment]
     if node.target != aten.add.Tensor or node.kwargs or len(node.args) != 2:
         return None
@@ -358,7 +373,7 @@ def find_matmul_reduce_scatters(
         source, scatter_dim = _scatter_source(issue.args[0], group_size)
         summed = _matmuls_of_sum(source)
         if not summed:
-            _count(skipped, "reduce_scatter: input is not a matmul output (or a sum of them)")
+            _count(skipped, "reduce_scatter: not fed by matmuls")
             continue
         matches.append(
             MatmulReduceScatter(
@@ -377,7 +392,7 @@ def find_matmul_all_reduces(
     for issue, wait in _issues_with_wait(graph, all_reduces, "all_reduce", skipped):
         matmul = _matmul_behind_views(issue.args[0])
         if matmul is None:
-            _count(skipped, "all_reduce: input is not a matmul output")
+            _count(skipped, "all_reduce: not fed by a matmul")
             continue
         matches.append(MatmulAllReduce(matmul, issue, wait, str(issue.args[1]), str(issue.args[2])))
     return matches
@@ -392,7 +407,7 @@ def find_all_gather_chains(graph: torch.fx.Graph, skipped: Counter[str] | None =
         ancestors = _ancestors([scatter.matmul, *scatter.addends])
         paired = [g for g in gathers if g.group_name == scatter.group_name and g.gathered in ancestors]
         if not paired:
-            _count(skipped, "chain: no all-gather on the reduce-scatter's group feeds its matmuls")
+            _count(skipped, "chain: no feeding all-gather")
             continue
         gather = paired[-1]
         gathers.remove(gather)
@@ -413,7 +428,7 @@ def _ancestors(nodes: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
 
 #: How expert parallelism regroups tokens around an all-to-all: views, a transpose, the copy a
 #: reshape of a transpose makes.
-_REGROUP = (*_VIEWS, aten.permute.default, aten.transpose.int, aten.clone.default)
+_REGROUP = (*RESHAPES, aten.permute.default, aten.transpose.int, aten.clone.default)
 
 
 def find_bmm_all_to_alls(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[BmmAllToAll]:
@@ -426,7 +441,7 @@ def find_bmm_all_to_alls(graph: torch.fx.Graph, skipped: Counter[str] | None = N
             node = node.args[0]
         bmms = _bmms_of_sum(node) if isinstance(node, torch.fx.Node) else None
         if bmms is None:
-            _count(skipped, "all_to_all: input is not a bmm output (or a sum of them)")
+            _count(skipped, "all_to_all: not fed by bmms")
             continue
         matches.append(BmmAllToAll(node, tuple(bmms), issue, wait, str(issue.args[3])))
     return matches
@@ -446,17 +461,17 @@ def find_all_to_all_computes(
     """All-to-alls (expert parallelism) whose output feeds matmuls, through views."""
     matches = []
     for issue, wait in _issues_with_wait(graph, (c10d.all_to_all_single.default,), "all_to_all", skipped):
-        consumers = _all_consumers(wait, _REGROUP)
-        compute = tuple(c for c in consumers if c.target in (*_MATMULS, aten.bmm.default))
+        consumers = consumers_through(wait, _REGROUP)
+        compute = tuple(c for c in consumers if c.target in (*MATMULS, aten.bmm.default))
         if not compute:
-            _count(skipped, "all_to_all: output feeds no matmul")
+            _count(skipped, "all_to_all: feeds no matmul")
             continue
         matches.append(AllToAllCompute(issue, wait, compute, str(issue.args[3])))
     return matches
 
 
 def find_all(graph: torch.fx.Graph) -> tuple[dict[str, Sequence[object]], Counter[str]]:
-    """Every pattern of this module, by name, and the skip reasons."""
+    """Every pattern of this module, by name, and the skip reason codes."""
     skipped: Counter[str] = Counter()
     found = {
         "all_gather_matmul": find_all_gather_matmuls(graph, skipped),

@@ -35,6 +35,7 @@ import torch.fx
 from cost_model.estimator import Estimator
 from cost_model.memory import storage_root
 from cost_model.op_kinds import is_comm, kind_of
+from graph_passes._torch_compat import OpOverload
 from graph_passes.annotate import issue_of
 
 Rule = Callable[[Sequence[torch.fx.Node], "SchedulerState"], torch.fx.Node]
@@ -55,7 +56,7 @@ def is_order_sensitive(node: torch.fx.Node) -> bool:
     if is_comm(kind) or kind == "wait":
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
     return getattr(target, "__module__", "") != "_operator"
 

@@ -1,7 +1,7 @@
-"""decompose_chain: all-gather -> row-wise compute -> reduce-scatter as one per-peer pipeline.
+"""The chain site: all-gather -> row-wise compute -> reduce-scatter as one per-peer pipeline.
 
-The decompose pass's cross-site rewrite (``decompose`` runs it before the single-site ones).
-In sequence parallelism the MLP block is ``all_gather(x) -> x @ W1, x @ W3 -> silu(.) * (.) ->
+The decompose pass's cross-site rewrite (pattern ``CHAIN``, opt-in; tried before the single-site
+patterns). In sequence parallelism the MLP block is ``all_gather(x) -> x @ W1, x @ W3 -> silu(.) * (.) ->
 @ W2 -> reduce_scatter``, and its backward mirrors it. Every op between the two collectives
 works row by row, and the reduce-scatter hands rank ``j`` exactly the rows that came from rank
 ``j``. So rank ``r`` can run the whole chain on a peer's rows as soon as they land and send the
@@ -15,9 +15,9 @@ result straight back as that peer's partial, with no full-size tensor in between
         exchange(y[r+s, p] -> r+s, <- r-s)                         sent as soon as it is ready
       out = cat(y[r, :]) + cat(received from r-1) + ... + cat(received from r-n+1)
 
-The separate per-peer sites (``decompose``) move the same bytes, but the reduce-scatter's first
-partial can only be sent once the all-gather's last matmul is done; here the first partial
-leaves after one piece of the chain.
+The separate per-peer sites (``all_gather_site``, ``reduce_scatter_site``) move the same bytes,
+but the reduce-scatter's first partial can only be sent once the all-gather's last matmul is
+done; here the first partial leaves after one piece of the chain.
 
 Contract
     Input: an ``AllGatherChain`` match and the graph (functional aten IR, ``meta["val"]`` on
@@ -36,7 +36,12 @@ Contract
     Region tensors read outside the region (saved for the backward, weight gradients) get
     their blocks concatenated back. The result equals the original up to the order of the
     reduce-scatter's additions. Rank consistency: every rank emits ops of the same shapes in
-    the same order (only slice offsets and peers depend on the rank).
+    the same order (only slice offsets and peers depend on the rank). Skips (``site.SkipCode``):
+    the reduce-scatter site's own, ``scatter dim differs``, ``matmuls not all fed``, ``not
+    row-wise``, ``unsupported layout``, ``late operand``, ``indivisible``.
+
+    ``single_sites()`` gives the chain's two collectives as single sites (those that are
+    sites), for the selection to price the chain against them (``selection``).
 """
 
 from __future__ import annotations
@@ -49,37 +54,35 @@ from typing import Any
 import torch
 import torch.fx
 
+from graph_passes._torch_compat import OpOverload
 from graph_passes.collective_matches import AllGatherChain
-from graph_passes.decompose import (
+from graph_passes.decompose.all_gather_site import AllGatherSite
+from graph_passes.decompose.emit import Emitter, val
+from graph_passes.decompose.reduce_scatter_site import ReduceScatterSite
+from graph_passes.decompose.site import (
+    PerPeerOnly,
+    Site,
     SkipSite,
-    _Emitter,
-    _hoist,
-    _late_operands,
-    _PerPeerOnly,
-    _per_peer_name,
-    _position,
-    _ReduceScatterSite,
-    _tag,
-    _val,
-    _Variant,
-    _ways,
+    Variant,
+    hoist,
+    late_operands,
+    node_positions,
+    per_peer_name,
+    transfer_tag,
+    ways,
 )
+from graph_passes.op_groups import MATMULS, RESHAPES
 
 aten = torch.ops.aten
-
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_MATMULS = (aten.mm.default, aten.addmm.default)
 
 
 def _pointwise(node: torch.fx.Node) -> bool:
     target = node.target
-    return target == aten._to_copy.default or (
-        isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
-    )
+    return target == aten._to_copy.default or (isinstance(target, OpOverload) and torch.Tag.pointwise in target.tags)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Rows:
+class Rows:
     """Where the blocks sit in a region tensor viewed ``[before, K, rest]`` (``K`` blocks, the
     same ``before`` for the whole region): inside dim ``dim``, of size ``outer * K * inner``;
     a block has ``outer * inner`` there."""
@@ -89,18 +92,18 @@ class _Rows:
     inner: int
 
 
-def _locate(shape: Sequence[int], before: int, blocks: int) -> _Rows | None:
-    """The ``_Rows`` of a tensor of ``shape`` viewed ``[before, blocks, rest]``; None when a dim
+def locate(shape: Sequence[int], before: int, blocks: int) -> Rows | None:
+    """The ``Rows`` of a tensor of ``shape`` viewed ``[before, blocks, rest]``; None when a dim
     boundary cuts through a block (such a view mixes rows of different blocks)."""
     prefix = 1
     for t, size in enumerate(shape):
         if before % prefix == 0 and (prefix * size) % (before * blocks) == 0:
-            return _Rows(t, before // prefix, prefix * size // (before * blocks))
+            return Rows(t, before // prefix, prefix * size // (before * blocks))
         prefix *= size
     return None
 
 
-class _ChainSite(_PerPeerOnly):
+class ChainSite(PerPeerOnly):
     """One all-gather -> ... -> reduce-scatter chain; ``per_peer`` builds its variants.
 
     Blocks: a region tensor viewed ``[before, K, rest]`` (``before``: the gathered tensor's
@@ -113,17 +116,17 @@ class _ChainSite(_PerPeerOnly):
     def __init__(self, m: AllGatherChain, graph: torch.fx.Graph) -> None:
         self.m, self.graph = m, graph
         gather = m.gather
-        self.scatter = _ReduceScatterSite(m.scatter, graph)  # its checks (reduce op, consumers, views)
-        shape = list(_val(gather.gathered).shape)
+        self.scatter = ReduceScatterSite(m.scatter, graph)  # its checks (reduce op, consumers, views)
+        shape = list(val(gather.gathered).shape)
         self.gather_d, self.n = gather.gather_dim % len(shape), gather.group_size
         self.before = math.prod(shape[: self.gather_d])
         if math.prod(self.scatter.shape[: self.scatter.d]) != self.before:
-            raise SkipSite("the reduce-scatter splits another dim than the all-gather gathered")
-        position = _position(graph)
+            raise SkipSite("scatter dim differs", "the reduce-scatter splits another dim than the all-gather gathered")
+        position = node_positions(graph)
         self.region = self._region(position)
         for node in self.region:
-            if not (node.target in _VIEWS or node.target in _MATMULS or _pointwise(node)):
-                raise SkipSite(f"a {node.target} between the all-gather and the reduce-scatter")
+            if not (node.target in RESHAPES or node.target in MATMULS or _pointwise(node)):
+                raise SkipSite("not row-wise", f"a {node.target} between the all-gather and the reduce-scatter")
         self.sliced: set[torch.fx.Node] = set()  # outside tensors read block by block
         for node in self.region:
             self._check(node)
@@ -138,14 +141,24 @@ class _ChainSite(_PerPeerOnly):
         for node in self.region:
             for arg in node.all_input_nodes:
                 if arg not in inside and arg not in self.sliced:
-                    _late_operands(arg, self.anchor, position, self.hoist)
+                    late_operands(arg, self.anchor, position, self.hoist)
         for leaf in self.sliced:
             if position[leaf] >= position[self.anchor]:
-                raise SkipSite(f"a {leaf.target} read row by row is computed after the chain starts")
+                raise SkipSite("late operand", f"{leaf.name} ({leaf.target}), read row by row, is computed after the chain starts")
         chunkers = [u for u in gather.wait.users] if gather.gathered is not gather.wait else []
         getitems = [g for c in chunkers for g in c.users]
         old = {gather.issue, gather.wait, *chunkers, *getitems, gather.gathered, *self.region, *self.scatter.old_nodes}
         self.old_nodes = sorted(old, key=position.__getitem__)
+
+    def single_sites(self) -> list[tuple[str, Site]]:
+        """The chain's all-gather and reduce-scatter as single sites, with their pattern names
+        (one that is not a site of its own is left out: its nodes would stay as they are)."""
+        sites: list[tuple[str, Site]] = [("matmul_reduce_scatter", self.scatter)]
+        try:
+            sites.insert(0, ("all_gather_matmul", AllGatherSite(self.m.gather, self.graph)))
+        except SkipSite:
+            pass
+        return sites
 
     # ------------------------------------------------------------------ analysis
 
@@ -159,7 +172,7 @@ class _ChainSite(_PerPeerOnly):
             if any(a in below for a in node.all_input_nodes):
                 below.add(node)
         if not all(mm in below for mm in matmuls):
-            raise SkipSite("the reduce-scatter's matmuls do not all read the gathered rows")
+            raise SkipSite("matmuls not all fed", "the reduce-scatter's matmuls do not all read the gathered rows")
         above: set[torch.fx.Node] = set()
         stack = list(matmuls)
         while stack:
@@ -183,16 +196,16 @@ class _ChainSite(_PerPeerOnly):
         """Whether ``arg`` (outside the region) can be computed block by block inside it: a
         pointwise op or view, read only by the region, with whole blocks, read by a view, or
         elementwise (same shape) by a pointwise op."""
-        if arg.op != "call_function" or not (_pointwise(arg) or arg.target in _VIEWS):
+        if arg.op != "call_function" or not (_pointwise(arg) or arg.target in RESHAPES):
             return False
-        if not all(u in region for u in arg.users) or _locate(_val(arg).shape, self.before, self.n) is None:
+        if not all(u in region for u in arg.users) or locate(val(arg).shape, self.before, self.n) is None:
             return False
-        return reader.target in _VIEWS or (_pointwise(reader) and _val(arg).shape == _val(reader).shape)
+        return reader.target in RESHAPES or (_pointwise(reader) and val(arg).shape == val(reader).shape)
 
-    def _rows(self, node: torch.fx.Node, blocks: int) -> _Rows:
-        rows = _locate(list(_val(node).shape), self.before, blocks)
+    def _rows(self, node: torch.fx.Node, blocks: int) -> Rows:
+        rows = locate(list(val(node).shape), self.before, blocks)
         if rows is None:
-            raise SkipSite(f"a {node.target} cuts through the blocks of {_ways(self.n, blocks // self.n)}")
+            raise SkipSite("unsupported layout", f"a {node.target} cuts through the blocks of {ways(self.n, blocks // self.n)}")
         return rows
 
     def _inside(self, arg: Any) -> bool:
@@ -201,55 +214,55 @@ class _ChainSite(_PerPeerOnly):
     def _operand(self, node: torch.fx.Node, arg: Any, what: str) -> None:
         """An operand from outside the region: read block by block when it has the op's shape,
         else it must be broadcast along the blocks' dim."""
-        if not isinstance(arg, torch.fx.Node) or self._inside(arg) or not isinstance(_val(arg), torch.Tensor):
+        if not isinstance(arg, torch.fx.Node) or self._inside(arg) or not isinstance(val(arg), torch.Tensor):
             return
-        shape, out = list(_val(arg).shape), list(_val(node).shape)
+        shape, out = list(val(arg).shape), list(val(node).shape)
         if shape == out:
             self.sliced.add(arg)
             return
         at = self._rows(node, self.n).dim - (len(out) - len(shape))  # the blocks' dim, right-aligned
         if at >= 0 and shape[at] != 1:
-            raise SkipSite(f"{what} of a {node.target} is neither broadcast along the rows nor row by row")
+            raise SkipSite("not row-wise", f"{what} of a {node.target} is neither broadcast along the rows nor row by row")
 
     def _check(self, node: torch.fx.Node) -> None:
         """``node``'s operands fit block-by-block compute (``SkipSite`` otherwise)."""
         rows = self._rows(node, self.n)
-        if node.target in _VIEWS:
+        if node.target in RESHAPES:
             if not self._inside(node.args[0]):
                 self.sliced.add(node.args[0])  # type: ignore[arg-type]
-        elif node.target in _MATMULS:
+        elif node.target in MATMULS:
             row = node.args[0] if node.target == aten.mm.default else node.args[1]
             weight = node.args[1] if node.target == aten.mm.default else node.args[2]
             if not self._inside(row) or self._inside(weight):
-                raise SkipSite("the gathered rows reach a matmul's other operand")
+                raise SkipSite("not row-wise", f"the gathered rows reach the other operand of {node.name}")
             if rows.dim != 0:
-                raise SkipSite("the gathered dim is not in a matmul's rows")
+                raise SkipSite("not row-wise", f"the gathered dim is not in the rows of {node.name}")
             if node.target == aten.addmm.default:
                 self._operand(node, node.args[0], "the bias")
         else:  # pointwise
             for arg in [*node.args, *node.kwargs.values()]:
-                if self._inside(arg) and list(_val(arg).shape) != list(_val(node).shape):
-                    raise SkipSite(f"a {node.target} broadcasts a tensor with the gathered rows")
+                if self._inside(arg) and list(val(arg).shape) != list(val(node).shape):
+                    raise SkipSite("not row-wise", f"a {node.target} broadcasts a tensor with the gathered rows")
                 self._operand(node, arg, "an operand")
 
     # ------------------------------------------------------------------ emission
 
     def _block_shape(self, node: torch.fx.Node, blocks: int) -> list[int]:
-        shape, rows = list(_val(node).shape), self._rows(node, blocks)
+        shape, rows = list(val(node).shape), self._rows(node, blocks)
         shape[rows.dim] = rows.outer * rows.inner
         return shape
 
-    def _slice(self, e: _Emitter, node: torch.fx.Node, b: int, blocks: int) -> torch.fx.Node:
+    def _slice(self, e: Emitter, node: torch.fx.Node, b: int, blocks: int) -> torch.fx.Node:
         """Block ``b`` of ``blocks`` of an outside tensor, contiguous."""
         shape = self._block_shape(node, blocks)  # SkipSite when the blocks do not fit its shape
         part = e.slice(e.view(node, [self.before, blocks, -1]), 1, b, b + 1, contiguous=True)
         return e.view(part, shape)
 
-    def _cat(self, e: _Emitter, node: torch.fx.Node, parts: Sequence[torch.fx.Node]) -> torch.fx.Node:
+    def _cat(self, e: Emitter, node: torch.fx.Node, parts: Sequence[torch.fx.Node]) -> torch.fx.Node:
         """``node``'s full tensor from its blocks (in block order)."""
-        return e.view(e.cat([e.view(p, [self.before, 1, -1]) for p in parts], 1), list(_val(node).shape))
+        return e.view(e.cat([e.view(p, [self.before, 1, -1]) for p in parts], 1), list(val(node).shape))
 
-    def _chain(self, e: _Emitter, rows: torch.fx.Node, b: int, blocks: int) -> dict[torch.fx.Node, torch.fx.Node]:
+    def _chain(self, e: Emitter, rows: torch.fx.Node, b: int, blocks: int) -> dict[torch.fx.Node, torch.fx.Node]:
         """The region on block ``b`` of ``blocks``, from the gathered tensor's block ``rows``: old node -> new."""
         env: dict[torch.fx.Node, torch.fx.Node] = {self.m.gather.gathered: rows}
 
@@ -259,7 +272,7 @@ class _ChainSite(_PerPeerOnly):
             return env.get(a, a) if isinstance(a, torch.fx.Node) else a
 
         for node in self.region:
-            if node.target in _VIEWS:
+            if node.target in RESHAPES:
                 env[node] = e.view(arg(node.args[0]), self._block_shape(node, blocks))
             else:
                 args = torch.fx.node.map_aggregate(node.args, arg)
@@ -267,11 +280,11 @@ class _ChainSite(_PerPeerOnly):
                 env[node] = e.call(node.target, *args, **kwargs)
         return env
 
-    def _partial(self, e: _Emitter, env: dict[torch.fx.Node, torch.fx.Node], blocks: int) -> torch.fx.Node:
+    def _partial(self, e: Emitter, env: dict[torch.fx.Node, torch.fx.Node], blocks: int) -> torch.fx.Node:
         """The reduce-scatter's summand on one block, in its (scatter) layout."""
-        rows = _locate(self.scatter.shape, self.before, blocks)
+        rows = locate(self.scatter.shape, self.before, blocks)
         if rows is None:
-            raise SkipSite(f"the reduce-scatter's dim does not split into {blocks} blocks")
+            raise SkipSite("indivisible", f"the reduce-scatter's dim does not split into {blocks} blocks")
         shape = list(self.scatter.shape)
         shape[rows.dim] = rows.outer * rows.inner  # rows.dim is the scatter dim, outer 1
         total = None
@@ -280,18 +293,18 @@ class _ChainSite(_PerPeerOnly):
             total = part if total is None else e.call(aten.add.Tensor, total, part)
         return total  # type: ignore[return-value]
 
-    def per_peer(self, e: _Emitter, rank: int, tag: int, pieces: int = 1) -> _Variant:
+    def per_peer(self, e: Emitter, rank: int, tag: int, pieces: int = 1) -> Variant:
         gather, n, d = self.m.gather, self.n, self.gather_d
-        shard = _val(gather.shard).shape[d]
+        shard = val(gather.shard).shape[d]
         if shard % pieces:
-            raise SkipSite(f"shard dim {d} ({shard}) not divisible by {pieces} pieces")
+            raise SkipSite("indivisible", f"shard dim {d} ({shard}) not divisible by {pieces} pieces")
         blocks, size = n * pieces, shard // pieces
         envs: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {}  # block (rank * pieces + piece) -> env
 
         def issue(step: int) -> list[torch.fx.Node]:
             return [
                 e.exchange(e.slice(gather.shard, d, p * size, (p + 1) * size), (rank - step) % n, (rank + step) % n,
-                           _tag(tag, (step - 1) * pieces + p), gather.group_name)
+                           transfer_tag(tag, (step - 1) * pieces + p), gather.group_name)
                 for p in range(pieces)
             ]
 
@@ -309,7 +322,7 @@ class _ChainSite(_PerPeerOnly):
                     flights = issue(step + 1)
                 b = peer * pieces + p
                 envs[b] = self._chain(e, rows, b, blocks)
-                tag_j = _tag(tag, (n - 1 + step - 1) * pieces + p)
+                tag_j = transfer_tag(tag, (n - 1 + step - 1) * pieces + p)
                 sent_now.append(e.exchange(self._partial(e, envs[b], blocks), peer, (rank - step) % n, tag_j, gather.group_name))
             sent.append(sent_now)
         sd = self.scatter.d
@@ -321,14 +334,14 @@ class _ChainSite(_PerPeerOnly):
         replace = [(self.m.scatter.wait, total)]
         for node in self.outputs:
             replace.append((node, self._cat(e, node, [envs[b][node] for b in range(blocks)])))
-        return _Variant(_per_peer_name(pieces), e, replace)
+        return Variant(per_peer_name(pieces), e, replace)
 
-    def commit(self, variant: _Variant) -> None:
-        _hoist(variant, self.hoist)
+    def commit(self, variant: Variant) -> None:
+        hoist(variant, self.hoist)
         old = set(self.old_nodes)
         for before, after in variant.replace:
             before.replace_all_uses_with(after, delete_user_cb=lambda user: user not in old)
         for node in reversed(self.old_nodes):
             if node.users:
-                raise RuntimeError(f"decompose_chain: replaced node {node.name} still has users {list(node.users)}")
+                raise RuntimeError(f"decompose chain: replaced node {node.name} still has users {list(node.users)}")
             self.graph.erase_node(node)

@@ -1,0 +1,68 @@
+"""The decompose pass's knobs: :class:`DecomposeOptions` and the names it takes.
+
+Contract
+    ``DecomposeOptions`` is frozen; ``validate()`` raises ``ValueError`` naming the bad field and
+    returns the options. ``pass_options()["decompose"]`` (built by the backend from its config)
+    is one; a missing entry means the defaults (mode ``"off"``: the pass does nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+#: The pass's name: its key in ``PassContext.stats``, ``notes``, ``records`` and ``pass_options``.
+PASS = "decompose"
+#: The cross-site pattern (``chain``), opt-in.
+CHAIN = "all_gather_chain"
+#: The single-site patterns, in the order the pass tries them (after ``CHAIN`` when enabled).
+SINGLE_SITE_PATTERNS: tuple[str, ...] = (
+    "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_to_all_compute", "bmm_all_to_all"
+)
+Mode = Literal["auto", "per_peer", "chunked", "off"]
+MODES: tuple[str, ...] = ("auto", "per_peer", "chunked", "off")
+
+#: Largest ``pieces``: with ``site.TAG_STRIDE`` tags per site, a per-peer site's transfers keep
+#: distinct tags for groups of up to 32 ranks.
+MAX_PIECES = 16
+#: The piece counts the cost model chooses from when ``DecomposeOptions.pieces`` is 0.
+AUTO_PIECES: tuple[int, ...] = (1, 2, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecomposeOptions:
+    """Knobs of the decompose pass (``pass_options()["decompose"]``)."""
+
+    mode: Mode = "off"
+    """``"auto"``: per site, the cheapest of per-peer and chunked(k), only if the cost model
+    predicts a gain; ``"per_peer"`` / ``"chunked"``: that family wherever it applies, gain or
+    not (tests, benchmarks); ``"off"`` (default until the P2P path is checked on NCCL): the pass
+    does nothing."""
+    max_chunks: int = 4
+    """Largest k tried by the chunked variant (k = 2..max_chunks that divide the shape)."""
+    pieces: int = 1
+    """How many pieces each per-peer transfer is split into: ``P >= 1`` forces P, ``0`` lets the
+    cost model pick among ``AUTO_PIECES`` (those that divide the shape). The compute on piece p
+    of a peer's shard runs while piece p+1 is in flight, and a remote partial's piece is sent as
+    soon as it is computed. One piece by default: measured, pieces pay on the dim-512 MLP block
+    and cost more than they hide on the dim-256 TP+SP model, where the cost model misses the
+    overhead of the smaller kernels (BENCHMARKS.md)."""
+    min_gain_ratio: float = 0.02
+    """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
+    patterns: tuple[str, ...] = SINGLE_SITE_PATTERNS
+    """Which patterns may be rewritten. Add ``CHAIN`` (an all-gather and a reduce-scatter with
+    row-wise compute between them as one pipeline, ``chain``; tried before the single
+    sites, whose two collectives stay sites of their own when it is not rewritten). Not by
+    default: measured slower than the two sites in pieces on the MLP block, and the whole-graph
+    comparison is within the cost model's error there (BENCHMARKS.md)."""
+
+    def validate(self) -> DecomposeOptions:
+        if self.mode not in MODES:
+            raise ValueError(f"decompose mode {self.mode!r}: choose one of {MODES}")
+        if self.max_chunks < 1:
+            raise ValueError(f"decompose max_chunks={self.max_chunks}: must be >= 1")
+        if not 0 <= self.pieces <= MAX_PIECES:
+            raise ValueError(f"decompose pieces={self.pieces}: must be in [0, {MAX_PIECES}] (0: the cost model picks)")
+        if not 0.0 <= self.min_gain_ratio < 1.0:
+            raise ValueError(f"decompose min_gain_ratio={self.min_gain_ratio}: must be in [0, 1)")
+        return self

@@ -1,0 +1,150 @@
+"""Selection: build a site's variants, price them with the cost model, and choose one (or none).
+
+Contract
+    ``Selection(ctx, options, graph, fake_mode)`` reads ``ctx.estimator`` (``None``: no costs)
+    and never builds one. ``variants(site, ...)`` emits the site's variants of the configured
+    mode next to the site (not committed), lets a profiled estimator measure their new ops,
+    and prices each with ``cost_model.simulate`` (memoized); the caller commits the one
+    ``choose`` returns and discards the rest (``site.discard_all_but``). A variant family that
+    does not apply is reported to the caller (``skipped(family, SkipSite)``), never raised.
+    Deterministic: the same graph and the same agreed costs give the same choice on every
+    rank, and a profiled estimator is asked to measure the same new ops in the same order on
+    every rank (only peers and slice offsets differ between ranks, not op signatures).
+
+Variants per mode::
+
+    per_peer   per_peer(pieces) for pieces = options.pieces, or each of AUTO_PIECES when it is 0
+    chunked    chunked(k) for k = 2 .. max_chunks
+    auto       both families
+
+Choice::
+
+    no estimator (forced modes only)   chunked: the largest k; per_peer: the first (fewest pieces)
+    forced mode                        the variant with the least predicted time (first of equals)
+    auto                               that variant only if predicted < original x (1 - min_gain_ratio)
+
+A chain (``chain.ChainSite``) competes with its two collectives decomposed on their own: each
+single site at the variant ``choose`` picks for it (``single_site_rivals``, emitted, not
+committed), then the whole graph in its current order is simulated once with the chain's best
+variant and once with the single sites' (every other emitted node left out, readers of a
+replaced node counted as reading a ready input). The chain is rewritten only if it predicts
+less; otherwise the single-site patterns rewrite the two collectives later, on their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx
+
+from cost_model.comm_nodes import resolve_group_rank
+from cost_model.estimator import MemoizedEstimator
+from cost_model.simulator import simulate
+from graph_passes.context import PassContext
+from graph_passes.decompose.chain import ChainSite
+from graph_passes.decompose.emit import Emitter
+from graph_passes.decompose.options import AUTO_PIECES, DecomposeOptions
+from graph_passes.decompose.site import TAG_BASE, Site, SkipSite, Variant, discard_all_but
+
+#: A single site's chosen variant, emitted, and the nodes it would replace.
+Rival = tuple[Variant, Sequence[torch.fx.Node]]
+#: Told each variant family that does not apply: ``(family, why)``.
+OnSkip = Callable[[str, SkipSite], None]
+
+
+class Selection:
+    """Builds, prices and chooses variants for the sites of one graph (see the module docstring)."""
+
+    def __init__(self, ctx: PassContext, options: DecomposeOptions, graph: torch.fx.Graph, fake_mode: Any) -> None:
+        self.ctx, self.options, self.graph, self.fake_mode = ctx, options, graph, fake_mode
+        self.estimator = MemoizedEstimator(ctx.estimator) if ctx.estimator is not None else None
+
+    def _measure(self, nodes: Sequence[torch.fx.Node]) -> None:
+        """Let a profiled estimator measure the variants' new ops (same sites, same order on every rank)."""
+        measure_new = getattr(self.ctx.estimator, "measure_new", None)
+        if measure_new is not None:
+            measure_new(nodes)
+
+    def simulate_s(self, nodes: Sequence[torch.fx.Node]) -> float:
+        """Predicted makespan of ``nodes`` in this order (NaN without an estimator)."""
+        if self.estimator is None:
+            return math.nan
+        return simulate(nodes, self.estimator).makespan_s
+
+    def variants(
+        self, site: Site, group_name: str, tag: int, strand: int | None, skipped: OnSkip | None = None
+    ) -> tuple[list[Variant], float]:
+        """The site's variants for the configured mode, emitted (not committed), their new ops
+        measured and each priced; and the original's predicted time (NaN without an estimator)."""
+        mode = self.options.mode
+        variants: list[Variant] = []
+
+        def skip(family: str, why: SkipSite) -> None:
+            if skipped is not None:
+                skipped(family, why)
+
+        def build(family: str, builder: Callable[..., Variant], *args: Any) -> None:
+            emitter = Emitter(self.graph, site.anchor, self.fake_mode, strand)
+            try:
+                variants.append(builder(emitter, *args))
+            except SkipSite as why:
+                Variant(family, emitter, []).discard()  # whatever was emitted before the skip
+                skip(family, why)
+
+        if mode in ("auto", "per_peer"):
+            rank = resolve_group_rank(group_name)
+            if rank is None:
+                skip("per_peer", SkipSite("unknown group", f"process group {group_name!r}: this rank's place in it is unknown"))
+            else:
+                for pieces in (self.options.pieces,) if self.options.pieces else AUTO_PIECES:
+                    build("per_peer", site.per_peer, rank, tag, pieces)
+        if mode in ("auto", "chunked"):
+            for k in range(2, self.options.max_chunks + 1):
+                build("chunked", site.chunked, k)
+        if not variants:
+            return [], math.nan
+        self._measure([n for v in variants for n in v.emitter.nodes])
+        for v in variants:
+            v.predicted_s = self.simulate_s(v.emitter.nodes)
+        return variants, self.simulate_s(site.old_nodes)
+
+    def choose(self, variants: Sequence[Variant], original_s: float) -> Variant | None:
+        """The variant to commit, or None to keep the original (``auto`` and no predicted gain)."""
+        if self.estimator is None:  # forced mode without costs: the largest k, or per-peer in one piece
+            return variants[-1] if self.options.mode == "chunked" else variants[0]
+        best = min(variants, key=lambda v: v.predicted_s)  # stable: first of equals
+        if self.options.mode != "auto" or best.predicted_s < original_s * (1.0 - self.options.min_gain_ratio):
+            return best
+        return None
+
+    def single_site_rivals(self, chain: ChainSite, group_name: str, strand: int | None) -> list[Rival]:
+        """The chain's all-gather and reduce-scatter as single sites, each at the variant
+        ``choose`` picks (none when it keeps the original), with the nodes it would replace:
+        emitted, not committed (the caller discards them; if the chain loses, the single-site
+        patterns build them again)."""
+        rivals: list[Rival] = []
+        for _, site in chain.single_sites():
+            variants, original_s = self.variants(site, group_name, TAG_BASE, strand)
+            best = self.choose(variants, original_s) if variants else None
+            discard_all_but(variants, best)
+            if best is not None:
+                rivals.append((best, site.old_nodes))
+        return rivals
+
+    def chain_and_single_sites_s(
+        self, best: Variant, chain: ChainSite, variants: Sequence[Variant], rivals: Sequence[Rival]
+    ) -> tuple[float, float]:
+        """The whole graph's predicted makespan with the chain's ``best`` variant, and with the
+        single sites' ``rivals`` instead (every other emitted variant left out of both)."""
+        emitted = {n for v in [*variants, *(r for r, _ in rivals)] for n in v.emitter.nodes}
+        return self._graph_s([(best, chain.old_nodes)], emitted), self._graph_s(rivals, emitted)
+
+    def _graph_s(self, chosen: Sequence[Rival], emitted: set[torch.fx.Node]) -> float:
+        """The whole graph's predicted makespan in its current order with each ``chosen`` variant
+        in place of the nodes it replaces, and every other ``emitted`` (uncommitted) node left out.
+        Nodes after a rewrite that read a replaced node count as reading a ready input."""
+        keep = {n for v, _ in chosen for n in v.emitter.nodes}
+        skip = (emitted - keep).union(*(old for _, old in chosen))
+        return self.simulate_s([n for n in self.graph.nodes if n not in skip])
