@@ -11,7 +11,7 @@ Contract
 * :func:`aot_partitions` -- AOTAutograd's forward and backward graphs of a function (run once,
   ``out.sum().backward()``), as the backend sees them before its passes. No Inductor.
 
-Real multi-rank runs use :func:`dhelix_compile.testing.multirank.run_on_ranks`.
+Real multi-rank runs use ``dhelix_compile.testing.multirank.run_on_ranks``.
 """
 
 from __future__ import annotations
