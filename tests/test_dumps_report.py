@@ -87,6 +87,14 @@ def test_summary_has_the_predicted_numbers(comm_dump: Path) -> None:
     assert numbers["peak_memory_before_bytes"] > 0 and numbers["peak_memory_after_bytes"] > 0
 
 
+def test_summary_keeps_the_notes_behind_the_counted_codes(mlp_dump: Path, comm_dump: Path) -> None:
+    for folder in _graph_folders(mlp_dump) + _graph_folders(comm_dump):
+        summary = json.loads((folder / "summary.json").read_text())
+        for pass_name, codes in summary["notes"].items():
+            for code, details in codes.items():
+                assert summary["stats"][pass_name][code] >= 1 and details, (pass_name, code)
+
+
 def test_graph_without_collectives_has_no_hideable_share(mlp_dump: Path) -> None:
     for folder in _graph_folders(mlp_dump):
         numbers = json.loads((folder / "summary.json").read_text())["timeline"]

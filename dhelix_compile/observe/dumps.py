@@ -13,7 +13,8 @@ With ``dump_dir`` set, every compiled partition gets a folder::
         timeline.trace.json           predicted timelines of the original order and of the
                                       schedule, Perfetto / Chrome trace (``dhelix_compile.observe.timeline``)
         timeline.svg                  the same as a Gantt chart, exposed communication hatched red
-        summary.json                  pass times (s), the per-pass stats counters and, under
+        summary.json                  pass times (s), the per-pass stats counters (reason codes),
+                                      the notes behind them (``notes[pass][code]``: prose) and, under
                                       ``"timeline"``, the predicted numbers (``dhelix_compile.observe.report``)
         index.html                    the numbers, the chart and links to every file
       with ``profile_steps=N``, written when the graph's N-th profiled call returns (calls 2 to
@@ -172,6 +173,7 @@ class GraphDumper:
             "phase": ctx.phase,
             "pass_seconds": self.pass_seconds,
             "stats": {name: dict(sorted(c.items())) for name, c in sorted(ctx.stats.items())},
+            "notes": {name: dict(sorted(codes.items())) for name, codes in sorted(ctx.notes.items())},
             "records": ctx.records,
             "timeline": self.timeline,
             **extra,
