@@ -52,7 +52,7 @@ P2P_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
 )
 
 #: P2P issue ops defined outside torch, by schema name (``dhelix::exchange``: a send and a
-#: receive in one op, defined in ``dhelix_compile._torch_compat``; named here so that the cost
+#: receive in one op, defined in ``dhelix_compile.ops.exchange``; named here so that the cost
 #: model needs nothing of dhelix). Completed with ``wait_tensor`` on each output.
 P2P_OP_NAMES: tuple[str, ...] = ("dhelix::exchange",)
 

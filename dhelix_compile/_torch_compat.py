@@ -1,12 +1,12 @@
-"""Every private torch API dhelix touches, in one place.
+"""Every private torch API the backend touches, in one place per layer.
 
 Private APIs change between torch releases (we support ``torch>=2.11,<2.14``). Anything from
-``torch._inductor``, ``torch._functorch``, ``torch._dynamo`` or ``torch._guards`` is imported
-here and nowhere else, so an upgrade breaks this module and its test
-(``tests/test_torch_compat.py``), not the passes. Two deliberate exceptions: ``cost_model``
-resolves process groups by name in ``cost_model.comm_nodes.resolve_process_group`` (so the
-cost model depends on nothing else of dhelix), and ``dhelix_compile.testing`` uses Dynamo's
-debug backends and counters in its test helpers.
+``torch._inductor``, ``torch._functorch``, ``torch._dynamo``, ``torch._guards`` or ``torch._C``
+that ``dhelix_compile`` uses is imported here and nowhere else, so an upgrade breaks this module
+and its test (``tests/test_torch_compat.py``), not the backend. The layers below keep their own,
+so that they import nothing of the backend: ``graph_passes/_torch_compat.py`` (the fake mode of a
+graph, ``OpOverload``) and ``cost_model.comm_nodes.resolve_process_group`` (process groups by
+name). ``dhelix_compile.testing`` uses Dynamo's debug backends and counters in its test helpers.
 """
 
 from __future__ import annotations
@@ -240,48 +240,6 @@ def run_outside_compilation(fn: Callable[[], Any]) -> Any:
     if error:
         raise error[0]
     return result[0]
-
-
-def fake_mode_of(values: Sequence[Any]) -> Any:
-    """The fake-tensor mode the ``meta["val"]`` tensors of a graph live in (a fresh one if none).
-
-    Graph passes that add nodes run the new ops under it to give the new nodes ``meta["val"]``.
-    """
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = detect_fake_mode(tuple(values))
-    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def group_size(group_name: str) -> int | None:
-    """Ranks in the process group ``group_name`` names (``None`` if unknown)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return len(group_ranks(group_name))
-    except Exception:  # noqa: BLE001 - an unknown group name: the caller skips with a reason
-        return None
-
-
-def group_rank(group_name: str) -> int | None:
-    """This process's rank inside the process group ``group_name`` names (``None`` if unknown).
-
-    Functional P2P ops (``_c10d_functional.batch_p2p_ops``) take peers as *group* ranks.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        ranks = group_ranks(group_name)
-    except Exception:  # noqa: BLE001 - an unknown group name: the caller skips with a reason
-        return None
-    me = dist.get_rank()
-    return ranks.index(me) if me in ranks else None
-
 
 
 def profiler_running() -> bool:

@@ -171,7 +171,7 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     options = ctx.pass_options.get("interleave", InterleaveOptions())
     assert isinstance(options, InterleaveOptions)
     estimator = MemoizedEstimator(ctx.estimator)
-    factor = float(getattr(estimator, "contention_factor", 1.0))
+    factor = estimator.contention_factor
     start_s = time.perf_counter()
     bwd_inputs = [n for n in nodes if n.op == "placeholder" and _strand_of(n) == BWD_STRAND]
     bwd_base = sum(estimator.node_cost(n).output_bytes for n in bwd_inputs)
@@ -184,19 +184,18 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     sequential_path: list[Pair] = [(None, j) for j in range(len(captured))] + [(i, None) for i in range(len(fwd_segments))]
     sequential = emit(sequential_path, fwd_segments, captured)
     budget_bytes = options.memory_budget_ratio * _sequential_peak(fwd_segments, captured, bwd_base)
-    measure = getattr(estimator, "segment_pair_times", None)  # cost_model="profile"
     measure_s = 0.0
     measured_pairs = 0
     plans: dict[str, list[torch.fx.Node]] = {}
     paired: dict[str, int] = {}
     for name, segments in bwd_segments.items():
         cost = formula_cost(fwd_segments, segments, factor)
-        if measure is not None:
-            measure_start_s = time.perf_counter()
-            measured = measure([s.nodes for s in fwd_segments], [s.nodes for s in segments])
-            measure_s += time.perf_counter() - measure_start_s
+        measure_start_s = time.perf_counter()
+        measured = estimator.segment_pair_times([s.nodes for s in fwd_segments], [s.nodes for s in segments])
+        measure_s += time.perf_counter() - measure_start_s
+        if measured:  # cost_model="profile": measured pairs replace the formula's
             measured_pairs += len(measured)
-            cost = _measured_or(measured, cost) if measured else cost
+            cost = _measured_or(measured, cost)
         path, planned_s = plan_pairs(fwd_segments, segments, cost=cost, budget_bytes=budget_bytes, bwd_base_bytes=bwd_base)
         plans[name] = emit(path, fwd_segments, segments)
         paired[name] = sum(1 for f, b in path if f is not None and b is not None)
@@ -208,7 +207,7 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
             )
             if refined != path:
                 plans[f"{name}_refined"] = emit(refined, fwd_segments, segments)
-    if measure is not None:
+    if measured_pairs:
         ctx.record("interleave", measured_pairs=measured_pairs, pair_measure_s=measure_s)
     plan_time_s = time.perf_counter() - start_s - measure_s  # the planning; the measuring is reported apart
 

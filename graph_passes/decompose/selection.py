@@ -63,9 +63,8 @@ class Selection:
 
     def _measure(self, nodes: Sequence[torch.fx.Node]) -> None:
         """Let a profiled estimator measure the variants' new ops (same sites, same order on every rank)."""
-        measure_new = getattr(self.ctx.estimator, "measure_new", None)
-        if measure_new is not None:
-            measure_new(nodes)
+        if self.ctx.estimator is not None:
+            self.ctx.estimator.measure_new(nodes)
 
     def simulate_s(self, nodes: Sequence[torch.fx.Node]) -> float:
         """Predicted makespan of ``nodes`` in this order (NaN without an estimator)."""
