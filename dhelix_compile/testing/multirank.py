@@ -63,6 +63,8 @@ T = TypeVar("T")
 
 FailureKind = Literal["exception", "crashed", "not_finished"]
 _STDERR_TAIL_CHARS = 4000
+#: A rank's collectives time out this much later than the harness, which then always stops a hang first.
+_PG_TIMEOUT_MARGIN_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +139,8 @@ def run_on_ranks(
         world_size: number of ranks (processes), >= 1.
         timeout_s: wall-clock limit for the whole run, from the first spawn.
         grace_s: after a rank fails, how long the others may still take before they are killed.
-        pg_timeout_s: the process group's collective timeout; defaults to ``timeout_s``, so a
-            blocked collective is normally stopped by this harness (with stacks), not by gloo.
+        pg_timeout_s: the process group's collective timeout; defaults to ``timeout_s`` plus a
+            minute, so a blocked collective is stopped by this harness (with stacks), not by gloo.
         num_threads: ``torch.set_num_threads`` in each worker.
         kwargs: passed to ``fn``.
 
@@ -153,7 +155,9 @@ def run_on_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    job = pickle.dumps((fn, args, kwargs, pg_timeout_s if pg_timeout_s is not None else timeout_s, num_threads))
+    if pg_timeout_s is None:  # outlive the harness's own timeout: the harness stops a hang, with stacks
+        pg_timeout_s = timeout_s + _PG_TIMEOUT_MARGIN_S
+    job = pickle.dumps((fn, args, kwargs, pg_timeout_s, num_threads))
     with tempfile.TemporaryDirectory(prefix="dhelix_multirank_") as workdir:
         (Path(workdir) / "job.pkl").write_bytes(job)
         launched = launch_ranks(
