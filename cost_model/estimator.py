@@ -135,7 +135,13 @@ class Estimator(Protocol):
 class EstimatorBase:
     """The neutral answers (module docstring); an estimator inherits them and overrides what it can do."""
 
-    contention_factor: float = 1.0
+    #: what ``contention_factor`` answers; AnalyticEstimator and TableEstimator set their own.
+    _contention_factor: float = 1.0
+
+    @property
+    def contention_factor(self) -> float:
+        """Read-only, as in :class:`Estimator` (ProfiledEstimator computes it from its measurements)."""
+        return self._contention_factor
 
     def segment_pair_times(
         self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
@@ -143,8 +149,8 @@ class EstimatorBase:
         """Nothing measured: ``{}``."""
         return {}
 
-    def measure_new(self, nodes: Sequence[torch.fx.Node]) -> None:
-        """Nothing to measure."""
+    def measure_new(self, nodes: Sequence[torch.fx.Node]) -> object:
+        """Nothing to measure: None."""
         return None
 
 
@@ -205,7 +211,7 @@ class AnalyticEstimator(EstimatorBase):
         self.algorithm: Algorithm = algorithm
         self.inter_node_link: Link = get_link(inter_node_link) if inter_node_link else self.link
         self.ranks_per_node = ranks_per_node
-        self.contention_factor: float = (
+        self._contention_factor = (
             self.device.contention_factor if contention_factor is None else contention_factor
         )
 
@@ -301,7 +307,7 @@ def _hints_for(node: torch.fx.Node, exprs: Sequence[object]) -> dict[sympy.Symbo
     if not symbolic:
         return {}
     env = shape_env_of_nodes([node, *node.all_input_nodes])
-    symbols = free_symbols_sorted(symbolic)  # type: ignore[arg-type]
+    symbols = free_symbols_sorted(symbolic)
     return {sym: symbol_hint(sym, env) for sym in symbols}
 
 
@@ -327,7 +333,7 @@ class TableEstimator(EstimatorBase):
         self.kind_times_s = dict(kind_times_s or {})
         self.default_s = default_s
         self.output_bytes = dict(output_bytes or {})
-        self.contention_factor = contention_factor
+        self._contention_factor = contention_factor
 
     def node_cost(self, node: torch.fx.Node) -> NodeCost:
         kind = kind_of(node)

@@ -210,7 +210,7 @@ def _max(values: Sequence[SizeExpr]) -> SizeExpr:
     if not values:
         return 0
     if all(isinstance(v, int) for v in values):
-        return max(values)  # type: ignore[type-var]
+        return max(values)
     return sympy.Max(*values)
 
 

@@ -27,9 +27,9 @@ import functools
 import json
 import pathlib
 import statistics
+import sys
 import threading
 import time
-import tomllib
 from types import MappingProxyType
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -332,7 +332,15 @@ def load_hardware_file(path: str | pathlib.Path, *, overwrite: bool = False) -> 
     """
     p = pathlib.Path(path)
     text = p.read_text()
-    data: dict[str, Any] = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    data: dict[str, Any]
+    if p.suffix != ".toml":
+        data = json.loads(text)
+    elif sys.version_info >= (3, 11):
+        import tomllib  # standard library from Python 3.11; the package supports 3.10
+
+        data = tomllib.loads(text)
+    else:
+        raise ValueError(f"{p}: TOML hardware files need Python 3.11 or newer (tomllib); use JSON on Python 3.10")
     for entry in data.get("devices", []):
         peaks = {_dtype_from_name(k): float(v) for k, v in entry["peak_flops_per_s"].items()}
         register_device(
@@ -412,7 +420,7 @@ def measure_cpu_device(name: str = "cpu") -> Device:
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         a = torch.randn(n, n).to(dtype)
         b = torch.randn(n, n).to(dtype)
-        t = _best_time_s(lambda a=a, b=b: torch.mm(a, b), repeats=5)
+        t = _best_time_s(functools.partial(torch.mm, a, b), repeats=5)
         peaks[dtype] = 2 * n**3 / max(t, 1e-9)
     peaks[torch.float16] = peaks[torch.bfloat16]
 

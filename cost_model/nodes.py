@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.fx
 
@@ -16,3 +17,16 @@ def node_list(nodes: NodesLike) -> list[torch.fx.Node]:
     if isinstance(nodes, torch.fx.Graph):
         return list(nodes.nodes)
     return list(nodes)
+
+
+def call_target(node: torch.fx.Node) -> Callable[..., Any]:
+    """What a ``call_function`` node calls.
+
+    fx types ``Node.target`` as a callable or a str (a str names a method, submodule or attribute
+    for the other node kinds); running a node needs the callable. Raises ``TypeError`` for a name,
+    as calling it would.
+    """
+    target = node.target
+    if isinstance(target, str):
+        raise TypeError(f"{node.name}: target {target!r} is a name ({node.op}), not a callable")
+    return target

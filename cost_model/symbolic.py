@@ -72,7 +72,7 @@ def is_symbolic(expr: object) -> bool:
 def to_sympy(value: SizeExpr | float) -> sympy.Expr:
     """Wrap a number (or pass through an expression) as a sympy expression."""
     if isinstance(value, sympy.Basic):
-        return value  # type: ignore[return-value]
+        return value
     if isinstance(value, int):
         return sympy.Integer(value)
     return sympy.Float(value)
@@ -200,5 +200,5 @@ def free_symbols_sorted(exprs: Sequence[sympy.Expr]) -> list[sympy.Symbol]:
     syms: set[sympy.Symbol] = set()
     for e in exprs:
         if isinstance(e, sympy.Basic):
-            syms |= e.free_symbols  # type: ignore[arg-type]
+            syms |= e.free_symbols
     return sorted(syms, key=str)

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 
 from cost_model.comm_nodes import describe_comm, resolve_group_size
+from cost_model.nodes import call_target
 from cost_model.profile.running import device_of_nodes, real_args, synchronize
 from cost_model.rank_agreement import agree_max, backend_name, comm_device
 from cost_model.symbolic import evaluate, size_hints
@@ -84,7 +85,7 @@ def measure_contention(
     def compute_once() -> None:
         if args is not None:
             for _ in range(iters):
-                node.target(*args, **kwargs)  # type: ignore[operator]
+                call_target(node)(*args, **kwargs)
             synchronize(device)
 
     alone: list[float] = []

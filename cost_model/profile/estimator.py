@@ -64,7 +64,7 @@ import torch.fx
 from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size, resolve_process_group
 from cost_model.estimator import Estimator, EstimatorBase, NodeCost
 from cost_model.memory import is_schema_view
-from cost_model.nodes import NodesLike, node_list
+from cost_model.nodes import NodesLike, call_target, node_list
 from cost_model.op_kinds import kind_of, op_name
 from cost_model.profile.cache import MeasurementCache, device_key
 from cost_model.profile.contention import measure_contention
@@ -412,7 +412,7 @@ class ProfiledEstimator(EstimatorBase):
             import torch.distributed as dist
 
             def run() -> object:
-                out = node.target(*args, **kwargs)  # type: ignore[operator]
+                out = call_target(node)(*args, **kwargs)
                 for t in out if isinstance(out, (list, tuple)) else (out,):
                     c10d.wait_tensor(t)
                 return out
@@ -424,7 +424,7 @@ class ProfiledEstimator(EstimatorBase):
                 return math.nan
 
         def run_compute() -> object:
-            return node.target(*args, **kwargs)  # type: ignore[operator]
+            return call_target(node)(*args, **kwargs)
 
         try:
             return median_run_s(run_compute, self.warmup, self.repeats, device)

@@ -42,6 +42,7 @@ import sympy
 import torch
 import torch.fx
 
+from cost_model.nodes import call_target
 from cost_model.op_kinds import kind_of
 from cost_model.profile.running import device_of_nodes, median_run_s
 from cost_model.rank_agreement import agree_max, check_same_signatures
@@ -105,15 +106,17 @@ def segment_pair_times(
     """Measured ``P`` for every pair of segments (see the module docstring)."""
     fwd_sigs = [segment_signature(profiled, s) for s in fwd]
     bwd_sigs = [segment_signature(profiled, s) for s in bwd]
-    fwd_options: list[int | None] = [None, *(i for i, s in enumerate(fwd_sigs) if s is not None)]
-    bwd_options: list[int | None] = [None, *(j for j, s in enumerate(bwd_sigs) if s is not None)]
+    # (segment index or None for "no segment", its signature): unmeasurable segments are left out.
+    alone: list[tuple[int | None, SegmentSignature]] = [(None, ())]
+    fwd_options = alone + [(i, s) for i, s in enumerate(fwd_sigs) if s is not None]
+    bwd_options = alone + [(j, s) for j, s in enumerate(bwd_sigs) if s is not None]
     first_of: dict[tuple[SegmentSignature, SegmentSignature], Pair] = {}
     key_of: dict[Pair, tuple[SegmentSignature, SegmentSignature]] = {}
-    for i in fwd_options:
-        for j in bwd_options:
+    for i, fwd_sig in fwd_options:
+        for j, bwd_sig in bwd_options:
             if i is None and j is None:
                 continue
-            sig = (fwd_sigs[i] if i is not None else (), bwd_sigs[j] if j is not None else ())
+            sig = (fwd_sig, bwd_sig)
             key_of[(i, j)] = sig
             first_of.setdefault(sig, (i, j))
     cache = profiled.pair_measurements
@@ -154,9 +157,9 @@ def _measure_pair(profiled: PairProfiler, fwd: Segment, bwd: Segment) -> float:
     device = device_of_nodes([c[0] for c in calls])
 
     def run() -> None:
-        in_flight = []
+        in_flight: list[torch.Tensor] = []
         for node, args, kwargs, is_collective in calls:
-            out = node.target(*args, **kwargs)
+            out = call_target(node)(*args, **kwargs)
             if is_collective:
                 in_flight.extend(out if isinstance(out, (list, tuple)) else (out,))
         for t in in_flight:

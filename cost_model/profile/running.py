@@ -102,8 +102,9 @@ def real_args(
     args = [real(a) for a in node.args]
     kwargs = {k: real(v) for k, v in node.kwargs.items()}
     if group is not None:
-        schema = node.target._schema  # type: ignore[union-attr]
-        for i, arg in enumerate(schema.arguments):
+        target = node.target
+        assert isinstance(target, torch._ops.OpOverload), f"{node.name}: a collective calls an OpOverload"
+        for i, arg in enumerate(target._schema.arguments):
             if arg.name != "group_name":
                 continue
             if i < len(args):
