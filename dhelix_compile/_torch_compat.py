@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.fx
@@ -28,8 +28,13 @@ from torch._inductor.compile_fx import compile_fx as _compile_fx
 from torch._inductor.compile_fx import compile_fx_inner as _compile_fx_inner
 from torch._inductor.virtualized import V as _V
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
+
 #: An inner compiler: ``(gm, example_inputs, **inductor_kwargs) -> boxed callable``.
 InnerCompile = Callable[..., Any]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def compile_with_aot_autograd(
@@ -57,9 +62,18 @@ def compile_with_aot_autograd(
     other) dhelix passes. Inductor's FX-graph cache stays on: its key is the graph we pass it.
     """
     with _functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
-        return _compile_fx(
+        compiled = _compile_fx(
             gm, example_inputs, inner_compile=inner_compile, config_patches=inductor_config_patches
         )
+    # compile_fx returns source paths or weights only when compiling ahead of time (AOTInductor)
+    assert callable(compiled), f"compile_fx returned {type(compiled).__name__}, not a callable"
+    return compiled
+
+
+def mark_boxed(fn: _F) -> _F:
+    """Mark ``fn`` as boxed (takes the argument list), as ``make_boxed_func`` does, without wrapping it."""
+    fn._boxed_call = True  # type: ignore[attr-defined]  # AOTAutograd's private marker, in no torch type
+    return fn
 
 
 def inductor_compile_partition(
@@ -163,7 +177,7 @@ def list_dynamo_backends() -> list[str]:
     return list(torch._dynamo.list_backends())
 
 
-def default_store() -> Any:
+def default_store() -> torch.distributed.Store:
     """The c10d key-value store of the default process group (for out-of-graph agreement)."""
     from torch.distributed.distributed_c10d import _get_default_store
 
@@ -175,7 +189,7 @@ def group_ranks(group_name: str) -> list[int]:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    return list(dist.get_process_group_ranks(_resolve_process_group(_as_group_name(group_name))))
 
 
 #: Inductor's own communication/computation overlap scheduler (torch>=2.10), the baseline
@@ -197,9 +211,16 @@ def cpu_roofline_for_inductor(tflops: float, dram_gbps: float) -> Iterator[None]
     """
     import torch.utils._runtime_estimation as runtime_estimation
 
+    def device_tflops(dtype: torch.dtype | None = None) -> float:
+        return tflops
+
+    def gpu_dram_gbps() -> float:
+        return dram_gbps
+
     saved = runtime_estimation.get_device_tflops, runtime_estimation.get_gpu_dram_gbps
-    runtime_estimation.get_device_tflops = lambda dtype=None: tflops  # type: ignore[assignment]
-    runtime_estimation.get_gpu_dram_gbps = lambda: dram_gbps  # type: ignore[assignment]
+    # Monkeypatching a private module: its functions' declared types are not the stand-ins'.
+    runtime_estimation.get_device_tflops = device_tflops  # type: ignore[assignment]  # torch's is functools.cache'd
+    runtime_estimation.get_gpu_dram_gbps = gpu_dram_gbps  # type: ignore[assignment]  # torch's: cached, int GB/s
     try:
         yield
     finally:
@@ -251,7 +272,16 @@ def resolve_group(group_name: str) -> Any:
     """The live process group a functional collective's ``group_name`` names."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(group_name)
+    return _resolve_process_group(_as_group_name(group_name))
+
+
+def _as_group_name(name: str) -> GroupName:
+    """A group name from a graph argument (a plain str) as torch's ``GroupName``.
+
+    ``GroupName`` is a ``NewType`` of str in torch 2.13's distributed_c10d, imported for type
+    checking only: a cast, unlike calling it, does not need that name in every supported release.
+    """
+    return cast("GroupName", name)
 
 
 def register_work(tensor: torch.Tensor, work: Any) -> None:

@@ -97,16 +97,16 @@ def check_rank_consistency(gm: torch.fx.GraphModule, graph_name: str, timeout_s:
     log.info("%s: collective sequence agrees across ranks (%d group(s))", graph_name, len(signatures))
 
 
-def _wait_for(store: object, key: str, rank: int, group: str, graph_name: str, timeout_s: float) -> dict:
+def _wait_for(store: dist.Store, key: str, rank: int, group: str, graph_name: str, timeout_s: float) -> dict:
     try:
-        store.wait([key], timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+        store.wait([key], timedelta(seconds=timeout_s))
     except Exception as exc:  # the store raises on timeout (DistStoreError / RuntimeError)
         raise RankMismatchError(
             f"{graph_name}: rank {rank} of process group '{group}' did not publish its collective "
             f"sequence within {timeout_s:g} s — it is compiling a different graph or is stuck; "
             f"the job would deadlock at this graph's first collective"
         ) from exc
-    return json.loads(store.get(key))  # type: ignore[attr-defined]
+    return json.loads(store.get(key))
 
 
 def _compare(mine: Sequence[str], theirs: dict, me: int, rank: int, group: str, graph_name: str) -> None:

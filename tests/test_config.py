@@ -77,7 +77,7 @@ def test_unknown_pass_name_is_rejected_by_the_backend() -> None:
 def test_config_is_frozen_and_patch_validates() -> None:
     config = DHelixConfig()
     with pytest.raises(Exception):
-        config.codegen = "eager"  # type: ignore[misc]
+        config.codegen = "eager"  # type: ignore[misc]  # assigning to the frozen dataclass on purpose
     assert config.patch(codegen="eager").codegen == "eager"
     assert config.codegen == "inductor"
     with pytest.raises(ConfigError):
@@ -122,7 +122,7 @@ def test_non_callable_model_is_rejected_by_torch_compile() -> None:
     import torch
 
     with pytest.raises(Exception, match="callable"):
-        torch.compile(5, backend="dhelix")  # type: ignore[arg-type]
+        torch.compile(5, backend="dhelix")  # type: ignore[call-overload]  # not callable, on purpose
 
 
 # ---------------------------------------------------------------------------------- config -> passes

@@ -83,7 +83,7 @@ def test_single_rank_is_free_and_bad_input_raises() -> None:
     with pytest.raises(ValueError, match="unknown collective"):
         collective_time_s("gather", S, 2, LINK)
     with pytest.raises(ValueError, match="backend"):
-        collective_time_s("all_gather", S, 2, LINK, backend="mpi")  # type: ignore[arg-type]
+        collective_time_s("all_gather", S, 2, LINK, backend="mpi")  # type: ignore[arg-type]  # unknown backend, on purpose
     with pytest.raises(ValueError, match="group_size"):
         alpha_beta_terms("all_gather", 0)
 

@@ -304,12 +304,12 @@ def test_inplace_and_schema_views_allocate_nothing() -> None:
 
 
 def test_memoized_estimator_costs_each_node_once_and_forwards_attributes() -> None:
-    from cost_model import MemoizedEstimator, TableEstimator
+    from cost_model import MemoizedEstimator, NodeCost, TableEstimator
 
     calls: list[str] = []
 
     class Counting(TableEstimator):
-        def node_cost(self, node):  # type: ignore[override]
+        def node_cost(self, node: torch.fx.Node) -> NodeCost:
             calls.append(node.name)
             return super().node_cost(node)
 

@@ -83,7 +83,7 @@ def test_register_user_entries() -> None:
 def test_device_is_frozen_and_validated() -> None:
     dev = get_device("a40")
     with pytest.raises(TypeError):
-        dev.peak_flops_per_s[torch.float32] = 1.0  # type: ignore[index]
+        dev.peak_flops_per_s[torch.float32] = 1.0  # type: ignore[index]  # writing the read-only mapping on purpose
     with pytest.raises(ValueError, match="contention_factor"):
         Device("bad", {torch.float32: 1.0}, 1.0, 0.0, "x", contention_factor=0.5)
     assert dev.replace(contention_factor=1.3).contention_factor == 1.3

@@ -231,4 +231,4 @@ def test_bad_options_fail_at_helix() -> None:
 
 def test_not_a_module_is_refused() -> None:
     with pytest.raises(HelixError, match="torch.nn.Module"):
-        dhelix_compile.helix(lambda x: x)  # type: ignore[arg-type]
+        dhelix_compile.helix(lambda x: x)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -171,6 +172,6 @@ def test_unpicklable_function_fails_fast_without_leaving_workers() -> None:
     ("kwargs", "message"),
     [({"world_size": 0}, "world_size"), ({"world_size": 2, "timeout_s": 0}, "timeout_s")],
 )
-def test_invalid_arguments(kwargs: dict[str, float], message: str) -> None:
+def test_invalid_arguments(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        run_on_ranks(_sum_of_ranks, **kwargs)  # type: ignore[arg-type]
+        run_on_ranks(_sum_of_ranks, **kwargs)

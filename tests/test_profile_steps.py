@@ -199,7 +199,7 @@ def test_wrapper_warms_up_profiles_then_gets_out_of_the_way() -> None:
         (out,) = wrapped([torch.full((2,), float(i))])
         assert torch.equal(out, torch.full((2,), 2.0 * i))
         assert len(done) == (1 if i >= 2 else 0)
-    assert not wrapped.profiling  # type: ignore[attr-defined]
+    assert not wrapped.profiling
     (measured,) = done
     assert len(measured.steps) == 2 and all(s.step_s > 0 for s in measured.steps)
     assert measured.rows()[-1].label == "whole call"
@@ -223,7 +223,7 @@ def test_a_failure_while_reading_the_profile_stops_profiling_not_training(caplog
     wrapped = profile_first_steps(raw, _plan(), 1, on_done=broken, warmup_calls=0)
     (out,) = wrapped([torch.ones(2)])
     assert torch.equal(out, torch.full((2,), 2.0))
-    assert not wrapped.profiling  # type: ignore[attr-defined]
+    assert not wrapped.profiling
     assert "profiling stopped: disk full" in caplog.text
 
 

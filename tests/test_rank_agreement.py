@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multirank
 def _agree_on(rank: int, world_size: int) -> dict[str, object]:
     import torch.distributed as dist
 
-    sys.modules["numpy"] = None  # type: ignore[assignment]  # any numpy import now fails
+    sys.modules["numpy"] = None  # type: ignore[assignment]  # None blocks imports: any numpy import now fails
     group = dist.group.WORLD
     return {
         "max": agree_max([float(rank), -float(rank), 0.5], group),

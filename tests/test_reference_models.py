@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def test_moe_routing_respects_capacity_and_priority() -> None:
 
 
 @functools.cache
-def _checks(world_size: int, backend: str | None) -> list[dict[str, dict[str, object] | str]] | str:
+def _checks(world_size: int, backend: str | None) -> list[dict[str, dict[str, Any] | str]] | str:
     """Per-rank ``check_all`` reports (cached per module run), or the harness error text."""
     try:
         return run_on_ranks(check_all, world_size, MODEL_KINDS, backend, timeout_s=240)
@@ -126,7 +127,7 @@ def _checks(world_size: int, backend: str | None) -> list[dict[str, dict[str, ob
         return str(err)
 
 
-def _reports(world_size: int, kind: ModelKind) -> list[dict[str, object]]:
+def _reports(world_size: int, kind: ModelKind) -> list[dict[str, Any]]:
     backend = COMPILE_BACKEND if world_size == COMPILE_WORLD_SIZE else None
     per_rank = _checks(world_size, backend)
     if isinstance(per_rank, str):
@@ -147,7 +148,7 @@ def _reports(world_size: int, kind: ModelKind) -> list[dict[str, object]]:
 def test_parallel_model_matches_reference(kind: ModelKind, world_size: int) -> None:
     reports = _reports(world_size, kind)  # each rank asserted outputs, params, grads itself
     reference_loss = reports[0]["reference_loss"]
-    losses = [r["eager"]["loss"] for r in reports]  # type: ignore[index]
+    losses = [r["eager"]["loss"] for r in reports]
     if kind in ("tp", "tp_sp"):  # DTensor: the replicated loss is the reference loss
         for loss in losses:
             assert loss == pytest.approx(reference_loss, rel=1e-5)
@@ -185,7 +186,7 @@ def test_compiled_parallel_model_matches_reference(kind: ModelKind) -> None:
         assert isinstance(compiled, dict)
         assert compiled["graphs"] == 1, f"rank {rank}: dynamo split the model: {compiled}"
         assert compiled["graph_breaks"] == 0, f"rank {rank}: {compiled}"
-        assert compiled["loss"] == pytest.approx(report["eager"]["loss"], rel=1e-5)  # type: ignore[index]
+        assert compiled["loss"] == pytest.approx(report["eager"]["loss"], rel=1e-5)
         collectives = compiled["collectives"]
         assert isinstance(collectives, dict)
         if kind in _EXPECTED_COLLECTIVES:
@@ -194,4 +195,4 @@ def test_compiled_parallel_model_matches_reference(kind: ModelKind) -> None:
         else:
             assert set(collectives["forward"]) == _EXPECTED_COLLECTIVE_KINDS[kind], collectives
             assert collectives["backward"], collectives
-    assert reports[0]["compiled"]["collectives"] == reports[1]["compiled"]["collectives"]  # type: ignore[index]
+    assert reports[0]["compiled"]["collectives"] == reports[1]["compiled"]["collectives"]

@@ -20,6 +20,7 @@ Contract
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from cost_model.nodes import call_target
 from cost_model.op_kinds import is_comm, kind_of
 from cost_model.profile import median_run_s
 from dhelix_compile import _torch_compat as compat
@@ -108,7 +110,7 @@ class CollectiveReplay:
     """
 
     def __init__(self, nodes: Sequence[torch.fx.Node]) -> None:
-        self.calls = [(n.target, _materialize(n.args), _materialize(n.kwargs)) for n in nodes]
+        self.calls = [(call_target(n), _materialize(n.args), _materialize(n.kwargs)) for n in nodes]
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -212,4 +214,8 @@ def _shares(count: int, weights: Sequence[float]) -> list[int]:
 def _times_alone(replay: CollectiveReplay, samples: int) -> list[float]:
     """Each collective's time issued and waited alone: the median of ``samples`` after a warm-up."""
     cpu = torch.device("cpu")
-    return [median_run_s(lambda i=i: replay.wait(replay.issue(i)), 1, samples, cpu) for i in range(len(replay))]
+
+    def alone(i: int) -> None:
+        replay.wait(replay.issue(i))
+
+    return [median_run_s(functools.partial(alone, i), 1, samples, cpu) for i in range(len(replay))]

@@ -11,6 +11,7 @@ strand, and helix.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -86,7 +87,7 @@ def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, varia
         module = parallelize_tp_sp(Transformer(config), mesh)
         step = step_function(name, module, loss_fn)
         step(mbs)  # compile, and the gradients exist: later steps accumulate into them
-        peaks[name] = peak_allocated_bytes(lambda step=step: step(mbs))
+        peaks[name] = peak_allocated_bytes(functools.partial(step, mbs))
     return peaks
 
 

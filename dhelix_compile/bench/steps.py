@@ -44,6 +44,6 @@ def step_function(
 
     def run_loop(microbatches: list[Microbatch]) -> None:
         for mb in microbatches:
-            loss_fn(compiled, mb).backward()  # type: ignore[arg-type]
+            loss_fn(compiled, mb).backward()
 
     return run_loop

@@ -25,7 +25,7 @@ loop over the micro-batches, helix takes them all at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,26 +40,34 @@ VARIANTS: tuple[str, ...] = (
 NOT_BY_DEFAULT: tuple[str, ...] = ("dhelix_decompose_pieces", "dhelix_decompose_chain", "dhelix_eager")
 
 
+def _compiled(module: torch.nn.Module, backend: str, options: dict[str, Any] | None = None) -> torch.nn.Module:
+    """``torch.compile(module, ...)``: torch types the result as the callable it was given,
+    for a module it is an ``OptimizedModule``, the module the loss functions take."""
+    compiled = torch.compile(module, backend=backend, options=options)
+    assert isinstance(compiled, torch.nn.Module), "torch.compile of a module is a module"
+    return compiled
+
+
 def compile_variant(
     name: str, module: torch.nn.Module, dhelix_options: Mapping[str, Any] | None = None
-) -> Callable[..., Any]:
+) -> torch.nn.Module:
     """``module`` prepared as variant ``name`` (compilation happens at its first call)."""
     options = dict(dhelix_options or {})
     if name == "eager":
         return module
     if name == "inductor":
-        return torch.compile(module, backend="inductor")
+        return _compiled(module, backend="inductor")
     if name == "inductor_overlap":
-        return torch.compile(module, backend="inductor", options=dict(compat.INDUCTOR_OVERLAP_CONFIG))
+        return _compiled(module, backend="inductor", options=dict(compat.INDUCTOR_OVERLAP_CONFIG))
     if name == "dhelix":
-        return torch.compile(module, backend="dhelix", options=options)
+        return _compiled(module, backend="dhelix", options=options)
     if name == "dhelix_decompose":
-        return torch.compile(module, backend="dhelix", options={**options, "decompose": "per_peer"})
+        return _compiled(module, backend="dhelix", options={**options, "decompose": "per_peer"})
     if name == "dhelix_decompose_pieces":
-        return torch.compile(module, backend="dhelix", options={**options, "decompose": "per_peer", "decompose_pieces": 0})
+        return _compiled(module, backend="dhelix", options={**options, "decompose": "per_peer", "decompose_pieces": 0})
     if name == "dhelix_decompose_chain":
-        chain = {"decompose": "per_peer", "decompose_pieces": 0, "decompose_chains": True}
-        return torch.compile(module, backend="dhelix", options={**options, **chain})
+        chain: dict[str, str | int | bool] = {"decompose": "per_peer", "decompose_pieces": 0, "decompose_chains": True}
+        return _compiled(module, backend="dhelix", options={**options, **chain})
     if name == "dhelix_eager":
-        return torch.compile(module, backend="dhelix", options={**options, "codegen": "eager"})
+        return _compiled(module, backend="dhelix", options={**options, "codegen": "eager"})
     raise ValueError(f"unknown benchmark variant {name!r}; choose from {', '.join(VARIANTS)}")

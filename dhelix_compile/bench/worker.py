@@ -31,7 +31,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from dhelix_compile.bench.measure import (
 from dhelix_compile.bench.steps import STEP_VARIANTS, step_function
 from dhelix_compile.testing.llama import FeedForward, ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
+
+if TYPE_CHECKING:
+    from dhelix_compile.testing.moe import MoEConfig
 
 #: Model sizes by name: (dim, n_heads, n_layers, ffn_hidden, vocab, seq_len, batch)
 MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
@@ -64,7 +67,7 @@ MLP_SIZES: dict[str, tuple[int, int, int, int]] = {
 
 
 #: MoE-layer sizes by name: (dim, ffn_hidden, n_experts, top_k, tokens per rank)
-MOE_SIZES: dict[str, tuple[int, int, int, int, int]] = {
+MOE_SIZES: dict[str, tuple[int, int, int, Literal[1, 2], int]] = {
     "moe_small": (256, 512, 4, 2, 256),
     "moe_medium": (512, 1024, 4, 2, 256),
 }
@@ -108,7 +111,7 @@ class MLPBlock(torch.nn.Module):
         return self.feed_forward(x)
 
 
-def parallelize_mlp(block: MLPBlock, mesh: Any) -> MLPBlock:
+def parallelize_mlp(block: MLPBlock, mesh: Any) -> torch.nn.Module:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -123,7 +126,7 @@ def parallelize_mlp(block: MLPBlock, mesh: Any) -> MLPBlock:
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "feed_forward.w3": ColwiseParallel(),
     }
-    return parallelize_module(block, mesh, plan)  # type: ignore[return-value]
+    return parallelize_module(block, mesh, plan)
 
 
 def init_process_group(mode: str) -> tuple[int, int]:
@@ -171,6 +174,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     if user_options.get("dump_dir"):  # keep the dumps: one folder per variant under the user's
         dump_root = Path(user_options.pop("dump_dir"))
     barrier = dist.barrier if args.mode == "link" else None
+    config: ModelConfig | MoEConfig  # reported with the results
     if args.model in MLP_SIZES:
         dim, ffn, seq, batch = MLP_SIZES[args.model]
         config = ModelConfig(dim=dim, ffn_hidden=ffn)
@@ -191,15 +195,16 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         from dhelix_compile.testing.moe import ExpertParallelMoE, MoEConfig, ReferenceMoE
 
         dim, ffn, n_experts, top_k, seq = MOE_SIZES[args.model]
-        config, batch = MoEConfig(dim=dim, ffn_hidden=ffn, n_experts=n_experts, top_k=top_k), 1  # type: ignore[assignment]
-        config.validate(world_size)  # type: ignore[attr-defined]
+        moe_config = MoEConfig(dim=dim, ffn_hidden=ffn, n_experts=n_experts, top_k=top_k)
+        config, batch = moe_config, 1
+        moe_config.validate(world_size)
         # this rank's dispatch group of tokens and a probe
         microbatches = [
             (torch.randn(seq, dim, generator=gen), torch.randn(seq, dim, generator=gen)) for _ in range(args.microbatches)
         ]
 
         def make() -> torch.nn.Module:
-            return ExpertParallelMoE.from_reference(ReferenceMoE(config))  # type: ignore[arg-type]
+            return ExpertParallelMoE.from_reference(ReferenceMoE(moe_config))
 
         def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
             return (model(mb[0]) * mb[1]).sum()

@@ -162,10 +162,12 @@ def _with_own_code(method: Callable[[Any], torch.Tensor]) -> Callable[[Any], tor
     object. Every ``HelixStep`` would otherwise share ``_loss``'s: a few steps over different
     models would exhaust the limit, and ``fullgraph=True`` turns that into an error.
     """
-    function = method.__func__  # type: ignore[attr-defined]
+    assert isinstance(method, types.MethodType), "a bound method (HelixStep._loss)"
+    function = method.__func__
+    assert isinstance(function, types.FunctionType), "a method written in Python"
     code = function.__code__.replace(co_name=f"helix_loss_{next(_step_ids)}")
     fresh = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
-    return types.MethodType(fresh, method.__self__)  # type: ignore[attr-defined]
+    return types.MethodType(fresh, method.__self__)
 
 
 def _find_helix_error(exc: BaseException) -> HelixError | None:

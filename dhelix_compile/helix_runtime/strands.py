@@ -261,8 +261,7 @@ def strand_forward(pair: StrandPair) -> BoxedCallable:
         pending.finish(result=outputs[merged.num_fwd_outputs :])
         return outputs[: merged.num_fwd_outputs]
 
-    forward._boxed_call = True  # type: ignore[attr-defined]
-    return forward
+    return compat.mark_boxed(forward)
 
 
 def strand_backward(pair: StrandPair) -> BoxedCallable:
@@ -278,8 +277,7 @@ def strand_backward(pair: StrandPair) -> BoxedCallable:
             raise HelixError(f"the merged forward/backward graph failed: {pending.error}") from pending.error
         return pending.result
 
-    backward._boxed_call = True  # type: ignore[attr-defined]
-    return backward
+    return compat.mark_boxed(backward)
 
 
 def compile_strand_partition(

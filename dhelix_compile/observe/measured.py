@@ -554,7 +554,7 @@ def profile_first_steps(
     on_done: Callable[[MeasuredTimeline], None],
     *,
     warmup_calls: int = WARMUP_CALLS,
-) -> Callable[[list[Any]], Any]:
+) -> FirstStepsProfiler:
     """A boxed callable running ``compiled``; after ``warmup_calls`` calls, ``steps`` calls are profiled.
 
     See the module docstring.
@@ -563,10 +563,10 @@ def profile_first_steps(
         raise ValueError(f"profile_first_steps: steps must be >= 1, got {steps}")
     if warmup_calls < 0:
         raise ValueError(f"profile_first_steps: warmup_calls must be >= 0, got {warmup_calls}")
-    return _FirstStepsProfiler(compiled, plan, steps, on_done, warmup_calls)
+    return FirstStepsProfiler(compiled, plan, steps, on_done, warmup_calls)
 
 
-class _FirstStepsProfiler:
+class FirstStepsProfiler:
     """The boxed callable of :func:`profile_first_steps`."""
 
     def __init__(

@@ -157,7 +157,7 @@ SEGMENT_COLUMNS = ("#", "segment", "predicted ms", "measured ms", "measured / pr
 
 def segment_table_rows(measured: dict[str, Any]) -> list[tuple[str, ...]]:
     """Rows of the predicted-vs-measured table: one per segment, then the whole call."""
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (str(seg["segment"]), seg["label"], format_ms(seg["predicted_s"], 3), format_ms(seg["measured_s"], 3), _ratio(seg["ratio"]))
         for seg in measured.get("segments") or []
     ]

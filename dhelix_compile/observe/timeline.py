@@ -206,7 +206,7 @@ def gantt_svg(timelines: Sequence[LabelledTimeline], title: str = "") -> str:
     parts: list[str] = [_svg_defs()]
     if title:
         parts.append(svg.text(8, 22, title, size=15, weight="bold"))
-    y_px = _TOP_PX
+    y_px: float = _TOP_PX
     for timeline in timelines:
         panel, y_px = _panel(timeline, scale, y_px)
         parts.append(panel)

@@ -108,18 +108,18 @@ def _transformer_case(
         return lm_loss(logits, targets)
 
     if kind == "functional_sp":
-        parallel: nn.Module = FunctionalSPTransformer.from_reference(reference)
+        sp_model = FunctionalSPTransformer.from_reference(reference)
         local_targets = shard_sequence(targets, rank, world_size)
         n_tokens = targets.numel()
         return ParallelCase(
             reference=reference,
-            parallel=parallel,
+            parallel=sp_model,
             reference_inputs=(tokens,),
             local_inputs=(shard_sequence(tokens, rank, world_size),),
             reference_loss=full_loss,
             local_loss=lambda logits: lm_loss(logits, local_targets, normalizer=n_tokens),
             local_slice=lambda t: shard_sequence(t, rank, world_size),
-            replicated=parallel.replicated_parameter_names(),
+            replicated=sp_model.replicated_parameter_names(),
         )
     mesh = DeviceMesh("cpu", list(range(world_size)))
     parallelize = parallelize_tp if kind == "tp" else parallelize_tp_sp

@@ -22,7 +22,13 @@ LossFn = Callable[[Any], torch.Tensor]
 
 def default_loss(output: Any) -> torch.Tensor:
     """A scalar that depends on every output element: the mean of squares, in float32."""
-    return sum(t.float().pow(2).mean() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+    terms = [t.float().pow(2).mean() for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+    if not terms:
+        raise ValueError("default_loss: the output holds no tensor")
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 @dataclasses.dataclass
@@ -64,11 +70,11 @@ def assert_close_results(
         torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m: f"{where} output {i}: {m}")
     torch.testing.assert_close(actual.loss, expected.loss, atol=atol, rtol=rtol)
     assert expected.grads.keys() == actual.grads.keys()
-    for name, e in expected.grads.items():
-        a = actual.grads[name]
-        assert (e is None) == (a is None), f"{where}: grad of {name} is None on one side only"
-        if e is not None:
-            torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m: f"{where} grad {name}: {m}")
+    for name, e_grad in expected.grads.items():
+        a_grad = actual.grads[name]
+        assert (e_grad is None) == (a_grad is None), f"{where}: grad of {name} is None on one side only"
+        if e_grad is not None:
+            torch.testing.assert_close(a_grad, e_grad, atol=atol, rtol=rtol, msg=lambda m: f"{where} grad {name}: {m}")
     for name, e in expected.buffers.items():
         torch.testing.assert_close(
             actual.buffers[name], e, atol=atol, rtol=rtol, msg=lambda m: f"{where} buffer {name}: {m}"

@@ -58,7 +58,7 @@ def _loss_fn(kind: ModelKind, normalizer: int | None) -> Callable[[nn.Module, An
 def _microbatch(kind: ModelKind, rank: int, world_size: int, config: CheckConfig, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     if kind == "moe":
-        shape = (world_size, config.moe_tokens, config.moe.dim)
+        shape: tuple[int, ...] = (world_size, config.moe_tokens, config.moe.dim)
         x = torch.randn(shape, generator=gen).to(config.moe.dtype)
         probe = torch.randn(shape, generator=gen).to(config.moe.dtype)
         return x[rank].clone(), probe[rank].clone()
@@ -120,9 +120,9 @@ def check_helix(
     problems = []
     if len(helix_losses) != len(eager_losses):
         problems.append(f"{len(helix_losses)} losses for {len(eager_losses)} micro-batches")
-    for k, (got, want) in enumerate(zip(helix_losses, eager_losses)):
-        if got.shape != () or not torch.allclose(got, want, atol=atol, rtol=rtol):
-            problems.append(f"loss {k}: {got} != {want}")
+    for k, (got_loss, want_loss) in enumerate(zip(helix_losses, eager_losses)):
+        if got_loss.shape != () or not torch.allclose(got_loss, want_loss, atol=atol, rtol=rtol):
+            problems.append(f"loss {k}: {got_loss} != {want_loss}")
     want_grads, got_grads = local_grads(case.eager_model), local_grads(case.helix_model)
     for name, want in want_grads.items():
         got = got_grads[name]

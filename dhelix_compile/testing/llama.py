@@ -193,6 +193,9 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Token embedding, ``n_layers`` blocks, final RMSNorm, untied output head -> logits."""
 
+    rope_cos: torch.Tensor  # buffers (register_buffer)
+    rope_sin: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         config.validate()

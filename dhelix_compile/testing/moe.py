@@ -151,7 +151,9 @@ class ExpertParallelMoE(nn.Module):
         self.rank = dist.get_rank(group)
         config.validate(self.ep)
         self.config = config
-        self.group_name: str = (group or dist.group.WORLD).group_name  # type: ignore[union-attr]
+        pg = group or dist.group.WORLD
+        assert pg is not None, "torch.distributed is initialized"
+        self.group_name = pg.group_name
         e_local, d, h = config.n_experts // self.ep, config.dim, config.ffn_hidden
         with torch.random.fork_rng(devices=[]):
             self.router = nn.Linear(d, config.n_experts, bias=False)

@@ -29,6 +29,7 @@ def main(workdir: Path) -> int:
     import torch
     import torch.distributed as dist
 
+    outcome: tuple[str, object, float]  # (status, pickled result or traceback, time)
     try:
         fn, args, kwargs, pg_timeout_s, num_threads = pickle.loads((workdir / "job.pkl").read_bytes())
         torch.set_num_threads(num_threads)

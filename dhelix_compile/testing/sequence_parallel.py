@@ -32,6 +32,8 @@ slices; replicated parameters get partial gradients, summed by
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -45,6 +47,9 @@ from dhelix_compile.testing.llama import (
     rotary_tables,
 )
 from dhelix_compile.testing.sharding import copy_shards_from
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = [
     "FunctionalSPAttention",
@@ -65,14 +70,16 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) ->
     return x.chunk(world_size, dim)[rank].contiguous()
 
 
-def _group_name(group: dist.ProcessGroup | None) -> str:
-    return (group or dist.group.WORLD).group_name  # type: ignore[union-attr]
+def _group_name(group: dist.ProcessGroup | None) -> GroupName:
+    pg = group or dist.group.WORLD
+    assert pg is not None, "torch.distributed is initialized"
+    return pg.group_name
 
 
 class FunctionalSPAttention(nn.Module):
     """Attention on one rank's heads: all-gather in, reduce-scatter out."""
 
-    def __init__(self, config: ModelConfig, tp: int, group_name: str) -> None:
+    def __init__(self, config: ModelConfig, tp: int, group_name: GroupName) -> None:
         super().__init__()
         local_width = config.dim // tp
         self.head_dim = config.head_dim
@@ -97,7 +104,7 @@ class FunctionalSPAttention(nn.Module):
 class FunctionalSPFeedForward(nn.Module):
     """SwiGLU on one rank's hidden columns: all-gather in, reduce-scatter out."""
 
-    def __init__(self, config: ModelConfig, tp: int, group_name: str) -> None:
+    def __init__(self, config: ModelConfig, tp: int, group_name: GroupName) -> None:
         super().__init__()
         local_hidden = config.ffn_hidden // tp
         self.group_name = group_name
@@ -114,7 +121,7 @@ class FunctionalSPFeedForward(nn.Module):
 class FunctionalSPBlock(nn.Module):
     """Pre-norm block on a sequence shard ``[S/tp, B, D]``; norms are local (replicated weights)."""
 
-    def __init__(self, config: ModelConfig, tp: int, group_name: str) -> None:
+    def __init__(self, config: ModelConfig, tp: int, group_name: GroupName) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = FunctionalSPAttention(config, tp, group_name)
@@ -128,6 +135,9 @@ class FunctionalSPBlock(nn.Module):
 
 class FunctionalSPTransformer(nn.Module):
     """Sequence-sharded tokens in, sequence-sharded logits out; see the module docstring."""
+
+    rope_cos: torch.Tensor  # buffers (register_buffer)
+    rope_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()

@@ -25,6 +25,7 @@ parameter's placements. Both are collectives: call them on every rank in the sam
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -53,11 +54,19 @@ def reference_slice(
     return full.chunk(world_size, dim)[rank]
 
 
+@runtime_checkable
+class DeclaresShardDims(Protocol):
+    """A hand-written parallel model: ``shard_dims()`` says which of its parameters are shards."""
+
+    def shard_dims(self) -> Mapping[str, int | None]: ...
+
+
 @torch.no_grad()
 def copy_shards_from(model: nn.Module, reference: nn.Module, rank: int, world_size: int) -> None:
     """Fill ``model``'s parameters with ``rank``'s slices of ``reference``'s (``model.shard_dims()``)."""
     reference_params = dict(reference.named_parameters())
-    dims = model.shard_dims()  # type: ignore[operator]
+    assert isinstance(model, DeclaresShardDims), f"{type(model).__name__} declares no shard_dims()"
+    dims = model.shard_dims()
     for name, param in model.named_parameters():
         param.copy_(reference_slice(reference_params[name].detach(), dims[name], rank, world_size))
 
@@ -75,9 +84,7 @@ def _dtensor_dim(param: DTensor) -> int | None:
 
 def shard_dims(model: nn.Module) -> dict[str, int | None]:
     """``{parameter name: sharded dim or None (replicated)}`` in ``named_parameters`` order."""
-    declared: Mapping[str, int | None] = (
-        model.shard_dims() if hasattr(model, "shard_dims") else {}  # type: ignore[operator]
-    )
+    declared: Mapping[str, int | None] = model.shard_dims() if isinstance(model, DeclaresShardDims) else {}
     dims: dict[str, int | None] = {}
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
