@@ -59,6 +59,7 @@ import torch
 import torch.fx
 
 from cost_model.op_kinds import kind_of
+from graph_passes.node_args import as_int, as_ints, as_node
 from graph_passes.op_groups import MATMULS, RESHAPES
 
 aten = torch.ops.aten
@@ -214,18 +215,20 @@ def _is_transpose(node: torch.fx.Node) -> bool:
     val = _val(node)
     if val is None or val.dim() != 2:
         return False
-    return node.target == aten.t.default or (node.target == aten.permute.default and list(node.args[1]) == [1, 0])  # type: ignore[arg-type]
+    return node.target == aten.t.default or (node.target == aten.permute.default and as_ints(node.args[1]) == [1, 0])
 
 
-def _chunks(parts: Sequence[object], group_size: int) -> tuple[torch.fx.Node, int] | None:
-    """``(x, d)`` if ``parts`` are ``x``'s ``group_size`` equal chunks along ``d``, in order.
+def _chunks(parts: torch.fx.node.Argument, group_size: int) -> tuple[torch.fx.Node, int] | None:
+    """``(x, d)`` if ``parts`` (a cat's tensors) are ``x``'s ``group_size`` equal chunks along ``d``, in order.
 
     Two spellings appear in AOTAutograd graphs: ``getitem(split(x, n, d), i)`` and
     ``slice(x, d, i*n, (i+1)*n)``.
     """
-    if len(parts) != group_size or not all(isinstance(p, torch.fx.Node) for p in parts):
+    if not isinstance(parts, (list, tuple)) or len(parts) != group_size:
         return None
-    nodes: list[torch.fx.Node] = list(parts)  # type: ignore[arg-type]
+    nodes = [p for p in parts if isinstance(p, torch.fx.Node)]
+    if len(nodes) != len(parts):
+        return None
     if all(p.target is operator.getitem for p in nodes):
         split = nodes[0].args[0]
         if (
@@ -234,21 +237,21 @@ def _chunks(parts: Sequence[object], group_size: int) -> tuple[torch.fx.Node, in
             and all(p.args[0] is split and p.args[1] == i for i, p in enumerate(nodes))
             and len(split.users) == group_size
         ):
-            return split.args[0], int(split.args[2]) if len(split.args) > 2 else 0  # type: ignore[return-value]
+            return as_node(split.args[0]), as_int(split.args[2]) if len(split.args) > 2 else 0
         return None
     if all(p.target == aten.slice.Tensor for p in nodes):
-        source, dim = nodes[0].args[0], int(nodes[0].args[1])
-        size = int(nodes[0].args[3]) - int(nodes[0].args[2])
+        source, dim = as_node(nodes[0].args[0]), as_int(nodes[0].args[1])
+        size = as_int(nodes[0].args[3]) - as_int(nodes[0].args[2])
         for i, p in enumerate(nodes):
-            start, end = int(p.args[2]), int(p.args[3])
-            if p.args[0] is not source or int(p.args[1]) != dim or (start, end) != (i * size, (i + 1) * size):
+            start, end = as_int(p.args[2]), as_int(p.args[3])
+            if p.args[0] is not source or as_int(p.args[1]) != dim or (start, end) != (i * size, (i + 1) * size):
                 return None
-        return source, dim  # type: ignore[return-value]
+        return source, dim
     return None
 
 
 def _cat_dim(cat: torch.fx.Node) -> int:
-    return int(cat.args[1]) if len(cat.args) > 1 else int(cat.kwargs.get("dim", 0))
+    return as_int(cat.args[1]) if len(cat.args) > 1 else as_int(cat.kwargs.get("dim", 0))
 
 
 def _gathered_layout(wait: torch.fx.Node, group_size: int) -> tuple[torch.fx.Node, int] | None:
@@ -262,7 +265,7 @@ def _gathered_layout(wait: torch.fx.Node, group_size: int) -> tuple[torch.fx.Nod
     (cat,) = cats
     if cat.target != aten.cat.default:
         return None
-    chunked = _chunks(cat.args[0], group_size)  # type: ignore[arg-type]
+    chunked = _chunks(cat.args[0], group_size)
     if chunked is None or chunked[0] is not wait or chunked[1] != 0:
         return None
     return cat, _cat_dim(cat)
@@ -274,7 +277,7 @@ def find_all_gather_matmuls(
     """All-gathers whose gathered tensor is the row operand of one or more matmuls."""
     matches = []
     for issue, wait in _issues_with_wait(graph, (c10d.all_gather_into_tensor.default,), "all_gather", skipped):
-        shard, group_size, group_name = issue.args[0], int(issue.args[1]), str(issue.args[2])
+        shard, group_size, group_name = as_node(issue.args[0]), as_int(issue.args[1]), str(issue.args[2])
         layout = _gathered_layout(wait, group_size)
         if layout is None:
             _count(skipped, "all_gather: unrecognised layout")
@@ -315,7 +318,7 @@ def consumers_through(node: torch.fx.Node, through: tuple[object, ...] = RESHAPE
 def _matmul_behind_views(node: torch.fx.Node) -> torch.fx.Node | None:
     """The matmul that produced ``node`` through views; its output must have no other use."""
     while node.target in RESHAPES:
-        node = node.args[0]  # type: ignore[assignment]
+        node = as_node(node.args[0])
     return node if node.target in MATMULS and len(node.users) == 1 else None
 
 
@@ -327,9 +330,14 @@ def _matmuls_of_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     gradient through two projections (SwiGLU's w1 and w3) is such a sum.
     """
     out = _add_tree_leaves(node, _matmul_behind_views)
-    numel = _val(node).numel() if _val(node) is not None else None  # type: ignore[union-attr]
-    if out is None or any(_val(mm) is None or _val(mm).numel() != numel for mm in out):  # type: ignore[union-attr]
+    if out is None:
         return None
+    val = _val(node)
+    numel = val.numel() if val is not None else None
+    for mm in out:
+        mm_val = _val(mm)
+        if mm_val is None or mm_val.numel() != numel:
+            return None
     return out
 
 
@@ -340,7 +348,7 @@ def _add_tree_leaves(node: torch.fx.Node, leaf_of: Any) -> list[torch.fx.Node] |
     if single is not None:
         return [single]
     while node.target in RESHAPES:
-        node = node.args[0]  # type: ignore[assignment]
+        node = as_node(node.args[0])
     if node.target != aten.add.Tensor or node.kwargs or len(node.args) != 2:
         return None
     out: list[torch.fx.Node] = []
@@ -357,7 +365,7 @@ def _add_tree_leaves(node: torch.fx.Node, leaf_of: Any) -> list[torch.fx.Node] |
 def _scatter_source(issue_input: torch.fx.Node, group_size: int) -> tuple[torch.fx.Node, int]:
     """The tensor reduce-scattered and its scatter dim: ``(input, 0)``, or ``(x, d)`` for chunk + cat."""
     if issue_input.target == aten.cat.default and _cat_dim(issue_input) == 0:
-        chunked = _chunks(issue_input.args[0], group_size)  # type: ignore[arg-type]
+        chunked = _chunks(issue_input.args[0], group_size)
         if chunked is not None:
             return chunked
     return issue_input, 0
@@ -369,8 +377,8 @@ def find_matmul_reduce_scatters(
     """Reduce-scatters of a matmul's output (through views, and split + cat for dim != 0)."""
     matches = []
     for issue, wait in _issues_with_wait(graph, (c10d.reduce_scatter_tensor.default,), "reduce_scatter", skipped):
-        reduce_op, group_size, group_name = str(issue.args[1]), int(issue.args[2]), str(issue.args[3])
-        source, scatter_dim = _scatter_source(issue.args[0], group_size)
+        reduce_op, group_size, group_name = str(issue.args[1]), as_int(issue.args[2]), str(issue.args[3])
+        source, scatter_dim = _scatter_source(as_node(issue.args[0]), group_size)
         summed = _matmuls_of_sum(source)
         if not summed:
             _count(skipped, "reduce_scatter: not fed by matmuls")
@@ -390,7 +398,7 @@ def find_matmul_all_reduces(
     matches = []
     all_reduces = (c10d.all_reduce.default, c10d.all_reduce_.default)
     for issue, wait in _issues_with_wait(graph, all_reduces, "all_reduce", skipped):
-        matmul = _matmul_behind_views(issue.args[0])
+        matmul = _matmul_behind_views(as_node(issue.args[0]))
         if matmul is None:
             _count(skipped, "all_reduce: not fed by a matmul")
             continue
@@ -440,7 +448,7 @@ def find_bmm_all_to_alls(graph: torch.fx.Graph, skipped: Counter[str] | None = N
         while isinstance(node, torch.fx.Node) and node.target in _REGROUP:
             node = node.args[0]
         bmms = _bmms_of_sum(node) if isinstance(node, torch.fx.Node) else None
-        if bmms is None:
+        if bmms is None or not isinstance(node, torch.fx.Node):
             _count(skipped, "all_to_all: not fed by bmms")
             continue
         matches.append(BmmAllToAll(node, tuple(bmms), issue, wait, str(issue.args[3])))
@@ -451,8 +459,15 @@ def _bmms_of_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     """``[node]`` for a bmm; the bmms of an ``add`` tree of bmm outputs of ``node``'s shape,
     each read only by the sum; else None."""
     out = _add_tree_leaves(node, lambda n: n if n.target == aten.bmm.default else None)
-    shape = _val(node).shape if _val(node) is not None else None  # type: ignore[union-attr]
-    return out if out is not None and all(_val(b) is not None and _val(b).shape == shape for b in out) else None  # type: ignore[union-attr]
+    if out is None:
+        return None
+    val = _val(node)
+    shape = val.shape if val is not None else None
+    for b in out:
+        b_val = _val(b)
+        if b_val is None or b_val.shape != shape:
+            return None
+    return out
 
 
 def find_all_to_all_computes(
@@ -473,7 +488,7 @@ def find_all_to_all_computes(
 def find_all(graph: torch.fx.Graph) -> tuple[dict[str, Sequence[object]], Counter[str]]:
     """Every pattern of this module, by name, and the skip reason codes."""
     skipped: Counter[str] = Counter()
-    found = {
+    found: dict[str, Sequence[object]] = {
         "all_gather_matmul": find_all_gather_matmuls(graph, skipped),
         "matmul_reduce_scatter": find_matmul_reduce_scatters(graph, skipped),
         "matmul_all_reduce": find_matmul_all_reduces(graph, skipped),

@@ -185,9 +185,9 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     return gm
 
 
-def _peak_of_order(body: Sequence[torch.fx.Node], estimator: object) -> int:
+def _peak_of_order(body: Sequence[torch.fx.Node], estimator: Estimator) -> int:
     """Peak live bytes of ``body`` in its current order, as the scheduler counts them."""
-    state = SchedulerState(body, estimator)  # type: ignore[arg-type]
+    state = SchedulerState(body, estimator)
     for node in body:
         state.advance(node)
     return state.peak_bytes

@@ -139,12 +139,12 @@ class SchedulerState:
             if self._uses_left.get(root, 0) == 0:  # dead on arrival
                 self.live_bytes -= cost.output_bytes
         for inp in node.all_input_nodes:
-            root = self._root.get(inp)
-            if root is None or root in self._pinned:
+            inp_root = self._root.get(inp)
+            if inp_root is None or inp_root in self._pinned:
                 continue
-            self._uses_left[root] -= 1
-            if self._uses_left[root] == 0:
-                self.live_bytes -= self.costs[root].output_bytes
+            self._uses_left[inp_root] -= 1
+            if self._uses_left[inp_root] == 0:
+                self.live_bytes -= self.costs[inp_root].output_bytes
 
 
 def _waits_of(issue: torch.fx.Node) -> list[torch.fx.Node]:

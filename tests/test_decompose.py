@@ -611,7 +611,7 @@ def test_pass_runs_after_annotate_before_reorder_and_is_off_by_default() -> None
     with pytest.raises(ConfigError, match="decompose_pieces"):
         DHelixConfig.from_options({"decompose_pieces": MAX_PIECES + 1})
     with pytest.raises(ValueError, match="decompose mode"):
-        DecomposeOptions(mode="sometimes").validate()  # type: ignore[arg-type]
+        DecomposeOptions(mode="sometimes").validate()  # type: ignore[arg-type]  # an unknown mode, on purpose
 
 
 def test_rewritten_graph_is_annotated_again() -> None:

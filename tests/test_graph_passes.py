@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import operator
+from typing import Any
 
 import pytest
 import torch
@@ -15,14 +16,15 @@ import graph_passes.pipeline as pipeline
 from dhelix_compile.testing.toy_models import MLP
 from graph_passes import GraphPass, PassContext, PassError, UnknownPassError, pass_names, run_pipeline
 from graph_passes.annotate import annotate_pass
+from graph_passes.context import Phase
 from graph_passes.verify import VerifyError, verify_pass
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def _ctx(phase: str = "fwd", **kw) -> PassContext:
-    return PassContext(graph_name="test", phase=phase, **kw)  # type: ignore[arg-type]
+def _ctx(phase: Phase = "fwd", **kw: Any) -> PassContext:
+    return PassContext(graph_name="test", phase=phase, **kw)
 
 
 def _gm(graph: torch.fx.Graph) -> torch.fx.GraphModule:

@@ -293,6 +293,6 @@ def test_interleave_pass_leaves_single_strand_graphs_alone() -> None:
 
 
 def test_emit_follows_the_path() -> None:
-    fwd = [Segment(0, ("f0",), 0, 0, 0, 0), Segment(0, ("f1",), 0, 0, 0, 0)]  # type: ignore[arg-type]
-    bwd = [Segment(1, ("b0",), 0, 0, 0, 0)]  # type: ignore[arg-type]
+    fwd = [Segment(0, ("f0",), 0, 0, 0, 0), Segment(0, ("f1",), 0, 0, 0, 0)]  # type: ignore[arg-type]  # names for nodes
+    bwd = [Segment(1, ("b0",), 0, 0, 0, 0)]  # type: ignore[arg-type]  # emit only reorders them
     assert emit([(0, 0), (1, None)], fwd, bwd) == ["b0", "f0", "f1"]

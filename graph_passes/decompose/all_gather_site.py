@@ -59,6 +59,7 @@ from graph_passes.decompose.site import (
     per_peer_name,
     transfer_tag,
 )
+from graph_passes.node_args import as_node
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -69,7 +70,7 @@ def _chain_to(node: torch.fx.Node, stop: torch.fx.Node) -> list[torch.fx.Node]:
     chain = []
     while node is not stop:
         chain.append(node)
-        node = node.args[0]  # type: ignore[assignment]
+        node = as_node(node.args[0])
     return chain
 
 
@@ -83,13 +84,13 @@ class AllGatherSite:
         self.shard_shape = list(val(m.shard).shape)
         self.d = m.gather_dim % len(self.shard_shape)
         self.k_dim = self.shard_shape[-1]
-        self.transposes = [mm.args[0] for mm in m.transposed]  # t(view(gathered)) nodes
+        self.transposes = [as_node(mm.args[0]) for mm in m.transposed]  # t(view(gathered)) nodes
         self.views = [v for mm in m.matmuls for v in _chain_to(row_operand(mm), m.gathered)]
-        self.views += [v for t in self.transposes for v in _chain_to(t.args[0], m.gathered)]  # type: ignore[union-attr,arg-type]
+        self.views += [v for t in self.transposes for v in _chain_to(as_node(t.args[0]), m.gathered)]
         chunkers = [u for u in m.wait.users] if m.gathered is not m.wait else []
         getitems = [g for c in chunkers for g in c.users if g.target is operator.getitem]
         region = {m.issue, m.wait, m.gathered, *chunkers, *getitems, *self.views, *m.matmuls, *self.transposes, *m.transposed}
-        self.old_nodes = sorted(region, key=position.__getitem__)  # type: ignore[arg-type]
+        self.old_nodes = sorted(region, key=position.__getitem__)
         self.anchor = min([*m.matmuls, *m.transposed], key=position.__getitem__)
         self.lead = list(val(m.gathered).shape[:-1])
         for mm in m.matmuls:
@@ -117,7 +118,7 @@ class AllGatherSite:
         holds them, 2-d): ``t(rows) @ other[block i]``."""
         out = []
         for mm in self.m.transposed:
-            other = chunk_rows(e, mm.args[1], self.lead, self.d, i, count)  # type: ignore[arg-type]
+            other = chunk_rows(e, as_node(mm.args[1]), self.lead, self.d, i, count)
             out.append(e.call(aten.mm.default, e.call(aten.permute.default, rows, [1, 0]), other))
         return out
 

@@ -34,6 +34,7 @@ from graph_passes.decompose.site import (
     transfer_tag,
     ways,
 )
+from graph_passes.node_args import as_node
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -49,10 +50,10 @@ class AllReduceSite(ReplacesOutput):
         if m.reduce_op not in ("sum", "avg"):
             raise SkipSite("reduce op", f"reduce op {m.reduce_op!r}")
         chain: list[torch.fx.Node] = []
-        node = m.issue.args[0]
+        node = as_node(m.issue.args[0])
         while node is not m.matmul:  # views from the all-reduce's input back to the matmul
-            chain.append(node)  # type: ignore[arg-type]
-            node = node.args[0]  # type: ignore[union-attr]
+            chain.append(node)
+            node = as_node(node.args[0])
         inside = {*chain, m.issue}
         for node in [m.matmul, *chain]:
             if any(u not in inside for u in node.users):

@@ -42,6 +42,7 @@ from graph_passes.decompose.site import (
     node_positions,
     transfer_tag,
 )
+from graph_passes.node_args import as_ints, as_node
 from graph_passes.op_groups import RESHAPES
 
 aten = torch.ops.aten
@@ -98,13 +99,13 @@ class AllToAllSite(PerPeerOnly, ReplacesOutput):
         if pieces != 1:
             raise SkipSite("no pieces", f"{pieces} pieces asked; all-to-all sites send whole chunks")
         m, n, size = self.m, self.n, self.chunk_rows
-        inp = m.issue.args[0]
+        inp = as_node(m.issue.args[0])
         flights = {
-            (rank - s) % n: e.exchange(e.slice(inp, 0, (rank + s) % n * size, ((rank + s) % n + 1) * size),  # type: ignore[arg-type]
+            (rank - s) % n: e.exchange(e.slice(inp, 0, (rank + s) % n * size, ((rank + s) % n + 1) * size),
                                       (rank + s) % n, (rank - s) % n, transfer_tag(tag, s - 1), m.group_name)
             for s in range(1, n)
         }
-        chunks = {rank: e.slice(inp, 0, rank * size, (rank + 1) * size, contiguous=True)}  # type: ignore[arg-type]
+        chunks = {rank: e.slice(inp, 0, rank * size, (rank + 1) * size, contiguous=True)}
         blocks, outs = {}, {}
         for j in [rank, *flights]:
             if j != rank:
@@ -157,11 +158,12 @@ class BmmAllToAllSite(PerPeerOnly, ReplacesOutput):
         """Destination ``j``'s chunk: the bmm(s) on its slots of every expert (summed), rows flattened."""
         total = None
         for bmm in self.m.bmms:
-            tokens, weight = bmm.args[:2]
-            rows = e.slice(tokens, 1, j * self.slots, (j + 1) * self.slots)  # type: ignore[arg-type]
+            tokens, weight = as_node(bmm.args[0]), bmm.args[1]
+            rows = e.slice(tokens, 1, j * self.slots, (j + 1) * self.slots)
             part = e.call(aten.bmm.default, rows, weight)
             total = part if total is None else e.call(aten.add.Tensor, total, part)
-        return e.view(total, self.chunk_shape)  # type: ignore[arg-type]
+        assert total is not None, "a BmmAllToAll has at least one bmm"
+        return e.view(total, self.chunk_shape)
 
     def per_peer(self, e: Emitter, rank: int, tag: int, pieces: int = 1) -> Variant:
         if pieces != 1:
@@ -186,9 +188,10 @@ def _nodes_between(root: torch.fx.Node, leaves: Sequence[torch.fx.Node]) -> list
 
 def _equal_chunk_rows(issue: torch.fx.Node, n: int) -> int:
     """Rows per rank of an ``all_to_all_single`` whose split sizes are ``n`` equal parts (or None)."""
-    rows = int(val(issue.args[0]).shape[0])  # type: ignore[arg-type]
+    rows = int(val(issue.args[0]).shape[0])
     for splits in issue.args[1:3]:
-        if splits is not None and (len(splits) != n or len(set(splits)) != 1 or sum(splits) != rows):  # type: ignore[arg-type]
+        sizes = as_ints(splits) if splits is not None else None
+        if sizes is not None and (len(sizes) != n or len(set(sizes)) != 1 or sum(sizes) != rows):
             raise SkipSite("uneven splits", f"split sizes {splits} are not {n} equal parts of {rows} rows")
     if rows % n:
         raise SkipSite("indivisible", f"rows ({rows}) not divisible by {n}")

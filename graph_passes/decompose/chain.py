@@ -71,6 +71,7 @@ from graph_passes.decompose.site import (
     transfer_tag,
     ways,
 )
+from graph_passes.node_args import as_node
 from graph_passes.op_groups import MATMULS, RESHAPES
 
 aten = torch.ops.aten
@@ -229,7 +230,7 @@ class ChainSite(PerPeerOnly):
         rows = self._rows(node, self.n)
         if node.target in RESHAPES:
             if not self._inside(node.args[0]):
-                self.sliced.add(node.args[0])  # type: ignore[arg-type]
+                self.sliced.add(as_node(node.args[0]))
         elif node.target in MATMULS:
             row = node.args[0] if node.target == aten.mm.default else node.args[1]
             weight = node.args[1] if node.target == aten.mm.default else node.args[2]
@@ -291,7 +292,8 @@ class ChainSite(PerPeerOnly):
         for mm in self.scatter.matmuls:
             part = e.view(env[mm], shape)
             total = part if total is None else e.call(aten.add.Tensor, total, part)
-        return total  # type: ignore[return-value]
+        assert total is not None, "a reduce-scatter site has at least one matmul"
+        return total
 
     def per_peer(self, e: Emitter, rank: int, tag: int, pieces: int = 1) -> Variant:
         gather, n, d = self.m.gather, self.n, self.gather_d

@@ -46,6 +46,7 @@ is in ``ctx.notes["decompose"][code]``)::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -110,7 +111,7 @@ class _Decomposer:
         for label, find, make in kinds:
             if label not in self.options.patterns:
                 continue
-            for m in find(graph, skipped):  # type: ignore[operator]
+            for m in find(graph, skipped):
                 size = _group_size(m, m.group_name)
                 if size is None:
                     self.ctx.explain(
@@ -118,7 +119,7 @@ class _Decomposer:
                         f"{label} at {m.issue.name}: process group {m.group_name!r} unknown to torch.distributed",
                     )
                     continue
-                self._site(label, lambda m=m, size=size, make=make: make(m, size), m.group_name, size, m.issue)
+                self._site(label, functools.partial(make, m, size), m.group_name, size, m.issue)
         for code, n in sorted(skipped.items()):
             self.ctx.count(PASS, f"not matched: {code}", n)
         self.ctx.record(PASS, predicted_saved_s=self.saved_s)

@@ -40,6 +40,7 @@ from graph_passes.collective_matches import MatmulReduceScatter
 from graph_passes.decompose.emit import Emitter, val
 from graph_passes.decompose.row_blocks import check_bias, chunk_rows, matmul_on_rows, reduce_per_peer, row_operand
 from graph_passes.decompose.site import ReplacesOutput, SkipSite, Variant, node_positions, per_peer_name, ways
+from graph_passes.node_args import as_node, as_nodes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -56,13 +57,13 @@ class ReduceScatterSite(ReplacesOutput):
             raise SkipSite("reduce op", f"reduce op {m.reduce_op!r}")
         position = node_positions(graph)
         region: list[torch.fx.Node] = []
-        stack = [m.issue.args[0]]
+        stack = [as_node(m.issue.args[0])]
         while stack:  # everything between the matmuls and the issue
             node = stack.pop()
             if node in region or node in self.matmuls:
                 continue
-            region.append(node)  # type: ignore[arg-type]
-            stack.extend(node.all_input_nodes)  # type: ignore[union-attr]
+            region.append(node)
+            stack.extend(node.all_input_nodes)
         allowed = (aten.split.Tensor, aten.slice.Tensor, operator.getitem, aten.cat.default, aten.add.Tensor)
         for node in region:
             if node.target not in allowed and kind_of(node) != "view":
@@ -73,11 +74,11 @@ class ReduceScatterSite(ReplacesOutput):
                 raise SkipSite("other consumers", f"{node.name}, the matmul output or a view of it, has other consumers")
         self.old_nodes = sorted([*self.matmuls, *region, m.issue, m.wait], key=position.__getitem__)
         # the tensor that is chunked along scatter_dim: the matmul output in its viewed shape
-        source = m.issue.args[0]
-        if source.target == aten.cat.default:  # type: ignore[union-attr]
-            first = source.args[0][0]  # type: ignore[union-attr,index]
-            source = first.args[0] if first.target is operator.getitem else first  # type: ignore[union-attr]
-            source = source.args[0]  # the split's / slice's input
+        source = as_node(m.issue.args[0])
+        if source.target == aten.cat.default:
+            first = as_nodes(source.args[0])[0]
+            source = as_node(first.args[0]) if first.target is operator.getitem else first
+            source = as_node(source.args[0])  # the split's / slice's input
         self.shape = list(val(source).shape)
         self.d = m.scatter_dim % len(self.shape)
         if self.shape[self.d] % m.group_size:
@@ -123,13 +124,13 @@ class ReduceScatterSite(ReplacesOutput):
     def _columns(self, e: Emitter, mm: torch.fx.Node, c: int, cols: int) -> torch.fx.Node:
         """``mm`` restricted to output columns ``[c*cols, (c+1)*cols)``."""
         n_out = self.shape[-1]
-        weight = mm.args[1] if mm.target == aten.mm.default else mm.args[2]
-        w = e.slice(weight, 1, c * cols, (c + 1) * cols)  # type: ignore[arg-type]
+        weight = as_node(mm.args[1] if mm.target == aten.mm.default else mm.args[2])
+        w = e.slice(weight, 1, c * cols, (c + 1) * cols)
         if mm.target == aten.mm.default:
             return e.call(aten.mm.default, row_operand(mm), w)
-        bias = mm.args[0]
+        bias = as_node(mm.args[0])
         if val(bias).dim() and val(bias).shape[-1] == n_out:
-            bias = e.slice(bias, val(bias).dim() - 1, c * cols, (c + 1) * cols)  # type: ignore[arg-type]
+            bias = e.slice(bias, val(bias).dim() - 1, c * cols, (c + 1) * cols)
         return e.call(aten.addmm.default, bias, row_operand(mm), w, **dict(mm.kwargs))
 
     def chunked(self, e: Emitter, k: int) -> Variant:

@@ -27,6 +27,7 @@ import torch.fx
 
 from graph_passes.decompose.emit import Emitter, val
 from graph_passes.decompose.site import SkipSite, transfer_tag
+from graph_passes.node_args import as_node
 
 aten = torch.ops.aten
 
@@ -36,7 +37,7 @@ RowChunk = tuple[Sequence[int], int, int, int]
 
 def row_operand(mm: torch.fx.Node) -> torch.fx.Node:
     """The operand holding an ``mm`` / ``addmm``'s rows."""
-    return mm.args[0] if mm.target == aten.mm.default else mm.args[1]  # type: ignore[return-value]
+    return as_node(mm.args[0] if mm.target == aten.mm.default else mm.args[1])
 
 
 def chunk_rows(e: Emitter, t: torch.fx.Node, lead: Sequence[int], d: int, j: int, n: int) -> torch.fx.Node:
@@ -54,7 +55,7 @@ def full_bias(mm: torch.fx.Node) -> torch.fx.Node | None:
     if mm.target != aten.addmm.default:
         return None
     bias = val(mm.args[0])
-    return mm.args[0] if bias.dim() == 2 and bias.shape[0] != 1 else None  # type: ignore[return-value]
+    return as_node(mm.args[0]) if bias.dim() == 2 and bias.shape[0] != 1 else None
 
 
 def check_bias(mm: torch.fx.Node, d: int) -> None:
@@ -72,7 +73,7 @@ def matmul_on_rows(e: Emitter, mm: torch.fx.Node, rows: torch.fx.Node, chunk: Ro
     if full_bias(mm) is not None:
         if chunk is None:
             raise SkipSite("per-row bias", f"{mm.name} has a bias with a row per output row")
-        bias = chunk_rows(e, bias, *chunk)  # type: ignore[arg-type]
+        bias = chunk_rows(e, as_node(bias), *chunk)
     return e.call(aten.addmm.default, bias, rows, w, **dict(mm.kwargs))
 
 
