@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Literal, Union
+from typing import Literal, TypeAlias
 
 import sympy
 import torch
@@ -66,14 +66,18 @@ from cost_model.hardware import Link
 
 aten = torch.ops.aten
 
-CollectiveOp = Literal[
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv"
-]
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv"]
 Algorithm = Literal["ring", "tree", "auto"]
 Backend = Literal["nccl", "gloo"]
 
 COLLECTIVE_OP_NAMES: tuple[str, ...] = (
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "send",
+    "recv",
 )
 
 #: Fixed cost of one NCCL collective, NCCL ``src/graph/tuning.cc`` ``baseLat`` for
@@ -81,7 +85,7 @@ COLLECTIVE_OP_NAMES: tuple[str, ...] = (
 NCCL_BASE_LATENCY_S: float = 8.4e-6
 GLOO_BASE_LATENCY_S: float = 0.0
 
-Bytes = Union[int, float, sympy.Expr]
+Bytes: TypeAlias = int | float | sympy.Expr
 
 
 def _ceil_log2(n: int) -> int:
@@ -155,9 +159,7 @@ def collective_bytes_on_wire(
     return int(value) if value.denominator == 1 else float(value)
 
 
-def _candidate_algorithms(
-    op: str, algorithm: Algorithm, backend: Backend
-) -> tuple[Literal["ring", "tree"], ...]:
+def _candidate_algorithms(op: str, algorithm: Algorithm, backend: Backend) -> tuple[Literal["ring", "tree"], ...]:
     """The algorithms ``algorithm`` stands for: "auto" is ring and tree for NCCL all-reduce."""
     if algorithm != "auto":
         return (algorithm,)
@@ -182,9 +184,7 @@ def collective_time_expr(
         steps, factor = alpha_beta_terms(op, group_size, algo, backend)
         times.append(
             sympy.Float(base_latency_s(backend) + steps * link.latency_s)
-            + sympy.Rational(factor.numerator, factor.denominator)
-            * size
-            / sympy.Float(link.bandwidth_bytes_per_s)
+            + sympy.Rational(factor.numerator, factor.denominator) * size / sympy.Float(link.bandwidth_bytes_per_s)
         )
     return times[0] if len(times) == 1 else sympy.Min(*times)
 

@@ -98,7 +98,7 @@ def resolve_process_group(group: Any) -> Any:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         return _resolve_process_group(group)
-    except Exception:  # unknown group name: the caller falls back to its default
+    except Exception:  # noqa: BLE001 - an unknown group name: the caller falls back to its default
         return None
 
 

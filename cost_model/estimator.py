@@ -48,7 +48,6 @@ import sympy
 import torch
 import torch.fx
 
-from cost_model.nodes import node_list
 from cost_model.collectives import (
     Algorithm,
     Backend,
@@ -60,6 +59,7 @@ from cost_model.comm_nodes import describe_comm
 from cost_model.flops import ALLOCATION_OPS, op_bytes, op_flops, output_bytes_expr, output_tensors
 from cost_model.hardware import Device, Link, get_device, get_link
 from cost_model.memory import alias_source, is_schema_view
+from cost_model.nodes import node_list
 from cost_model.op_kinds import NodeKind, is_comm, kind_of
 from cost_model.strand_plan import Pair
 from cost_model.symbolic import (
@@ -211,9 +211,7 @@ class AnalyticEstimator(EstimatorBase):
         self.algorithm: Algorithm = algorithm
         self.inter_node_link: Link = get_link(inter_node_link) if inter_node_link else self.link
         self.ranks_per_node = ranks_per_node
-        self._contention_factor = (
-            self.device.contention_factor if contention_factor is None else contention_factor
-        )
+        self._contention_factor = self.device.contention_factor if contention_factor is None else contention_factor
 
     def link_for(self, group_size: int) -> Link:
         """The bottleneck link of a group: inter-node once it spans more than one node."""
@@ -271,30 +269,24 @@ class AnalyticEstimator(EstimatorBase):
     def _comm_cost(self, node: torch.fx.Node, kind: NodeKind, alloc: SizeExpr) -> NodeCost:
         call = describe_comm(node, self.world_size)
         link = self.link_for(call.group_size)
-        wire = collective_bytes_on_wire(
-            call.op, call.nbytes, call.group_size, self.algorithm, self.comm_backend
-        )
+        wire = collective_bytes_on_wire(call.op, call.nbytes, call.group_size, self.algorithm, self.comm_backend)
         if isinstance(call.nbytes, int) and isinstance(alloc, int):
-            time_s = collective_time_s(
-                call.op, call.nbytes, call.group_size, link, self.algorithm, self.comm_backend
-            )
+            time_s = collective_time_s(call.op, call.nbytes, call.group_size, link, self.algorithm, self.comm_backend)
             return NodeCost(
                 kind=kind,
                 time_s=time_s,
-                comm_bytes=int(round(float(wire))),
+                comm_bytes=round(float(wire)),
                 output_bytes=alloc,
                 time_expr=sympy.Float(time_s),
                 collective=call.op,
                 group_size=call.group_size,
             )
-        time_expr = collective_time_expr(
-            call.op, call.nbytes, call.group_size, link, self.algorithm, self.comm_backend
-        )
+        time_expr = collective_time_expr(call.op, call.nbytes, call.group_size, link, self.algorithm, self.comm_backend)
         hints = _hints_for(node, [call.nbytes, alloc])
         return NodeCost(
             kind=kind,
             time_s=evaluate(time_expr, hints),
-            comm_bytes=int(round(evaluate(wire, hints))),
+            comm_bytes=round(evaluate(wire, hints)),
             output_bytes=evaluate_int(alloc, hints),
             time_expr=time_expr,
             collective=call.op,
@@ -353,9 +345,7 @@ class TableEstimator(EstimatorBase):
                 out_bytes = evaluate_int(alloc, _hints_for(node, [alloc]))
             except (AttributeError, TypeError):
                 out_bytes = 0
-        return NodeCost(
-            kind=kind, time_s=time_s, output_bytes=out_bytes, time_expr=sympy.Float(time_s)
-        )
+        return NodeCost(kind=kind, time_s=time_s, output_bytes=out_bytes, time_expr=sympy.Float(time_s))
 
 
 class MemoizedEstimator:
@@ -390,7 +380,6 @@ class MemoizedEstimator:
 
 #: Alias: the stub estimator tests hand to passes.
 StubEstimator = TableEstimator
-
 
 
 def graph_time_expr(

@@ -30,9 +30,9 @@ import statistics
 import sys
 import threading
 import time
-from types import MappingProxyType
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -142,9 +142,7 @@ _A100_URL = (
 _A800_URL = "https://www.nvidia.cn/data-center/a800/ (A800 80GB SXM datasheet)"
 _A40_URL = "https://images.nvidia.com/content/Solutions/data-center/a40/nvidia-a40-datasheet.pdf"
 
-_FP8 = tuple(
-    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
-)
+_FP8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
 
 
 def _table(
@@ -230,32 +228,52 @@ TCP_HOP_LATENCY_S: float = 25e-6
 
 _BUILTIN_LINKS: tuple[Link, ...] = (
     # A100: 12 NVLink3 links x 25 GB/s per direction = 300 GB/s (600 GB/s bidirectional).
-    Link("nvlink3", 300 * GIGA, NVLINK_HOP_LATENCY_S,
-         f"{_A100_URL}; https://www.nvidia.com/en-us/data-center/nvlink/; {_NCCL_TUNING}"),
+    Link(
+        "nvlink3",
+        300 * GIGA,
+        NVLINK_HOP_LATENCY_S,
+        f"{_A100_URL}; https://www.nvidia.com/en-us/data-center/nvlink/; {_NCCL_TUNING}",
+    ),
     # A800: NVLink limited to 400 GB/s bidirectional = 200 GB/s per direction.
     Link("nvlink3_a800", 200 * GIGA, NVLINK_HOP_LATENCY_S, f"{_A800_URL}; {_NCCL_TUNING}"),
     # H100/H200 SXM: 18 NVLink4 links x 25 GB/s per direction = 450 GB/s (900 bidir).
-    Link("nvlink4", 450 * GIGA, NVLINK_HOP_LATENCY_S,
-         f"{_H100_URL}; https://www.nvidia.com/en-us/data-center/nvlink/; {_NCCL_TUNING}"),
+    Link(
+        "nvlink4",
+        450 * GIGA,
+        NVLINK_HOP_LATENCY_S,
+        f"{_H100_URL}; https://www.nvidia.com/en-us/data-center/nvlink/; {_NCCL_TUNING}",
+    ),
     # PCIe 4.0 x16: 16 GT/s * 16 lanes * 128/130 encoding / 8 = 31.5 GB/s per direction.
-    Link("pcie4", 31.5 * GIGA, PCI_HOP_LATENCY_S,
-         f"PCI-SIG PCIe 4.0 base spec (16 GT/s, 128b/130b); {_NCCL_TUNING}"),
+    Link("pcie4", 31.5 * GIGA, PCI_HOP_LATENCY_S, f"PCI-SIG PCIe 4.0 base spec (16 GT/s, 128b/130b); {_NCCL_TUNING}"),
     # PCIe 5.0 x16: 32 GT/s -> 63.0 GB/s per direction.
-    Link("pcie5", 63.0 * GIGA, PCI_HOP_LATENCY_S,
-         f"PCI-SIG PCIe 5.0 base spec (32 GT/s, 128b/130b); {_NCCL_TUNING}"),
+    Link("pcie5", 63.0 * GIGA, PCI_HOP_LATENCY_S, f"PCI-SIG PCIe 5.0 base spec (32 GT/s, 128b/130b); {_NCCL_TUNING}"),
     # InfiniBand HDR 200 Gb/s per port (ConnectX-6) = 25 GB/s.
-    Link("ib_hdr", 25 * GIGA, NET_HOP_LATENCY_S,
-         "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-6 HDR 200Gb/s); "
-         + _NCCL_TUNING),
+    Link(
+        "ib_hdr",
+        25 * GIGA,
+        NET_HOP_LATENCY_S,
+        "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-6 HDR 200Gb/s); " + _NCCL_TUNING,
+    ),
     # InfiniBand NDR 400 Gb/s per port (ConnectX-7) = 50 GB/s.
-    Link("ib_ndr", 50 * GIGA, NET_HOP_LATENCY_S,
-         "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-7 NDR 400Gb/s); "
-         + _NCCL_TUNING),
+    Link(
+        "ib_ndr",
+        50 * GIGA,
+        NET_HOP_LATENCY_S,
+        "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-7 NDR 400Gb/s); " + _NCCL_TUNING,
+    ),
     # Ethernet line rates (IEEE 802.3by 25GBASE, 802.3bj 100GBASE): 3.125 / 12.5 GB/s.
-    Link("eth_25g", 25 / 8 * GIGA, TCP_HOP_LATENCY_S,
-         "IEEE 802.3by 25 Gb/s line rate; latency: TCP order of magnitude (estimate)"),
-    Link("eth_100g", 100 / 8 * GIGA, TCP_HOP_LATENCY_S,
-         "IEEE 802.3bj 100 Gb/s line rate; latency: TCP order of magnitude (estimate)"),
+    Link(
+        "eth_25g",
+        25 / 8 * GIGA,
+        TCP_HOP_LATENCY_S,
+        "IEEE 802.3by 25 Gb/s line rate; latency: TCP order of magnitude (estimate)",
+    ),
+    Link(
+        "eth_100g",
+        100 / 8 * GIGA,
+        TCP_HOP_LATENCY_S,
+        "IEEE 802.3bj 100 Gb/s line rate; latency: TCP order of magnitude (estimate)",
+    ),
     # Same-host TCP over lo (gloo between local processes): bounded by memcpy through the
     # socket buffers; a nominal few GB/s. Estimate; calibrate with profile mode.
     Link("loopback", 5 * GIGA, 10e-6, "estimate for Linux TCP loopback; use profile mode"),
@@ -452,9 +470,6 @@ def measure_cpu_device(name: str = "cpu") -> Device:
         peak_flops_per_s=peaks,
         mem_bandwidth_bytes_per_s=bandwidth,
         launch_overhead_s=t_launch,
-        source=(
-            f"measured by cost_model.hardware.measure_cpu_device "
-            f"({torch.get_num_threads()} threads)"
-        ),
+        source=(f"measured by cost_model.hardware.measure_cpu_device ({torch.get_num_threads()} threads)"),
         contention_factor=contention,
     )

@@ -180,8 +180,6 @@ def live_bytes_profile(
     return LiveProfile(tuple(profile), tuple(after_free), input_bytes, peak)
 
 
-def peak_memory_bytes(
-    order: Sequence[torch.fx.Node], output_bytes: Callable[[torch.fx.Node], int]
-) -> int:
+def peak_memory_bytes(order: Sequence[torch.fx.Node], output_bytes: Callable[[torch.fx.Node], int]) -> int:
     """Peak of :func:`live_bytes_profile`."""
     return live_bytes_profile(order, output_bytes).peak_bytes

@@ -53,9 +53,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from cost_model.nodes import node_list
 from cost_model.estimator import Estimator, NodeCost
 from cost_model.memory import live_bytes_profile
+from cost_model.nodes import node_list
 from cost_model.op_kinds import is_comm
 
 aten = torch.ops.aten
@@ -113,10 +113,7 @@ class SimResult:
             }
             for ev in self.events
         ]
-        names = [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": r}}
-            for r, i in tid.items()
-        ]
+        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": r}} for r, i in tid.items()]
         return {"traceEvents": names + trace, "displayTimeUnit": "ms"}
 
 
@@ -181,7 +178,6 @@ class _BusyIntervals:
         return t
 
 
-
 def simulate(
     nodes: Sequence[torch.fx.Node] | torch.fx.Graph,
     estimator: Estimator,
@@ -234,9 +230,7 @@ def simulate(
             busy.add(start, end)
             comm_parts.append(cost.time_s)
             if cost.time_s > 0:
-                events.append(
-                    SimEvent(node.name, cost.kind, f"comm{channel}", start, end, strand)
-                )
+                events.append(SimEvent(node.name, cost.kind, f"comm{channel}", start, end, strand))
             ready[node] = end
             from_transfer[node] = True
         elif cost.kind == "wait":

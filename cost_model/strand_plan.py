@@ -214,7 +214,11 @@ def path_time(
 
 
 def path_peak_bytes(
-    path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment], fwd_base_bytes: int = 0, bwd_base_bytes: int = 0
+    path: Sequence[Pair],
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    fwd_base_bytes: int = 0,
+    bwd_base_bytes: int = 0,
 ) -> int:
     """Peak live bytes of a path, as ``plan_pairs`` counts them for each move."""
     f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
@@ -233,16 +237,16 @@ def _neighbours(path: list[Pair], k: int) -> list[list[Pair]]:
     out: list[list[Pair]] = []
     i, j = path[k]
     if i is not None and j is not None:
-        out.append(path[:k] + [(None, j), (i, None)] + path[k + 1 :])
-        out.append(path[:k] + [(i, None), (None, j)] + path[k + 1 :])
+        out.append([*path[:k], (None, j), (i, None), *path[k + 1 :]])
+        out.append([*path[:k], (i, None), (None, j), *path[k + 1 :]])
     if k + 1 < len(path):
         a, b = path[k], path[k + 1]
         singles = (a[0] is None) != (a[1] is None) and (b[0] is None) != (b[1] is None)
         if singles and (a[0] is None) != (b[0] is None):  # one forward single, one backward single
             fi = a[0] if a[0] is not None else b[0]
             bj = a[1] if a[1] is not None else b[1]
-            out.append(path[:k] + [(fi, bj)] + path[k + 2 :])
-            out.append(path[:k] + [b, a] + path[k + 2 :])
+            out.append([*path[:k], (fi, bj), *path[k + 2 :]])
+            out.append([*path[:k], b, a, *path[k + 2 :]])
     return out
 
 

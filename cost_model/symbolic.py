@@ -22,7 +22,7 @@ Unbacked symbols (data-dependent sizes) have no recorded value; they are hinted 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import sympy
 import torch
@@ -35,7 +35,7 @@ aten = torch.ops.aten
 UNBACKED_FALLBACK_HINT: int = 8192
 
 #: A size: a Python int when static, a sympy expression when symbolic.
-SizeExpr = Union[int, sympy.Expr]
+SizeExpr: TypeAlias = int | sympy.Expr
 
 
 def size_expr(size: int | torch.SymInt) -> SizeExpr:
@@ -150,7 +150,7 @@ def evaluate_int(expr: SizeExpr, hints: Mapping[sympy.Symbol, int]) -> int:
     """:func:`evaluate` for integer quantities (sizes, FLOPs, bytes)."""
     if isinstance(expr, int):
         return expr
-    return int(round(evaluate(expr, hints)))
+    return round(evaluate(expr, hints))
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.fx
-
 from torch._functorch import config as _functorch_config
 from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
 from torch._inductor import config as _inductor_config
@@ -62,9 +61,7 @@ def compile_with_aot_autograd(
     other) dhelix passes. Inductor's FX-graph cache stays on: its key is the graph we pass it.
     """
     with _functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
-        compiled = _compile_fx(
-            gm, example_inputs, inner_compile=inner_compile, config_patches=inductor_config_patches
-        )
+        compiled = _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=inductor_config_patches)
     # compile_fx returns source paths or weights only when compiling ahead of time (AOTInductor)
     assert callable(compiled), f"compile_fx returned {type(compiled).__name__}, not a callable"
     return compiled
@@ -252,7 +249,7 @@ def run_outside_compilation(fn: Callable[[], Any]) -> Any:
     def target() -> None:
         try:
             result.append(fn())
-        except BaseException as exc:  # re-raised in the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             error.append(exc)
 
     thread = threading.Thread(target=target, name="dhelix-outside-compilation")

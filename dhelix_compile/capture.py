@@ -164,11 +164,7 @@ def _dump_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inpu
 
 def comm_order(gm: torch.fx.GraphModule) -> list[str]:
     """The graph's collective issues and waits in order, e.g. ``["all_gather_into_tensor", "wait_tensor"]``."""
-    return [
-        op_name(n)
-        for n in gm.graph.nodes
-        if n.meta.get("dhelix", {}).get("kind") in ("collective", "p2p", "wait")
-    ]
+    return [op_name(n) for n in gm.graph.nodes if n.meta.get("dhelix", {}).get("kind") in ("collective", "p2p", "wait")]
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

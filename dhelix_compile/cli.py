@@ -38,9 +38,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _add_report(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "report", help="print the predicted summary of a dump directory as a table"
-    )
+    parser = commands.add_parser("report", help="print the predicted summary of a dump directory as a table")
     parser.add_argument("dump_dir", metavar="DUMP_DIR", help="a dhelix dump_dir (DHELIX_DUMP_DIR)")
     parser.add_argument("--html", action="store_true", help="also write DUMP_DIR/index.html")
     parser.set_defaults(handler=_run_report)
@@ -58,7 +56,9 @@ def _add_module_command(commands: argparse._SubParsersAction, name: str, help_te
 def _add_demo(commands: argparse._SubParsersAction) -> None:
     from dhelix_compile.bench import demo
 
-    _add_module_command(commands, "demo", "train the TP+SP reference model with helix on 2 ranks over an emulated link", demo)
+    _add_module_command(
+        commands, "demo", "train the TP+SP reference model with helix on 2 ranks over an emulated link", demo
+    )
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -109,15 +109,23 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
         help="predicted step time and MFU of the DHelix paper's cluster settings (cost model, sequential vs dhelix)",
     )
     parser.add_argument(
-        "--setting", default="all", metavar="NAME|all",
+        "--setting",
+        default="all",
+        metavar="NAME|all",
         help="one setting (e.g. a40-llama-8b; an unknown name lists them) or 'all' (default)",
     )
     parser.add_argument(
-        "--contention", type=float, default=None, metavar="F",
+        "--contention",
+        type=float,
+        default=None,
+        metavar="F",
         help="compute slowdown while the other strand's transfer is in flight (default: the device's)",
     )
     parser.add_argument(
-        "--matmul-efficiency", type=float, default=1.0, metavar="E",
+        "--matmul-efficiency",
+        type=float,
+        default=1.0,
+        metavar="E",
         help="achieved share of peak bf16 FLOP/s for matmuls and attention (default 1.0: roofline)",
     )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the predictions as JSON to OUT")
@@ -125,7 +133,9 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dhelix", description="dhelix: a torch.compile backend that hides communication")
+    parser = argparse.ArgumentParser(
+        prog="dhelix", description="dhelix: a torch.compile backend that hides communication"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_report(commands)
     _add_demo(commands)
@@ -137,4 +147,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.handler(args))
-

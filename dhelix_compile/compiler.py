@@ -35,7 +35,9 @@ def resolve_config(options: Mapping[str, Any] | DHelixConfig | None) -> DHelixCo
     except UnknownPassError as exc:
         raise ConfigError(str(exc)) from None
     if config.device not in ("auto", "cpu") and config.device.lower() not in DEVICES:
-        raise ConfigError(f"dhelix option device={config.device!r}: choose 'auto' or one of {', '.join(['cpu', *DEVICES])}")
+        raise ConfigError(
+            f"dhelix option device={config.device!r}: choose 'auto' or one of {', '.join(['cpu', *DEVICES])}"
+        )
     if config.link != "auto" and config.link.lower() not in LINKS:
         raise ConfigError(f"dhelix option link={config.link!r}: choose 'auto' or one of {', '.join(LINKS)}")
     return config

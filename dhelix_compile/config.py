@@ -52,8 +52,7 @@ class DHelixConfig:
     )
     dump_dir: str | None = _option(
         None,
-        "Folder for graph dumps (each graph before/after every pass, op-count diffs). "
-        "None disables dumps.",
+        "Folder for graph dumps (each graph before/after every pass, op-count diffs). None disables dumps.",
         env="DHELIX_DUMP_DIR",
     )
     disable_passes: tuple[str, ...] = _option(
@@ -89,9 +88,7 @@ class DHelixConfig:
         "Reordering may raise a graph's predicted peak live bytes to at most this multiple of "
         "the original order's peak (>= 1).",
     )
-    max_in_flight: int = _option(
-        2, "At most this many collectives issued and not yet waited on (>= 1)."
-    )
+    max_in_flight: int = _option(2, "At most this many collectives issued and not yet waited on (>= 1).")
     max_issue_distance: int = _option(
         512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."
     )
@@ -103,9 +100,7 @@ class DHelixConfig:
         "until the P2P path is checked on NCCL) leaves every site alone.",
         env="DHELIX_DECOMPOSE",
     )
-    decompose_max_chunks: int = _option(
-        4, "Largest number of chunks the chunked decomposition tries (>= 1)."
-    )
+    decompose_max_chunks: int = _option(4, "Largest number of chunks the chunked decomposition tries (>= 1).")
     decompose_pieces: int = _option(
         1,
         "How many pieces each per-peer transfer is split into, so that the compute on one piece "
@@ -138,8 +133,7 @@ class DHelixConfig:
     )
     interleave_refine_evals: int = _option(
         4000,
-        "helix: evaluations of the local search that refines the strand plan's DP path "
-        "(0 turns it off; >= 0).",
+        "helix: evaluations of the local search that refines the strand plan's DP path (0 turns it off; >= 0).",
     )
     consistency_timeout_s: float = _option(
         300.0,
@@ -244,9 +238,7 @@ def _check_known(options: Mapping[str, Any]) -> None:
         if name not in valid:
             close = difflib.get_close_matches(str(name), valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"unknown dhelix option {name!r}{hint}; valid options: {', '.join(valid)}"
-            )
+            raise ConfigError(f"unknown dhelix option {name!r}{hint}; valid options: {', '.join(valid)}")
 
 
 @functools.cache

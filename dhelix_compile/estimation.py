@@ -1,12 +1,12 @@
 """Which cost model a compile uses: build the estimator passes receive from the config.
 
-    device "auto": the CUDA device's table entry (by name), else this CPU, measured once per
-                   process; on several ranks, rank 0's measurement is shared through the c10d
-                   store so every rank plans with the same numbers (a measured device differs
-                   a little from rank to rank, and different numbers mean different schedules).
-    link "auto":   nvlink4 between GPUs, loopback between CPU processes.
-    cost_model "profile": the analytic estimator as a base, calibrated on the live device and
-                   process group by cost_model.ProfiledEstimator (agreed across ranks, cached).
+device "auto": the CUDA device's table entry (by name), else this CPU, measured once per
+               process; on several ranks, rank 0's measurement is shared through the c10d
+               store so every rank plans with the same numbers (a measured device differs
+               a little from rank to rank, and different numbers mean different schedules).
+link "auto":   nvlink4 between GPUs, loopback between CPU processes.
+cost_model "profile": the analytic estimator as a base, calibrated on the live device and
+               process group by cost_model.ProfiledEstimator (agreed across ranks, cached).
 """
 
 from __future__ import annotations
@@ -83,9 +83,7 @@ def _device_from_json(data: dict[str, Any]) -> Device:
     return Device(peak_flops_per_s=peaks, **data)
 
 
-def build_estimator(
-    config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
-) -> Estimator:
+def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Estimator:
     """The estimator for one partition: analytic, or profiled (calibrated on ``gm`` now)."""
     cuda = _uses_cuda(example_inputs)
     link = config.link if config.link != "auto" else ("nvlink4" if cuda else "loopback")

@@ -18,22 +18,31 @@ from graph_passes.reorder import ReorderOptions
 
 #: pass name -> (its options class, {options field: config field}).
 FIELDS: dict[str, tuple[type, dict[str, str]]] = {
-    "reorder": (ReorderOptions, {
-        "memory_budget_ratio": "memory_budget_ratio",
-        "max_in_flight": "max_in_flight",
-        "max_issue_distance": "max_issue_distance",
-    }),
-    "decompose": (DecomposeOptions, {
-        "mode": "decompose",
-        "max_chunks": "decompose_max_chunks",
-        "pieces": "decompose_pieces",
-        "min_gain_ratio": "decompose_min_gain_ratio",
-    }),
-    "interleave": (InterleaveOptions, {
-        "memory_budget_ratio": "interleave_memory_budget_ratio",
-        "defer_weight_grads": "interleave_defer_weight_grads",
-        "refine_evals": "interleave_refine_evals",
-    }),
+    "reorder": (
+        ReorderOptions,
+        {
+            "memory_budget_ratio": "memory_budget_ratio",
+            "max_in_flight": "max_in_flight",
+            "max_issue_distance": "max_issue_distance",
+        },
+    ),
+    "decompose": (
+        DecomposeOptions,
+        {
+            "mode": "decompose",
+            "max_chunks": "decompose_max_chunks",
+            "pieces": "decompose_pieces",
+            "min_gain_ratio": "decompose_min_gain_ratio",
+        },
+    ),
+    "interleave": (
+        InterleaveOptions,
+        {
+            "memory_budget_ratio": "interleave_memory_budget_ratio",
+            "defer_weight_grads": "interleave_defer_weight_grads",
+            "refine_evals": "interleave_refine_evals",
+        },
+    ),
 }
 
 #: Options fields computed from config fields rather than copied: (pass, field) -> config fields read.

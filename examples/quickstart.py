@@ -42,7 +42,7 @@ def main() -> None:
         tokens = torch.randint(0, 64, (4, 17), generator=g)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         losses = []
-        for model, opt, label in ((eager_model, optimizers[0], "eager"), (compiled, optimizers[1], "dhelix")):
+        for model, opt, _label in ((eager_model, optimizers[0], "eager"), (compiled, optimizers[1], "dhelix")):
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = lm_loss(model(inputs), targets)
@@ -50,7 +50,9 @@ def main() -> None:
             opt.step()
             losses.append((loss.item(), time.perf_counter() - start))
         (eager_loss, _), (dhelix_loss, dhelix_s) = losses
-        print(f"{step:>4}  {eager_loss:>11.6f}  {dhelix_loss:>11.6f}  {abs(eager_loss - dhelix_loss):>9.2e}  {dhelix_s:>8.3f}")
+        print(
+            f"{step:>4}  {eager_loss:>11.6f}  {dhelix_loss:>11.6f}  {abs(eager_loss - dhelix_loss):>9.2e}  {dhelix_s:>8.3f}"
+        )
 
     dump = Path(args.dump_dir).resolve()
     graphs = sorted(p.name for p in dump.iterdir()) if dump.exists() else []

@@ -73,7 +73,11 @@ def annotate_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphM
             if issue is not None:
                 meta["comm_id"] = comm_ids[issue]
             else:
-                ctx.explain("annotate", "wait without a collective issue", f"{ctx.graph_name}: {node.name} reads {node.args[:1]}")
+                ctx.explain(
+                    "annotate",
+                    "wait without a collective issue",
+                    f"{ctx.graph_name}: {node.name} reads {node.args[:1]}",
+                )
         node.meta[META_KEY] = meta
         ctx.count("annotate", kind)
     return gm

@@ -191,9 +191,9 @@ def _through_views_to_rows(node: torch.fx.Node, last_dim: int) -> list[torch.fx.
             val = _val(user)
             if val is not None and val.shape[-1] == last_dim:
                 found.extend(_through_views_to_rows(user, last_dim))
-        elif user.target == aten.mm.default and user.args[0] is node:
-            found.append(user)
-        elif user.target == aten.addmm.default and user.args[1] is node:
+        elif (user.target == aten.mm.default and user.args[0] is node) or (
+            user.target == aten.addmm.default and user.args[1] is node
+        ):
             found.append(user)
     return found
 
@@ -271,9 +271,7 @@ def _gathered_layout(wait: torch.fx.Node, group_size: int) -> tuple[torch.fx.Nod
     return cat, _cat_dim(cat)
 
 
-def find_all_gather_matmuls(
-    graph: torch.fx.Graph, skipped: Counter[str] | None = None
-) -> list[AllGatherMatmul]:
+def find_all_gather_matmuls(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[AllGatherMatmul]:
     """All-gathers whose gathered tensor is the row operand of one or more matmuls."""
     matches = []
     for issue, wait in _issues_with_wait(graph, (c10d.all_gather_into_tensor.default,), "all_gather", skipped):
@@ -391,9 +389,7 @@ def find_matmul_reduce_scatters(
     return matches
 
 
-def find_matmul_all_reduces(
-    graph: torch.fx.Graph, skipped: Counter[str] | None = None
-) -> list[MatmulAllReduce]:
+def find_matmul_all_reduces(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[MatmulAllReduce]:
     """All-reduces of a matmul's output (tensor parallelism without sequence parallelism)."""
     matches = []
     all_reduces = (c10d.all_reduce.default, c10d.all_reduce_.default)
@@ -470,9 +466,7 @@ def _bmms_of_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     return out
 
 
-def find_all_to_all_computes(
-    graph: torch.fx.Graph, skipped: Counter[str] | None = None
-) -> list[AllToAllCompute]:
+def find_all_to_all_computes(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[AllToAllCompute]:
     """All-to-alls (expert parallelism) whose output feeds matmuls, through views."""
     matches = []
     for issue, wait in _issues_with_wait(graph, (c10d.all_to_all_single.default,), "all_to_all", skipped):

@@ -30,9 +30,7 @@ class PassObserver(Protocol):
 
     def snapshot(self, gm: torch.fx.GraphModule) -> Any: ...
 
-    def after_pass(
-        self, index: int, name: str, before: Any, gm: torch.fx.GraphModule, seconds: float
-    ) -> None: ...
+    def after_pass(self, index: int, name: str, before: Any, gm: torch.fx.GraphModule, seconds: float) -> None: ...
 
 
 @dataclasses.dataclass

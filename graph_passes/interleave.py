@@ -106,9 +106,7 @@ def strand_segments(
     """Cut one strand's nodes (in order) right after each transfer issue; cost each piece."""
     if not nodes:
         return []
-    profile = live_bytes_profile(
-        nodes, lambda n: estimator.node_cost(n).output_bytes, freeable_inputs=freeable_inputs
-    )
+    profile = live_bytes_profile(nodes, lambda n: estimator.node_cost(n).output_bytes, freeable_inputs=freeable_inputs)
     base = profile.input_bytes - sum(estimator.node_cost(n).output_bytes for n in freeable_inputs)
     segments: list[Segment] = []
     start = 0
@@ -181,7 +179,9 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         for name, order in _backward_orders(bwd_nodes, estimator, options.defer_weight_grads).items()
     }
     captured = bwd_segments["dp"]  # the backward as captured: the sequential order, the budget's base
-    sequential_path: list[Pair] = [(None, j) for j in range(len(captured))] + [(i, None) for i in range(len(fwd_segments))]
+    sequential_path: list[Pair] = [(None, j) for j in range(len(captured))] + [
+        (i, None) for i in range(len(fwd_segments))
+    ]
     sequential = emit(sequential_path, fwd_segments, captured)
     budget_bytes = options.memory_budget_ratio * _sequential_peak(fwd_segments, captured, bwd_base)
     measure_s = 0.0
@@ -196,14 +196,21 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         if measured:  # cost_model="profile": measured pairs replace the formula's
             measured_pairs += len(measured)
             cost = _measured_or(measured, cost)
-        path, planned_s = plan_pairs(fwd_segments, segments, cost=cost, budget_bytes=budget_bytes, bwd_base_bytes=bwd_base)
+        path, planned_s = plan_pairs(
+            fwd_segments, segments, cost=cost, budget_bytes=budget_bytes, bwd_base_bytes=bwd_base
+        )
         plans[name] = emit(path, fwd_segments, segments)
         paired[name] = sum(1 for f, b in path if f is not None and b is not None)
         ctx.record("interleave", **{f"{name}_predicted_s": planned_s, f"{name}_paired_segments": paired[name]})
         if options.refine_evals > 0:
             refined, _ = refine_path(
-                path, fwd_segments, segments, contention_factor=factor, budget_bytes=budget_bytes,
-                bwd_base_bytes=bwd_base, max_evals=options.refine_evals,
+                path,
+                fwd_segments,
+                segments,
+                contention_factor=factor,
+                budget_bytes=budget_bytes,
+                bwd_base_bytes=bwd_base,
+                max_evals=options.refine_evals,
             )
             if refined != path:
                 plans[f"{name}_refined"] = emit(refined, fwd_segments, segments)
@@ -243,7 +250,8 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     if chosen == "sequential":
         best = min((n for n in candidates if n != "sequential"), key=lambda n: results[n].makespan_s)
         ctx.explain(
-            "interleave", "sequential: no predicted gain",
+            "interleave",
+            "sequential: no predicted gain",
             f"{ctx.graph_name}: sequential {results['sequential'].makespan_s:.4g} s, the fastest other order "
             f"({best}{'' if best in fits else ', over the memory budget'}) {results[best].makespan_s:.4g} s",
         )
@@ -253,7 +261,8 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     for name in candidates:
         if name not in fits:
             ctx.explain(
-                "interleave", f"{name} order over the memory budget",
+                "interleave",
+                f"{name} order over the memory budget",
                 f"{ctx.graph_name}: peak {peaks[name]} B > {options.memory_budget_ratio} x sequential {peaks['sequential']} B",
             )
     ctx.count("interleave", "nodes moved", apply_order(gm.graph, candidates[chosen]))

@@ -50,10 +50,7 @@ class PassError(RuntimeError):
     """A pass raised; names the pass and the graph, chains the original exception."""
 
     def __init__(self, pass_name: str, graph_name: str, cause: BaseException) -> None:
-        super().__init__(
-            f"dhelix pass '{pass_name}' failed on graph '{graph_name}': "
-            f"{type(cause).__name__}: {cause}"
-        )
+        super().__init__(f"dhelix pass '{pass_name}' failed on graph '{graph_name}': {type(cause).__name__}: {cause}")
         self.pass_name = pass_name
         self.graph_name = graph_name
 
@@ -83,8 +80,7 @@ def check_pass_names(names: Sequence[str], passes: Sequence[GraphPass] | None = 
     unknown = [n for n in names if n not in known]
     if unknown:
         raise UnknownPassError(
-            f"cannot disable unknown dhelix pass(es) {', '.join(map(repr, unknown))}; "
-            f"passes: {', '.join(known)}"
+            f"cannot disable unknown dhelix pass(es) {', '.join(map(repr, unknown))}; passes: {', '.join(known)}"
         )
 
 
@@ -117,7 +113,11 @@ def run_pipeline(
         seconds = time.perf_counter() - start_s
         log.info(
             "%s: pass %s %.1f ms, %d -> %d nodes",
-            ctx.graph_name, graph_pass.name, seconds * 1e3, nodes_before, len(gm.graph.nodes),
+            ctx.graph_name,
+            graph_pass.name,
+            seconds * 1e3,
+            nodes_before,
+            len(gm.graph.nodes),
         )
         if ctx.observer is not None:
             ctx.observer.after_pass(index, graph_pass.name, before, gm, seconds)

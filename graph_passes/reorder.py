@@ -103,9 +103,9 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
                 return wait
         if len(state.in_flight) < options.max_in_flight:
             issues = [
-                n for n in ready
-                if is_comm(state.costs[n].kind)
-                and state.live_bytes + state.costs[n].output_bytes <= budget_bytes
+                n
+                for n in ready
+                if is_comm(state.costs[n].kind) and state.live_bytes + state.costs[n].output_bytes <= budget_bytes
             ]
             if issues:
                 return issues[0]
@@ -167,7 +167,8 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     ctx.record("reorder", predicted_makespan_s=before.makespan_s)
     if after.makespan_s >= before.makespan_s:
         ctx.explain(
-            "reorder", "kept original order: no predicted gain",
+            "reorder",
+            "kept original order: no predicted gain",
             f"{ctx.graph_name}: the new order predicts {after.makespan_s:.4g} s, the original {before.makespan_s:.4g} s",
         )
         return gm
@@ -175,7 +176,8 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     peak_after = peak_memory_bytes(new_nodes, output_bytes)
     if peak_after > options.memory_budget_ratio * peak_before:
         ctx.explain(
-            "reorder", "kept original order: over the memory budget",
+            "reorder",
+            "kept original order: over the memory budget",
             f"{ctx.graph_name}: peak {peak_after} B > {options.memory_budget_ratio} x the original's {peak_before} B",
         )
         return gm

@@ -162,9 +162,7 @@ def list_schedule(nodes: Sequence[torch.fx.Node], estimator: Estimator, rule: Ru
     """Order ``nodes`` by repeatedly asking ``rule`` which ready node runs next."""
     state = SchedulerState(nodes, estimator)
     position = state.position
-    preds: dict[torch.fx.Node, set[torch.fx.Node]] = {
-        n: {i for i in n.all_input_nodes if i in position} for n in nodes
-    }
+    preds: dict[torch.fx.Node, set[torch.fx.Node]] = {n: {i for i in n.all_input_nodes if i in position} for n in nodes}
     _add_barrier_edges(nodes, preds)
     waiting = {n: len(p) for n, p in preds.items()}
     succs: dict[torch.fx.Node, list[torch.fx.Node]] = {n: [] for n in nodes}

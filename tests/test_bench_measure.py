@@ -72,9 +72,15 @@ def test_ceiling_hides_each_collective_under_its_share_of_the_compute(monkeypatc
     log.clear()
     overlapped()
     assert log == [  # 41 matmuls in proportion to the collectives' times alone
-        ("issue", 0), ("matmuls", 10), ("wait", 0),
-        ("issue", 1), ("matmuls", 31), ("wait", 1),
-        ("issue", 2), ("matmuls", 0), ("wait", 2),
+        ("issue", 0),
+        ("matmuls", 10),
+        ("wait", 0),
+        ("issue", 1),
+        ("matmuls", 31),
+        ("wait", 1),
+        ("issue", 2),
+        ("matmuls", 0),
+        ("wait", 2),
     ]
     log.clear()
     compute_alone()

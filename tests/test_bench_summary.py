@@ -8,9 +8,16 @@ from dhelix_compile.bench.run import hidden_share, markdown
 
 
 def _variant(step_s: float, t_compute_s: float, cpu_s: float | None = None) -> dict:
-    return {"step_s_median": step_s, "step_s_min": step_s, "step_s_max": step_s, "t_compute_s": t_compute_s,
-            "hidden_share": hidden_share(step_s, t_compute_s, 0.050), "predicted_step_s": None,
-            "cpu_s_median": cpu_s, "idle_s": None if cpu_s is None else step_s - cpu_s}
+    return {
+        "step_s_median": step_s,
+        "step_s_min": step_s,
+        "step_s_max": step_s,
+        "t_compute_s": t_compute_s,
+        "hidden_share": hidden_share(step_s, t_compute_s, 0.050),
+        "predicted_step_s": None,
+        "cpu_s_median": cpu_s,
+        "idle_s": None if cpu_s is None else step_s - cpu_s,
+    }
 
 
 def test_hidden_share_is_zero_when_sequential_and_one_at_the_limit() -> None:
@@ -19,14 +26,29 @@ def test_hidden_share_is_zero_when_sequential_and_one_at_the_limit() -> None:
 
 
 def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> None:
-    summary = {"link": "veth", "model": "m", "parallel": "tp_sp", "world_size": 2, "repeats": 3,
-               "t_compute_s": 0.100, "t_comm_s": 0.050, "limit_s": 0.100,
-               "variants": {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110, 0.1155)},
-               "ceiling": {"step_s_median": 0.105, "t_compute_s": 0.095, "cpu_s_median": 0.104, "idle_s": 0.001,
-                           "hidden_share": hidden_share(0.105, 0.095, 0.050)}}
+    summary = {
+        "link": "veth",
+        "model": "m",
+        "parallel": "tp_sp",
+        "world_size": 2,
+        "repeats": 3,
+        "t_compute_s": 0.100,
+        "t_comm_s": 0.050,
+        "limit_s": 0.100,
+        "variants": {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110, 0.1155)},
+        "ceiling": {
+            "step_s_median": 0.105,
+            "t_compute_s": 0.095,
+            "cpu_s_median": 0.104,
+            "idle_s": 0.001,
+            "hidden_share": hidden_share(0.105, 0.095, 0.050),
+        },
+    }
     table = markdown(summary).splitlines()
     rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in table if line.startswith("| ")
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+        for line in table
+        if line.startswith("| ")
     }
     cells = rows["dhelix_decompose"]
     assert cells[3] == "1.25x"  # vs Inductor
@@ -44,8 +66,24 @@ def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
     from dhelix_compile.bench.run import main
 
     out = tmp_path / "moe.json"
-    argv = ["--model", "moe_small", "--rate", "none", "--variants", "eager,dhelix_eager", "--repeats", "3",
-            "--warmup", "1", "--time-limit-s", "30", "--timeout-s", "240", "--out", str(out)]
+    argv = [
+        "--model",
+        "moe_small",
+        "--rate",
+        "none",
+        "--variants",
+        "eager,dhelix_eager",
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--time-limit-s",
+        "30",
+        "--timeout-s",
+        "240",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     summary = json.loads(out.read_text())
     assert set(summary["variants"]) == {"eager", "dhelix_eager"} and not summary["errors"]
@@ -54,4 +92,4 @@ def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
     ceiling = summary["ceiling"]  # the step's collectives under synthetic compute of about T_compute
     assert ceiling["step_s_median"] > 0 and ceiling["t_compute_s"] > 0 and ceiling["cpu_s_median"] > 0
     for v in summary["variants"].values():  # a step's CPU time is measured beside its wall time
-        assert 0 < v["cpu_s_median"] and v["idle_s"] == pytest.approx(max(v["step_s_median"] - v["cpu_s_median"], 0.0))
+        assert v["cpu_s_median"] > 0 and v["idle_s"] == pytest.approx(max(v["step_s_median"] - v["cpu_s_median"], 0.0))

@@ -131,7 +131,7 @@ def test_contention_makes_dhelix_slower_but_never_worse_than_sequential() -> Non
 
 
 def test_invalid_settings_are_named() -> None:
-    with pytest.raises(UnknownSettingError, match="valid settings: .*a40-llama-8b"):
+    with pytest.raises(UnknownSettingError, match=r"valid settings: .*a40-llama-8b"):
         get_setting("llama-1000b")
     bad = dataclasses.replace(get_setting("a40-llama-8b"), parallel=Parallelism(dp=16, tp=3))
     with pytest.raises(ValueError, match="heads do not split over tp=3"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 
@@ -47,7 +48,9 @@ def test_all_gather_along_dim0_and_one_addmm() -> None:
     with fake_world(2) as group:
         gm = trace_aten(
             lambda x, w, b: torch.nn.functional.linear(funcol.all_gather_single(x, 0, group), w, b),
-            torch.randn(3, 8), torch.randn(5, 8), torch.randn(5),
+            torch.randn(3, 8),
+            torch.randn(5, 8),
+            torch.randn(5),
         )
     (match,) = find_all_gather_matmuls(gm.graph)
     assert match.gather_dim == 0 and match.gathered is match.wait
@@ -58,25 +61,32 @@ def test_all_gather_with_non_matmul_consumers_is_skipped_with_a_reason() -> None
     with fake_world(2) as group:
         gm = trace_aten(
             lambda x, w: (lambda g: (g @ w, g.relu()))(funcol.all_gather_single(x, 0, group)),
-            torch.randn(3, 8), torch.randn(8, 4),
+            torch.randn(3, 8),
+            torch.randn(8, 4),
         )
     skipped: Counter[str] = Counter()
     assert find_all_gather_matmuls(gm.graph, skipped) == []
     assert skipped["all_gather: non-matmul consumer"] == 1
 
 
-def test_matmul_reduce_scatter_along_dim0_and_dim1() -> None:
-    for scatter_dim in (0, 1):
-        with fake_world(2) as group:
-            gm = trace_aten(lambda h, w: _row_parallel_out(h, w, group, scatter_dim), torch.randn(4, 6, 8), torch.randn(8, 8))
-        (match,) = find_matmul_reduce_scatters(gm.graph)
-        assert match.scatter_dim == scatter_dim, scatter_dim
-        assert match.matmul.target == aten.mm.default and match.reduce_op == "sum"
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+def test_matmul_reduce_scatter_along_dim0_and_dim1(scatter_dim: int) -> None:
+    with fake_world(2) as group:
+        gm = trace_aten(
+            lambda h, w: _row_parallel_out(h, w, group, scatter_dim), torch.randn(4, 6, 8), torch.randn(8, 8)
+        )
+    (match,) = find_matmul_reduce_scatters(gm.graph)
+    assert match.scatter_dim == scatter_dim
+    assert match.matmul.target == aten.mm.default and match.reduce_op == "sum"
 
 
 def test_matmul_all_reduce_and_non_matmul_all_reduce() -> None:
     with fake_world(2) as group:
-        gm = trace_aten(lambda h, w: (funcol.all_reduce(h @ w, "sum", group), funcol.all_reduce(h.relu(), "sum", group)), torch.randn(4, 8), torch.randn(8, 8))
+        gm = trace_aten(
+            lambda h, w: (funcol.all_reduce(h @ w, "sum", group), funcol.all_reduce(h.relu(), "sum", group)),
+            torch.randn(4, 8),
+            torch.randn(8, 8),
+        )
     skipped: Counter[str] = Counter()
     (match,) = find_matmul_all_reduces(gm.graph, skipped)
     assert match.matmul.target == aten.mm.default
@@ -85,7 +95,11 @@ def test_matmul_all_reduce_and_non_matmul_all_reduce() -> None:
 
 def test_all_to_all_feeding_expert_matmuls() -> None:
     with fake_world(2) as group:
-        gm = trace_aten(lambda x, w: funcol.all_to_all_single(x, [2, 2], [2, 2], group).reshape(-1, 8) @ w, torch.randn(4, 8), torch.randn(8, 3))
+        gm = trace_aten(
+            lambda x, w: funcol.all_to_all_single(x, [2, 2], [2, 2], group).reshape(-1, 8) @ w,
+            torch.randn(4, 8),
+            torch.randn(8, 3),
+        )
     (match,) = find_all_to_all_computes(gm.graph)
     assert [c.target for c in match.consumers] == [aten.mm.default]
 
@@ -98,8 +112,13 @@ def test_all_to_all_of_a_bmm_or_a_sum_of_bmms() -> None:
 
     skipped: Counter[str] = Counter()
     with fake_world(2) as group:
-        gm = trace_aten(lambda *a: combine(*a, group), torch.randn(2, 6, 8), torch.randn(2, 8, 5),
-                        torch.randn(2, 6, 4), torch.randn(2, 4, 5))
+        gm = trace_aten(
+            lambda *a: combine(*a, group),
+            torch.randn(2, 6, 8),
+            torch.randn(2, 8, 5),
+            torch.randn(2, 6, 4),
+            torch.randn(2, 4, 5),
+        )
     (match,) = find_bmm_all_to_alls(gm.graph, skipped)
     assert [b.target for b in match.bmms] == [aten.bmm.default] * 2 and match.output.target == aten.add.Tensor
     assert skipped["all_to_all: not fed by bmms"] == 1
@@ -110,7 +129,8 @@ def test_backward_graph_has_matmul_reduce_scatter_from_the_forward_all_gather() 
     with fake_world(2) as group:
         fwd, bwd = aot_partitions(
             lambda x, w: funcol.all_gather_single(x, 1, group).reshape(-1, 8) @ w.t(),
-            torch.randn(2, 4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True),
+            torch.randn(2, 4, 8, requires_grad=True),
+            torch.randn(6, 8, requires_grad=True),
         )
     assert len(find_all_gather_matmuls(fwd.graph)) == 1
     found, _ = find_all(bwd.graph)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def test_unknown_pass_name_is_rejected_by_the_backend() -> None:
 
 def test_config_is_frozen_and_patch_validates() -> None:
     config = DHelixConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.codegen = "eager"  # type: ignore[misc]  # assigning to the frozen dataclass on purpose
     assert config.patch(codegen="eager").codegen == "eager"
     assert config.codegen == "inductor"

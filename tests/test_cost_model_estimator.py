@@ -30,8 +30,11 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 DEVICE = Device(
-    "unit", {torch.float32: 1e12, torch.bfloat16: 4e12}, mem_bandwidth_bytes_per_s=1e11,
-    launch_overhead_s=1e-6, source="unit test",
+    "unit",
+    {torch.float32: 1e12, torch.bfloat16: 4e12},
+    mem_bandwidth_bytes_per_s=1e11,
+    launch_overhead_s=1e-6,
+    source="unit test",
 )
 LINK = Link("unit_link", bandwidth_bytes_per_s=1e10, latency_s=1e-5, source="unit test")
 
@@ -50,9 +53,13 @@ def _fake(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
 
-def _hand_graph(target: object, in_shapes: list[tuple[int, ...]], out_shape: tuple[int, ...],
-                extra_args: tuple[object, ...] = (), dtype: torch.dtype = torch.float32
-                ) -> tuple[torch.fx.Graph, torch.fx.Node]:
+def _hand_graph(
+    target: object,
+    in_shapes: list[tuple[int, ...]],
+    out_shape: tuple[int, ...],
+    extra_args: tuple[object, ...] = (),
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.fx.Graph, torch.fx.Node]:
     g = torch.fx.Graph()
     inputs = []
     for i, shape in enumerate(in_shapes):
@@ -91,13 +98,11 @@ def test_dtype_selects_peak() -> None:
     [
         (aten.bmm.default, [(4, 8, 16), (4, 16, 32)], (4, 8, 32), 2 * 4 * 8 * 16 * 32),
         (aten.addmm.default, [(32,), (8, 16), (16, 32)], (8, 32), 2 * 8 * 16 * 32),
-        (aten.baddbmm.default, [(4, 8, 32), (4, 8, 16), (4, 16, 32)], (4, 8, 32),
-         2 * 4 * 8 * 16 * 32),
+        (aten.baddbmm.default, [(4, 8, 32), (4, 8, 16), (4, 16, 32)], (4, 8, 32), 2 * 4 * 8 * 16 * 32),
         (aten.linear.default, [(2, 8, 16), (32, 16)], (2, 8, 32), 2 * 2 * 8 * 16 * 32),
     ],
 )
-def test_matmul_family_flops(target: object, ins: list[tuple[int, ...]], out: tuple[int, ...],
-                             flops: int) -> None:
+def test_matmul_family_flops(target: object, ins: list[tuple[int, ...]], out: tuple[int, ...], flops: int) -> None:
     _, node = _hand_graph(target, ins, out)
     assert op_flops(node) == flops
 
@@ -113,8 +118,7 @@ def test_conv_and_backward_match_flop_counter() -> None:
     with FlopCounterMode(display=False) as counter:
         f(x, w)
     gm = trace_aten(f, x, w)
-    convs = [n for n in gm.graph.nodes if n.target in (aten.convolution.default,
-                                                      aten.convolution_backward.default)]
+    convs = [n for n in gm.graph.nodes if n.target in (aten.convolution.default, aten.convolution_backward.default)]
     assert len(convs) == 2
     assert sum(op_flops(n) for n in convs) == counter.get_total_flops()
 
@@ -284,8 +288,7 @@ def test_symbolic_formula_that_compares_sizes_is_evaluated_at_hints() -> None:
 
     kv = torch.randn(2, 2, 16, 8)
     gm = trace_aten(gqa, torch.randn(2, 8, 16, 8), kv, kv, dynamic=True)
-    node = next(n for n in gm.graph.nodes
-                if n.target == aten._scaled_dot_product_efficient_attention.default)
+    node = next(n for n in gm.graph.nodes if n.target == aten._scaled_dot_product_efficient_attention.default)
     assert op_flops(node) == 2 * (2 * 2 * 8 * 16 * 16 * 8)
 
 

@@ -41,8 +41,7 @@ def test_datasheet_numbers() -> None:
 
 def test_every_entry_has_a_source_and_sane_numbers() -> None:
     required_devices = {"h100_sxm", "h200", "a100_80gb", "a800", "a40"}
-    required_links = {"nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr",
-                      "eth_25g", "eth_100g", "loopback"}
+    required_links = {"nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr", "eth_25g", "eth_100g", "loopback"}
     assert required_devices <= set(DEVICES)
     assert required_links <= set(LINKS)
     for dev in DEVICES.values():
@@ -58,9 +57,9 @@ def test_every_entry_has_a_source_and_sane_numbers() -> None:
 
 def test_aliases_and_unknown_names() -> None:
     assert get_device("H100") is DEVICES["h100_sxm"]
-    with pytest.raises(UnknownHardwareError, match="valid devices: .*h100_sxm"):
+    with pytest.raises(UnknownHardwareError, match=r"valid devices: .*h100_sxm"):
         get_device("tpu_v5")
-    with pytest.raises(KeyError, match="valid links: .*nvlink4"):
+    with pytest.raises(KeyError, match=r"valid links: .*nvlink4"):
         get_link("carrier_pigeon")
 
 
@@ -91,15 +90,23 @@ def test_device_is_frozen_and_validated() -> None:
 
 def test_load_hardware_file(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "hw.json"
-    path.write_text(json.dumps({
-        "devices": [{"name": "file_gpu", "peak_flops_per_s": {"bfloat16": 4e14, "float32": 5e13},
-                     "mem_bandwidth_bytes_per_s": 1.5e12, "source": "vendor"}],
-        "links": [{"name": "file_link", "bandwidth_bytes_per_s": 5e10, "latency_s": 5e-6}],
-    }))
-    toml = tmp_path / "hw.toml"
-    toml.write_text(
-        '[[links]]\nname = "toml_link"\nbandwidth_bytes_per_s = 1e9\nlatency_s = 1e-6\n'
+    path.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {
+                        "name": "file_gpu",
+                        "peak_flops_per_s": {"bfloat16": 4e14, "float32": 5e13},
+                        "mem_bandwidth_bytes_per_s": 1.5e12,
+                        "source": "vendor",
+                    }
+                ],
+                "links": [{"name": "file_link", "bandwidth_bytes_per_s": 5e10, "latency_s": 5e-6}],
+            }
+        )
     )
+    toml = tmp_path / "hw.toml"
+    toml.write_text('[[links]]\nname = "toml_link"\nbandwidth_bytes_per_s = 1e9\nlatency_s = 1e-6\n')
     try:
         load_hardware_file(path)
         load_hardware_file(toml)

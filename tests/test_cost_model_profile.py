@@ -56,14 +56,20 @@ def test_calibrate_measures_then_hits_the_cache(tmp_path: pathlib.Path) -> None:
 
 def test_unmeasured_compute_costs_the_base_estimate_times_its_ops_measured_ratio(tmp_path: pathlib.Path) -> None:
     measured = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
-    halves = trace_aten(lambda x, w: torch.relu(x @ w).sum(0) + torch.sigmoid(x).sum(), torch.randn(16, 16), torch.randn(16, 8))
+    halves = trace_aten(
+        lambda x, w: torch.relu(x @ w).sum(0) + torch.sigmoid(x).sum(), torch.randn(16, 16), torch.randn(16, 8)
+    )
     base = AnalyticEstimator(DEVICE, LINK)
     est = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False)
     assert est.node_cost(next(n for n in halves.graph.nodes if n.target == aten.mm.default)) == base.node_cost(
-        next(n for n in halves.graph.nodes if n.target == aten.mm.default))  # nothing measured yet
+        next(n for n in halves.graph.nodes if n.target == aten.mm.default)
+    )  # nothing measured yet
     est.calibrate(measured)
-    ratio = {str(n.target): est.node_cost(n).time_s / base.node_cost(n).time_s
-             for n in measured.graph.nodes if n.op == "call_function"}
+    ratio = {
+        str(n.target): est.node_cost(n).time_s / base.node_cost(n).time_s
+        for n in measured.graph.nodes
+        if n.op == "call_function"
+    }
     mm = next(n for n in halves.graph.nodes if n.target == aten.mm.default)
     assert est.node_cost(mm).time_s == pytest.approx(base.node_cost(mm).time_s * ratio[str(aten.mm.default)])
     assert est.compute_scale(mm) == pytest.approx(ratio[str(aten.mm.default)])
@@ -97,17 +103,16 @@ def test_progress_bar_and_fake_group_collectives_skipped(tmp_path: pathlib.Path)
     assert "[" + "#" * 30 + "] 4/4" in stream.getvalue()
 
     with fake_world(4):
-        gm = trace_aten(lambda x: funcol.all_reduce(x @ x, "sum", dist.group.WORLD),
-                        torch.randn(8, 8))
-        est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, repeats=1,
-                                progress=False)
+        gm = trace_aten(lambda x: funcol.all_reduce(x @ x, "sum", dist.group.WORLD), torch.randn(8, 8))
+        est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, repeats=1, progress=False)
         report = est.calibrate(gm)
     assert report.measured == 1
     assert report.skipped == {"fake process group": 1}
 
 
-def test_the_progress_bar_shows_where_it_did(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_progress_bar_shows_where_it_did(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Silent without work or when disabled; calibrate's bar: rank 0 only, ``progress`` when set,
     else only on a terminal and from 8 measurements on."""
     quiet = io.StringIO()
@@ -165,17 +170,20 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
     if rank == 1:
         mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
         cache.mkdir(parents=True)
-        real.disk_cache.path("unit").write_text(json.dumps(
-            {"version": 1, "device": "unit", "entries": {real.signature(mm): 1.0}}))
+        real.disk_cache.path("unit").write_text(
+            json.dumps({"version": 1, "device": "unit", "entries": {real.signature(mm): 1.0}})
+        )
     report = real.calibrate(gm)
-    skewed = _RankSkewedEstimator(base, pathlib.Path(cache_root, f"skew{rank}"), warmup=0,
-                                  repeats=1, progress=False, measure_contention=False)
+    skewed = _RankSkewedEstimator(
+        base, pathlib.Path(cache_root, f"skew{rank}"), warmup=0, repeats=1, progress=False, measure_contention=False
+    )
     skewed.calibrate(gm)
     issue = next(n for n in gm.graph.nodes if n.target == c10d.all_reduce.default)
     from dhelix_compile.ops.exchange import P2P_EXCHANGE
 
-    exchange = trace_aten(lambda x: P2P_EXCHANGE(x, 1 - rank, 1 - rank, 3, dist.group.WORLD.group_name),
-                          torch.randn(64, 64))
+    exchange = trace_aten(
+        lambda x: P2P_EXCHANGE(x, 1 - rank, 1 - rank, 3, dist.group.WORLD.group_name), torch.randn(64, 64)
+    )
     p2p = next(n for n in exchange.graph.nodes if n.target == P2P_EXCHANGE)
     return {
         "link_scale": real.link_scale,
@@ -198,8 +206,7 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     assert r0["measured"] == r1["measured"] == 3  # mm, all_reduce, relu
     assert r0["real"] == r1["real"]  # agreed: identical numbers on every rank
     assert max(r0["real"].values()) < 1.0  # rank 1's stale 1 s entry was re-measured
-    assert any("_c10d_functional.all_reduce" in k and "group_size=2" in k and "backend=gloo" in k
-               for k in r0["real"])
+    assert any("_c10d_functional.all_reduce" in k and "group_size=2" in k and "backend=gloo" in k for k in r0["real"])
     assert r0["allreduce_s"] > 0
     assert r0["contention"] == r1["contention"] and r0["contention"] >= 1.0
     # the max over ranks wins: rank 1 "measured" 2 ms
@@ -226,7 +233,8 @@ def test_a_cat_of_the_same_parts_in_another_order_has_the_same_signature(tmp_pat
     est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, progress=False)
     gm = trace_aten(
         lambda a, b: (torch.cat([a, b, b], 1), torch.cat([b, b, a], 1), torch.cat([a, a, b], 1)),
-        torch.zeros(2, 4), torch.zeros(2, 2),
+        torch.zeros(2, 4),
+        torch.zeros(2, 2),
     )
     first, last, other_parts = [n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default]
     assert est.signature(first) == est.signature(last)

@@ -41,14 +41,10 @@ class _Builder:
         return self.graph.create_node("call_function", aten.mul.Tensor, (a, b), name=name)
 
     def issue(self, name: str, inp: torch.fx.Node) -> torch.fx.Node:
-        return self.graph.create_node(
-            "call_function", c10d.all_reduce.default, (inp, "sum", "0"), name=name
-        )
+        return self.graph.create_node("call_function", c10d.all_reduce.default, (inp, "sum", "0"), name=name)
 
     def wait(self, name: str, issue: torch.fx.Node) -> torch.fx.Node:
-        return self.graph.create_node(
-            "call_function", c10d.wait_tensor.default, (issue,), name=name
-        )
+        return self.graph.create_node("call_function", c10d.wait_tensor.default, (issue,), name=name)
 
     def finish(self, *outs: torch.fx.Node) -> list[torch.fx.Node]:
         self.graph.output(tuple(outs))
@@ -155,9 +151,7 @@ def test_peak_memory_liveness_views_and_waits() -> None:
     w = g.call_function(c10d.wait_tensor.default, (ar,))
     w.meta["val"] = _val(100)
     g.output(w)
-    est = AnalyticEstimator(
-        Device("d", {torch.float32: 1e12}, 1e11, 0.0, "t"), Link("l", 1e9, 0.0, "t"), world_size=2
-    )
+    est = AnalyticEstimator(Device("d", {torch.float32: 1e12}, 1e11, 0.0, "t"), Link("l", 1e9, 0.0, "t"), world_size=2)
     order = list(g.nodes)
     # x always live (400); a lives through c via its view; peak at c: 400+1000+2000+100
     assert peak_memory_bytes(order, lambda n: est.node_cost(n).output_bytes) == 3500
@@ -202,9 +196,7 @@ def _random_graph(draw: st.DrawFn) -> tuple[list[torch.fx.Node], dict[str, float
     return order, times
 
 
-def _random_topo_order(
-    nodes: Sequence[torch.fx.Node], keys: Sequence[float]
-) -> list[torch.fx.Node]:
+def _random_topo_order(nodes: Sequence[torch.fx.Node], keys: Sequence[float]) -> list[torch.fx.Node]:
     """Kahn's algorithm choosing the ready node with the smallest key."""
     prio = {n: keys[i % len(keys)] if keys else 0.0 for i, n in enumerate(nodes)}
     index = {n: i for i, n in enumerate(nodes)}
@@ -242,8 +234,9 @@ def _critical_path_s(order: Sequence[torch.fx.Node], est: TableEstimator) -> flo
     return max(finish.values(), default=0.0)
 
 
-_SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @_SETTINGS

@@ -102,10 +102,16 @@ def _run(gm, estimator=SLOW_LINK, world=2, rank=0, **options) -> PassContext:
 
 def _ops(gm) -> list[str]:
     """Transfers, waits and matmuls in order: ``p2p``, ``ag``, ``rs``, ``ar``, ``wait``, ``mm``."""
-    names = {P2P_EXCHANGE: "p2p", c10d.all_gather_into_tensor.default: "ag",
-             c10d.reduce_scatter_tensor.default: "rs", c10d.all_reduce.default: "ar",
-             c10d.wait_tensor.default: "wait",
-             aten.mm.default: "mm", aten.addmm.default: "mm", aten.bmm.default: "mm"}
+    names = {
+        P2P_EXCHANGE: "p2p",
+        c10d.all_gather_into_tensor.default: "ag",
+        c10d.reduce_scatter_tensor.default: "rs",
+        c10d.all_reduce.default: "ar",
+        c10d.wait_tensor.default: "wait",
+        aten.mm.default: "mm",
+        aten.addmm.default: "mm",
+        aten.bmm.default: "mm",
+    }
     return [names[n.target] for n in gm.graph.nodes if n.target in names]
 
 
@@ -121,8 +127,25 @@ def test_all_gather_per_peer_computes_local_shard_first_then_each_peer() -> None
     ctx = _run(gm, world=4, rank=1, mode="per_peer")
     assert ctx.stats["decompose"]["all_gather_matmul: per_peer"] == 1
     # step s: send own shard to r-s, receive r+s's shard; the next exchange is issued before compute
-    assert _ops(gm) == ["p2p", "mm", "mm", "wait", "wait", "p2p", "mm", "mm",
-                        "wait", "wait", "p2p", "mm", "mm", "wait", "wait", "mm", "mm"]
+    assert _ops(gm) == [
+        "p2p",
+        "mm",
+        "mm",
+        "wait",
+        "wait",
+        "p2p",
+        "mm",
+        "mm",
+        "wait",
+        "wait",
+        "p2p",
+        "mm",
+        "mm",
+        "wait",
+        "wait",
+        "mm",
+        "mm",
+    ]
     assert _p2p_peers(gm) == [[0, 2], [3, 3], [2, 0]]
     tags = [n.args[3] for n in gm.graph.nodes if n.target == P2P_EXCHANGE]
     assert len(set(tags)) == 3
@@ -145,8 +168,30 @@ def test_all_gather_in_pieces_computes_each_piece_while_the_next_is_in_flight() 
     piece = ["wait", "wait", "mm", "mm"]
     # step s: both pieces issued together; the local shard in one piece (two matmuls, not four);
     # step s+1 issued after step s's last piece arrived
-    assert _ops(gm) == (["p2p", "p2p", "mm", "mm"] + piece + ["wait", "wait", "p2p", "p2p", "mm", "mm"]
-                        + piece + ["wait", "wait", "p2p", "p2p", "mm", "mm"] + piece + piece)
+    assert _ops(gm) == (
+        [
+            "p2p",
+            "p2p",
+            "mm",
+            "mm",
+            *piece,
+            "wait",
+            "wait",
+            "p2p",
+            "p2p",
+            "mm",
+            "mm",
+            *piece,
+            "wait",
+            "wait",
+            "p2p",
+            "p2p",
+            "mm",
+            "mm",
+            *piece,
+            *piece,
+        ]
+    )
     assert _p2p_peers(gm) == [[0, 2]] * 2 + [[3, 3]] * 2 + [[2, 0]] * 2
     sends = [n.args[0] for n in gm.graph.nodes if n.target == P2P_EXCHANGE]
     assert [(n.args[1], n.args[2], n.args[3]) for n in sends[:2]] == [(1, 0, 2), (1, 2, 4)]  # halves along dim 1
@@ -179,14 +224,23 @@ def test_pieces_that_do_not_divide_the_shape_leave_the_site_alone_with_a_reason(
 def test_pieces_are_chosen_by_the_cost_model() -> None:
     # One half-matmul pair takes 1 s; the 256-byte shard takes 2 s on the link. In one piece the
     # peer's matmuls wait for the whole shard (3 s); in 4 pieces only the last piece's (2.25 s).
-    device = Device("slow", {torch.float32: 2 * 16 * 8 * 64}, mem_bandwidth_bytes_per_s=1e12,
-                    launch_overhead_s=0.0, source="unit test")
+    device = Device(
+        "slow",
+        {torch.float32: 2 * 16 * 8 * 64},
+        mem_bandwidth_bytes_per_s=1e12,
+        launch_overhead_s=0.0,
+        source="unit test",
+    )
     link = Link("slow_link", bandwidth_bytes_per_s=128.0, latency_s=1e-3, source="unit test")
     gm = _traced(_sp_in, (2, 4, 8), (64, 8), (64, 8))
     ctx = _run(gm, estimator=AnalyticEstimator(device, link), mode="per_peer", pieces=0)
     assert ctx.stats["decompose"]["all_gather_matmul: per_peer_4"] == 1, ctx.stats["decompose"]
     record = ctx.records["decompose"]
-    assert record["all_gather_matmul0_per_peer_4_s"] < record["all_gather_matmul0_per_peer_2_s"] < record["all_gather_matmul0_per_peer_s"]
+    assert (
+        record["all_gather_matmul0_per_peer_4_s"]
+        < record["all_gather_matmul0_per_peer_2_s"]
+        < record["all_gather_matmul0_per_peer_s"]
+    )
 
 
 class _SignatureSpy(EstimatorBase):
@@ -207,8 +261,12 @@ class _SignatureSpy(EstimatorBase):
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_asks_to_measure_the_same_signatures(fn, world, tmp_path: Path) -> None:
     # the profiled cost model measures the variants' new ops only if all ranks agree on them
-    shapes = {_sp_in: ((2, 4, 8), (6, 8), (6, 8)), _row_out: ((2, 8, 8), (8, 8)), _row_ar: ((2, 8, 8), (6, 8)),
-              _wgrad_in: ((2, 4, 8), (2 * 4 * world, 6), (6, 8))}[fn]
+    shapes = {
+        _sp_in: ((2, 4, 8), (6, 8), (6, 8)),
+        _row_out: ((2, 8, 8), (8, 8)),
+        _row_ar: ((2, 8, 8), (6, 8)),
+        _wgrad_in: ((2, 4, 8), (2 * 4 * world, 6), (6, 8)),
+    }[fn]
     asked = []
     for rank in range(world):
         spy = _SignatureSpy(tmp_path)
@@ -240,8 +298,15 @@ def test_bmm_all_to_all_per_peer_sends_each_destinations_chunk_when_ready_and_th
     slots = [(n.args[1], n.args[2], n.args[3]) for n in gm.graph.nodes if n.target == aten.slice.Tensor]
     assert slots == [(1, 3 * ((rank + s) % world), 3 * ((rank + s) % world + 1)) for s in [*range(1, world), 0]]
 
-    summed = _traced(lambda h, w2, g, w3, group: _ep_out(h, w2, group, g=g, w3=w3),
-                     (2, world * 3, 8), (2, 8, 5), (2, world * 3, 4), (2, 4, 5), world=world, rank=rank)
+    summed = _traced(
+        lambda h, w2, g, w3, group: _ep_out(h, w2, group, g=g, w3=w3),
+        (2, world * 3, 8),
+        (2, 8, 5),
+        (2, world * 3, 4),
+        (2, 4, 5),
+        world=world,
+        rank=rank,
+    )
     ctx = _run(summed, world=world, rank=rank, mode="per_peer")
     assert ctx.stats["decompose"]["bmm_all_to_all: per_peer"] == 1, ctx.stats["decompose"]
     assert _ops(summed) == ["mm", "mm", "p2p"] * (world - 1) + ["mm", "mm"] + ["wait", "wait"] * (world - 1)
@@ -341,6 +406,7 @@ def test_gathered_tensor_saved_for_backward_is_rebuilt_and_reorder_keeps_validit
     def fn(x, w, group):
         full = funcol.all_gather_single(x, 1, group)
         return full.reshape(-1, 8) @ w.t(), full  # the gathered tensor is also an output
+
     gm = _traced(fn, (2, 4, 8), (6, 8))
     ctx = _run(gm, mode="per_peer")
     assert ctx.stats["decompose"]["all_gather_matmul: per_peer"] == 1
@@ -355,6 +421,7 @@ def test_decisions_are_deterministic() -> None:
         gm = _traced(_row_out, (2, 8, 8), (8, 8), world=4, rank=3)
         _run(gm, world=4, rank=3, mode="auto")
         return [n.format_node() for n in gm.graph.nodes]
+
     assert once() == once()
 
 
@@ -370,15 +437,26 @@ def _decompose_stats(dump_dir: str, rank: int) -> dict[str, int]:
 
 
 def _standalone(
-    rank: int, world_size: int, cases: list[tuple], mode: str, codegen: str, pieces: int = 1, options: dict | None = None
+    rank: int,
+    world_size: int,
+    cases: list[tuple],
+    mode: str,
+    codegen: str,
+    pieces: int = 1,
+    options: dict | None = None,
 ) -> dict[str, int]:
     """Per case: all-gather->2 matmuls, matmul->reduce-scatter and matmul->all-reduce, compiled vs eager, fwd + bwd."""
     import dhelix_compile
 
     with tempfile.TemporaryDirectory() as dump_dir:
         backend = dhelix_compile.backend(
-            codegen=codegen, fallback="error", dump_dir=dump_dir, decompose=mode, decompose_max_chunks=2,
-            decompose_pieces=pieces, **(options or {}),
+            codegen=codegen,
+            fallback="error",
+            dump_dir=dump_dir,
+            decompose=mode,
+            decompose_max_chunks=2,
+            decompose_pieces=pieces,
+            **(options or {}),
         )
         for seed, case in enumerate(cases):
             _check_case(rank, world_size, backend, seed, case)
@@ -418,8 +496,11 @@ def _check_case(rank: int, n: int, backend, seed: int, case: tuple) -> None:
         return (o * probe_rs).sum()
 
     probe_ar = torch.randn(*rs_shape[:-1], n_out, generator=gen)
-    cases = ((ag, (xs[rank], w1, w2), loss_ag), (rs, (hs[rank], w1), loss_rs),
-             (ar, (hs[rank], w1), lambda o: (o * probe_ar).sum()))
+    cases = (
+        (ag, (xs[rank], w1, w2), loss_ag),
+        (rs, (hs[rank], w1), loss_rs),
+        (ar, (hs[rank], w1), lambda o: (o * probe_ar).sum()),
+    )
     for fn, args, loss in cases:
         results = []
         for run in (fn, torch.compile(fn, backend=backend)):
@@ -436,8 +517,10 @@ def _check_case(rank: int, n: int, backend, seed: int, case: tuple) -> None:
 
 def _assert_rewrote(stats: dict[str, int], mode: str, cases: int) -> None:
     """Forward and backward sites were rewritten (chunked leaves weight-gradient all-gathers alone)."""
+
     def done(pattern: str) -> int:
         return sum(v for k, v in stats.items() if k.startswith(f"{pattern}: ") and _rewrite(k) is not None)
+
     assert done("all_gather_matmul") >= (2 if mode == "per_peer" else 1) * cases, stats
     assert done("matmul_reduce_scatter") >= 2 * cases, stats
     assert done("matmul_all_reduce") >= cases, stats
@@ -463,10 +546,15 @@ def _per_peer_choice(code: str) -> bool:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("mode", "cases"), [
-    pytest.param("per_peer", [(1, 2, 2, 2, 0)], id="per_peer-batch"),  # the smallest shapes, gathered along the batch
-    pytest.param("chunked", [(2, 4, 6, 4, 1)], id="chunked-sequence"),  # k = 2 chunks along the sequence
-])
+@pytest.mark.parametrize(
+    ("mode", "cases"),
+    [
+        pytest.param(
+            "per_peer", [(1, 2, 2, 2, 0)], id="per_peer-batch"
+        ),  # the smallest shapes, gathered along the batch
+        pytest.param("chunked", [(2, 4, 6, 4, 1)], id="chunked-sequence"),  # k = 2 chunks along the sequence
+    ],
+)
 def test_standalone_decomposed_equals_undecomposed_on_2_ranks(mode, cases) -> None:
     for stats in run_on_ranks(_standalone, 2, cases, mode, "eager", timeout_s=240):
         _assert_rewrote(stats, mode, len(cases))
@@ -474,7 +562,9 @@ def test_standalone_decomposed_equals_undecomposed_on_2_ranks(mode, cases) -> No
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("cases", [[(1, 4, 5, 6, 1), (1, 2, 3, 2, 0)]], ids=["sequence-and-batch"])  # the batch case with a per-row bias
+@pytest.mark.parametrize(
+    "cases", [[(1, 4, 5, 6, 1), (1, 2, 3, 2, 0)]], ids=["sequence-and-batch"]
+)  # the batch case with a per-row bias
 def test_standalone_per_peer_equals_undecomposed_on_4_ranks(cases) -> None:
     for stats in run_on_ranks(_standalone, 4, cases, "per_peer", "eager", timeout_s=240):
         _assert_rewrote(stats, "per_peer", len(cases))
@@ -482,10 +572,15 @@ def test_standalone_per_peer_equals_undecomposed_on_4_ranks(cases) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world_size", "cases"), [  # b and s even: every site splits into 2 pieces per peer
-    pytest.param(2, [(2, 4, 5, 6, 1), (2, 2, 3, 2, 0)], id="2-sequence-and-batch"),  # the batch case with a per-row bias
-    pytest.param(4, [(2, 2, 7, 4, 1)], id="4-sequence"),  # one row per piece
-])
+@pytest.mark.parametrize(
+    ("world_size", "cases"),
+    [  # b and s even: every site splits into 2 pieces per peer
+        pytest.param(
+            2, [(2, 4, 5, 6, 1), (2, 2, 3, 2, 0)], id="2-sequence-and-batch"
+        ),  # the batch case with a per-row bias
+        pytest.param(4, [(2, 2, 7, 4, 1)], id="4-sequence"),  # one row per piece
+    ],
+)
 def test_per_peer_in_pieces_equals_undecomposed(world_size, cases) -> None:
     for stats in run_on_ranks(_standalone, world_size, cases, "per_peer", "eager", 2, timeout_s=240):
         _assert_rewrote(stats, "per_peer", len(cases))
@@ -533,13 +628,19 @@ def test_tp_sp_reference_model_with_per_peer_decomposition(world_size: int, code
 def test_tp_reference_model_with_decomposed_all_reduces(mode: str) -> None:
     """Megatron TP (no SP): every matmul -> all-reduce site rewritten, results as undecomposed."""
     for stats in run_on_ranks(_tp_sp, 2, mode, "eager", "tp", timeout_s=540):
-        done = sum(v for k, v in stats.items() if k.startswith("matmul_all_reduce: ") and (k.endswith("per_peer") or "chunked_" in k))
+        done = sum(
+            v
+            for k, v in stats.items()
+            if k.startswith("matmul_all_reduce: ") and (k.endswith("per_peer") or "chunked_" in k)
+        )
         assert done >= 4, stats  # attention and MLP outputs of both layers, at least
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("world_size", "codegen"), [(2, "eager"), (4, "eager"), pytest.param(2, "inductor", marks=pytest.mark.inductor)])
+@pytest.mark.parametrize(
+    ("world_size", "codegen"), [(2, "eager"), (4, "eager"), pytest.param(2, "inductor", marks=pytest.mark.inductor)]
+)
 def test_moe_reference_model_with_per_peer_all_to_alls(world_size: int, codegen: str) -> None:
     """Expert parallelism: the all-to-alls feeding the experts' bmm (the forward's dispatch, the
     backward's gradient of the combine) and those sending a bmm's output (the forward's combine,
@@ -565,7 +666,9 @@ def test_backward_sites_with_weight_gradients_and_summed_gradients_are_rewritten
     ctx = _run(gm, mode="per_peer")
     assert ctx.stats["decompose"]["all_gather_matmul: per_peer"] == 1
     assert ctx.stats["decompose"]["matmul_reduce_scatter: per_peer"] == 1
-    assert not any(n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default) for n in gm.graph.nodes)
+    assert not any(
+        n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default) for n in gm.graph.nodes
+    )
     reorder_pass(gm, ctx)
     verify_pass(gm, ctx)
 
@@ -576,7 +679,9 @@ def _exchanges(rank: int, world_size: int) -> list[float]:
     registry = torch._C._distributed_c10d._get_work_registry_size
     seen = []
     for i in range(3):
-        done, received = P2P_EXCHANGE(torch.full((4096,), float(rank + i)), (rank + 1) % world_size, (rank - 1) % world_size, 7, group)
+        done, received = P2P_EXCHANGE(
+            torch.full((4096,), float(rank + i)), (rank + 1) % world_size, (rank - 1) % world_size, 7, group
+        )
         c10d.wait_tensor(done)
         c10d.wait_tensor(received)
         seen += [float(received[0]), float(registry())]
@@ -593,8 +698,8 @@ def test_exchange_leaves_no_stale_work_registration() -> None:
 
 
 def test_pass_runs_after_annotate_before_reorder_and_is_off_by_default() -> None:
-    from dhelix_compile.pass_options import pass_options
     from dhelix_compile.config import DHelixConfig
+    from dhelix_compile.pass_options import pass_options
     from graph_passes.pipeline import pass_names
 
     names = pass_names()

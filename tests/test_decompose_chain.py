@@ -20,7 +20,7 @@ from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes.decompose import CHAIN, DecomposeOptions
 from graph_passes.decompose.chain import Rows, locate
 from tests.test_collective_matches import _swiglu_backward_graph
-from tests.test_decompose import _decompose_stats, _ops, _p2p_peers, _run, _traced, _tp_sp
+from tests.test_decompose import _decompose_stats, _ops, _p2p_peers, _run, _tp_sp, _traced
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -152,7 +152,6 @@ def _chains_forced(rank: int, world: int, worker, *args, **kwargs):
         return worker(rank, world, *args, **kwargs)
 
 
-
 def _check_chains(rank: int, world: int, cases: list[tuple], pieces: int, codegen: str) -> dict[str, int]:
     """Each case: the SP MLP compiled with the chain rewrite vs eager, outputs and all gradients."""
     import dhelix_compile
@@ -160,7 +159,11 @@ def _check_chains(rank: int, world: int, cases: list[tuple], pieces: int, codege
     group = dist.group.WORLD.group_name
     with tempfile.TemporaryDirectory() as dump_dir:
         backend = dhelix_compile.backend(
-            codegen=codegen, fallback="error", dump_dir=dump_dir, decompose="per_peer", decompose_pieces=pieces,
+            codegen=codegen,
+            fallback="error",
+            dump_dir=dump_dir,
+            decompose="per_peer",
+            decompose_pieces=pieces,
             decompose_chains=True,
         )
         for seed, (b, s, k, hidden, n_out, dim) in enumerate(cases):

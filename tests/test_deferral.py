@@ -50,7 +50,7 @@ def _body(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def _weight_grads(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The backward's outputs for w1 and w2: ``t(gathered) @ grad``."""
-    (outputs,) = [n for n in gm.graph.nodes if n.op == "output"][0].args
+    (outputs,) = next(n for n in gm.graph.nodes if n.op == "output").args
     return [o for o in outputs if isinstance(o, torch.fx.Node) and o.target is aten.mm.default]
 
 
@@ -91,7 +91,7 @@ def test_deferral_keeps_any_dag_topological_and_the_chain_in_place(data) -> None
     graph = torch.fx.Graph()
     nodes = [graph.placeholder("x")]
     transfers = set()
-    for i in range(size):
+    for _i in range(size):
         picks = data.draw(st.lists(st.integers(0, len(nodes) - 1), min_size=1, max_size=2, unique=True))
         node = graph.call_function(torch.add, tuple(nodes[p] for p in picks) * (1 if len(picks) == 2 else 2))
         if data.draw(st.booleans()):
@@ -131,7 +131,9 @@ def _merged_with_costs(mm_s: float, comm_s: float) -> tuple[torch.fx.GraphModule
 def test_interleave_offers_the_deferred_backward_to_the_dp_and_the_simulator() -> None:
     gm, estimator = _merged_with_costs(1e-3, 1e-3)
     ctx = PassContext(
-        graph_name="merged", phase="fwd", estimator=estimator,
+        graph_name="merged",
+        phase="fwd",
+        estimator=estimator,
         pass_options={"interleave": InterleaveOptions(memory_budget_ratio=3.0)},
     )
     gm = interleave_pass(annotate_pass(gm, ctx), ctx)
@@ -147,7 +149,9 @@ def test_interleave_offers_the_deferred_backward_to_the_dp_and_the_simulator() -
 def test_deferral_can_be_switched_off() -> None:
     gm, estimator = _merged_with_costs(1e-3, 1e-3)
     ctx = PassContext(
-        graph_name="merged", phase="fwd", estimator=estimator,
+        graph_name="merged",
+        phase="fwd",
+        estimator=estimator,
         pass_options={"interleave": InterleaveOptions(memory_budget_ratio=3.0, defer_weight_grads=())},
     )
     interleave_pass(annotate_pass(gm, ctx), ctx)

@@ -22,8 +22,8 @@ import torch.distributed._functional_collectives as fc
 
 import dhelix_compile
 from cost_model.testing import fake_world
-from dhelix_compile.observe import graph_picture
 from dhelix_compile.cli import main
+from dhelix_compile.observe import graph_picture
 from dhelix_compile.observe.report import collect_summaries, format_table
 from dhelix_compile.testing.toy_models import MLP
 
@@ -133,7 +133,9 @@ def test_svgs_parse_and_the_gantt_marks_exposed_communication(mlp_dump: Path, co
         assert text in gantt
 
 
-def test_graph_picture_falls_back_without_graphviz(comm_dump: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graph_picture_falls_back_without_graphviz(
+    comm_dump: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from cost_model.testing import trace_aten
 
     gm = trace_aten(lambda a, b: torch.relu(a @ b), torch.randn(4, 4), torch.randn(4, 4))
@@ -144,14 +146,19 @@ def test_graph_picture_falls_back_without_graphviz(comm_dump: Path, tmp_path: Pa
     assert dot.startswith("digraph G {") and '"mm" -> "relu"' in dot
 
 
-def test_report_command_prints_a_row_per_graph(mlp_dump: Path, comm_dump: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_command_prints_a_row_per_graph(
+    mlp_dump: Path, comm_dump: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["report", str(comm_dump)]) == 0
     out = capsys.readouterr().out
     assert "makespan before ms" in out and "rank0/" in out
     assert out == format_table(collect_summaries(comm_dump))
     done = subprocess.run(
         [sys.executable, "-m", "dhelix_compile", "report", str(mlp_dump), "--html"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.strip().splitlines()) == 2 + 2 + 1  # header, rule, fwd, bwd, "wrote ..."
@@ -204,8 +211,18 @@ def test_index_html_renders_in_a_headless_browser(comm_dump: Path, tmp_path: Pat
     (folder,) = _graph_folders(comm_dump)
     shot = tmp_path / "index.png"
     subprocess.run(
-        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-         "--window-size=1000,800", f"--screenshot={shot}", (folder / "index.html").as_uri()],
-        capture_output=True, timeout=60, check=True,
+        [
+            str(CHROMIUM),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1000,800",
+            f"--screenshot={shot}",
+            (folder / "index.html").as_uri(),
+        ],
+        capture_output=True,
+        timeout=60,
+        check=True,
     )
     assert _non_white_share(shot.read_bytes()) > 0.02

@@ -75,10 +75,7 @@ def test_coalesced_collective_and_p2p_waits_are_paired_through_getitem() -> None
     g = torch.fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
     co = g.call_function(c10d.all_reduce_coalesced.default, ([a, b], "sum", "0"))
-    waits = [
-        g.call_function(c10d.wait_tensor.default, (g.call_function(operator.getitem, (co, i)),))
-        for i in range(2)
-    ]
+    waits = [g.call_function(c10d.wait_tensor.default, (g.call_function(operator.getitem, (co, i)),)) for i in range(2)]
     sent = g.call_function(c10d.isend.default, (a, 1, 0, "0"))
     sent_wait = g.call_function(c10d.wait_tensor.default, (sent,))
     g.output((*waits, sent_wait))
@@ -105,8 +102,9 @@ def test_reasons_are_counted_by_code_and_their_details_noted_apart() -> None:
     ctx.explain("p", "site: skipped: indivisible", "site0: dim 1 (3) not divisible by 2")
     assert ctx.stats["p"] == {"skipped: no estimator": 1, "site: skipped: indivisible": 4}
     # distinct details, in the order they came; none for a code only counted
-    assert ctx.notes["p"] == {"site: skipped: indivisible": ["site0: dim 1 (3) not divisible by 2",
-                                                            "site1: dim 0 (5) not divisible by 2"]}
+    assert ctx.notes["p"] == {
+        "site: skipped: indivisible": ["site0: dim 1 (3) not divisible by 2", "site1: dim 0 (5) not divisible by 2"]
+    }
 
 
 def test_annotate_explains_a_wait_without_an_issue() -> None:
@@ -120,7 +118,7 @@ def test_annotate_explains_a_wait_without_an_issue() -> None:
 
 
 def test_verify_rejects_a_collective_without_wait() -> None:
-    with pytest.raises(VerifyError, match="'all_gather_into_tensor_default'.*has no wait_tensor"):
+    with pytest.raises(VerifyError, match=r"'all_gather_into_tensor_default'.*has no wait_tensor"):
         verify_pass(_all_gather_mm_graph(with_wait=False), _ctx())
 
 
@@ -261,5 +259,5 @@ def test_failing_pass_falls_back_to_plain_inductor_with_a_warning(failing_pipeli
 
 
 def test_failing_pass_raises_with_fallback_error(failing_pipeline) -> None:
-    with pytest.raises(Exception, match="dhelix pass 'boom' failed on graph '.*fwd'"):
+    with pytest.raises(Exception, match=r"dhelix pass 'boom' failed on graph '.*fwd'"):
         _train_once({"codegen": "eager", "fallback": "error"})

@@ -43,7 +43,10 @@ def _transformer_batches(n: int, config: ModelConfig, seed: int = 0) -> list[tup
     gen = torch.Generator().manual_seed(seed)
     shape = (2, config.max_seq_len)
     return [
-        (torch.randint(0, config.vocab_size, shape, generator=gen), torch.randint(0, config.vocab_size, shape, generator=gen))
+        (
+            torch.randint(0, config.vocab_size, shape, generator=gen),
+            torch.randint(0, config.vocab_size, shape, generator=gen),
+        )
         for _ in range(n)
     ]
 
@@ -121,13 +124,21 @@ def test_model_returning_loss_attribute_with_dict_microbatches() -> None:
 def test_hugging_face_model_if_installed() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     reference = copy.deepcopy(model)
-    mbs = [{"input_ids": t, "labels": t} for t, _ in _transformer_batches(2, ModelConfig(vocab_size=64, max_seq_len=16))]
+    mbs = [
+        {"input_ids": t, "labels": t} for t, _ in _transformer_batches(2, ModelConfig(vocab_size=64, max_seq_len=16))
+    ]
     losses = dhelix_compile.helix(model, **EAGER)(mbs)
     _assert_same(model, reference, losses, _eager_loop(reference, lambda m, mb: m(**mb).loss, mbs))
 
@@ -144,7 +155,10 @@ class _ScalarLossModel(nn.Module):
 
 def test_tensor_and_tuple_microbatches() -> None:
     gen = torch.Generator().manual_seed(0)
-    for make in (lambda: torch.randn(4, 8, generator=gen), lambda: (torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen))):
+    for make in (
+        lambda: torch.randn(4, 8, generator=gen),
+        lambda: (torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)),
+    ):
         model = _ScalarLossModel()
         reference = copy.deepcopy(model)
         mbs = [make() for _ in range(3)]
@@ -210,7 +224,7 @@ def test_model_without_trainable_parameters_is_refused() -> None:
 def test_dropout_is_refused_with_a_clear_message() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
     before = [p.clone() for p in model.parameters()]
-    with pytest.raises(HelixError, match="random numbers.*dropout"):
+    with pytest.raises(HelixError, match=r"random numbers.*dropout"):
         dhelix_compile.helix(model, lambda m, x: m(x).mean(), **EAGER)([torch.randn(4, 8), torch.randn(4, 8)])
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
@@ -230,5 +244,5 @@ def test_bad_options_fail_at_helix() -> None:
 
 
 def test_not_a_module_is_refused() -> None:
-    with pytest.raises(HelixError, match="torch.nn.Module"):
+    with pytest.raises(HelixError, match=r"torch.nn.Module"):
         dhelix_compile.helix(lambda x: x)

@@ -35,9 +35,10 @@ def code_tokens(code: str) -> list[str]:
 
 
 def _compile_tp_sp_and_get_code(rank: int, world_size: int, dump_dir: str) -> list[str]:
+    from torch._inductor.utils import run_and_get_code
+
     import dhelix_compile
     from dhelix_compile.testing.checks import build_case
-    from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     case = build_case("tp_sp", rank, world_size)

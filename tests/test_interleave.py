@@ -48,7 +48,9 @@ def test_merged_graph_computes_both_strands_and_shares_parameters() -> None:
     body = [n for n in merged.gm.graph.nodes if n.op not in ("placeholder", "output")]
     strands = [n.meta["dhelix"]["strand"] for n in body]
     assert strands == sorted(strands) and set(strands) == {FWD_STRAND, BWD_STRAND}
-    assert all(n.meta["dhelix"]["phase"] == ("fwd" if n.meta["dhelix"]["strand"] == FWD_STRAND else "bwd") for n in body)
+    assert all(
+        n.meta["dhelix"]["phase"] == ("fwd" if n.meta["dhelix"]["strand"] == FWD_STRAND else "bwd") for n in body
+    )
 
     # numerics: M(fwd args of micro-batch 1, bwd args of micro-batch 0) == (F(1), B(0))
     with torch.no_grad():
@@ -252,7 +254,9 @@ def test_interleave_pass_interleaves_keeping_each_strands_order() -> None:
         assert record[f"predicted_makespan_{candidate}_s"] >= record["predicted_makespan_s"]
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     assert simulate(list(gm.graph.nodes), estimator).makespan_s == pytest.approx(record["predicted_makespan_s"])
-    strand_changes = sum(1 for a, b in zip(body, body[1:]) if a.meta["dhelix"]["strand"] != b.meta["dhelix"]["strand"])
+    strand_changes = sum(
+        1 for a, b in itertools.pairwise(body) if a.meta["dhelix"]["strand"] != b.meta["dhelix"]["strand"]
+    )
     assert strand_changes >= 3
 
 
@@ -264,7 +268,7 @@ def test_interleave_pass_keeps_the_memory_budget() -> None:
     gm = interleave_pass(annotate_pass(gm, ctx), ctx)
     record, stats = ctx.records["interleave"], ctx.stats["interleave"]
     prefix = "predicted_peak_bytes_"
-    candidates = [key[len(prefix):] for key in record if key.startswith(prefix)]
+    candidates = [key[len(prefix) :] for key in record if key.startswith(prefix)]
     over = {c for c in candidates if record[f"{prefix}{c}"] > record[f"{prefix}sequential"]}
     assert over == {c for c in candidates if stats[f"{c} order over the memory budget"]}
     assert all(ctx.notes["interleave"][f"{c} order over the memory budget"] for c in over)

@@ -24,9 +24,7 @@ from dhelix_compile.launch.ranks import LaunchResult, launch_ranks
 pytestmark = pytest.mark.multirank
 
 CAN_RATE_LIMIT, WHY_NOT = can_rate_limit()
-needs_netns = pytest.mark.skipif(
-    not CAN_RATE_LIMIT, reason=f"cannot make rate-limited namespaces here: {WHY_NOT}"
-)
+needs_netns = pytest.mark.skipif(not CAN_RATE_LIMIT, reason=f"cannot make rate-limited namespaces here: {WHY_NOT}")
 LOOPBACK = LinkSpec(rate=None)
 RATE = "100mbit"
 GATHER_FLOATS = 1 << 20  # 4 MiB of float32 sent by each rank
@@ -119,9 +117,7 @@ def _read_pids(pid_dir: Path, world_size: int) -> list[int]:
 
 
 def test_loopback_all_reduce() -> None:
-    result = launch_ranks(
-        [sys.executable, "-c", GLOO_PROGRAM], 2, LOOPBACK, timeout_s=60, env={"DHX_T": "seen"}
-    )
+    result = launch_ranks([sys.executable, "-c", GLOO_PROGRAM], 2, LOOPBACK, timeout_s=60, env={"DHX_T": "seen"})
     assert result.link.startswith("loopback (no rate requested")
     assert not result.rate_limited
     rows = _parse(result)
@@ -134,9 +130,7 @@ def test_loopback_all_reduce() -> None:
 
 @needs_netns
 def test_namespaces_all_reduce_and_rate() -> None:
-    result = launch_ranks(
-        [sys.executable, "-c", GLOO_PROGRAM], 2, LinkSpec(rate=RATE), timeout_s=60
-    )
+    result = launch_ranks([sys.executable, "-c", GLOO_PROGRAM], 2, LinkSpec(rate=RATE), timeout_s=60)
     assert result.rate_limited
     assert result.link.startswith(f"veth {RATE} tbf (namespaces dhx{os.getpid()}-")
     rows = _parse(result)
@@ -172,9 +166,7 @@ def test_loopback_allows_three_ranks_and_sets_rank_env() -> None:
 def test_peers_of_a_failed_rank_are_killed_after_grace() -> None:
     program = "import os, sys, time; sys.exit(3) if os.environ['RANK'] == '0' else time.sleep(60)"
     start = time.monotonic()
-    result = launch_ranks(
-        [sys.executable, "-c", program], 2, LOOPBACK, timeout_s=30, failure_grace_s=0.5
-    )
+    result = launch_ranks([sys.executable, "-c", program], 2, LOOPBACK, timeout_s=30, failure_grace_s=0.5)
     assert result.returncodes == [3, -signal.SIGKILL]
     assert time.monotonic() - start < 10
 

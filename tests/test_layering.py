@@ -142,7 +142,7 @@ def test_no_import_cycles(graph: dict[str, list[tuple[str, bool]]]) -> None:
         stack.append(module)
         for target in edges.get(module, []):
             if state.get(target) == 1:
-                cycles.append([*stack[stack.index(target):], target])
+                cycles.append([*stack[stack.index(target) :], target])
             elif target not in state:
                 visit(target)
         stack.pop()

@@ -163,7 +163,7 @@ def test_crash_unpicklable_result_and_stuck_rank_are_reported() -> None:
 
 
 def test_unpicklable_function_fails_fast_without_leaving_workers() -> None:
-    with pytest.raises(Exception, match="pickle|Can't get|local object"):
+    with pytest.raises(Exception, match=r"pickle|Can't get|local object"):
         run_on_ranks(lambda rank, world_size: rank, 2, timeout_s=30)
     assert _zombie_children() == []
 

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from dhelix_compile.testing.helix_checks import check_helix_cases
 from dhelix_compile.testing.multirank import run_on_ranks
@@ -50,7 +49,12 @@ def _assert_passed(results: list[dict]) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_helix_equals_eager_loop_on_reference_models(world_size: int, tmp_path: Path) -> None:
     results = run_on_ranks(
-        check_helix_cases, world_size, CASES_BY_WORLD_SIZE[world_size], codegen="eager", fallback="error", dump_dir=str(tmp_path),
+        check_helix_cases,
+        world_size,
+        CASES_BY_WORLD_SIZE[world_size],
+        codegen="eager",
+        fallback="error",
+        dump_dir=str(tmp_path),
         timeout_s=400,
     )
     _assert_passed(results)
@@ -72,7 +76,14 @@ def _helix_inductor_code(rank: int, world_size: int, dump_dir: str) -> dict:
 
     with fresh_inductor_cache():
         report, codes = run_and_get_code(
-            check_helix, rank, world_size, "tp_sp", 3, "float32", codegen="inductor", fallback="error",
+            check_helix,
+            rank,
+            world_size,
+            "tp_sp",
+            3,
+            "float32",
+            codegen="inductor",
+            fallback="error",
             dump_dir=dump_dir,
         )
     return {"report": report, "codes": codes}
@@ -97,11 +108,22 @@ def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path) -> 
     from dhelix_compile.testing.helix_checks import check_helix
 
     run_on_ranks(
-        check_helix, 2, "tp_sp", 2, "float32", codegen="eager", fallback="error", cost_model="profile",
-        cache_dir=str(tmp_path / "cache"), dump_dir=str(tmp_path / "dump"), timeout_s=400,
+        check_helix,
+        2,
+        "tp_sp",
+        2,
+        "float32",
+        codegen="eager",
+        fallback="error",
+        cost_model="profile",
+        cache_dir=str(tmp_path / "cache"),
+        dump_dir=str(tmp_path / "dump"),
+        timeout_s=400,
     )
     records = [
-        json.loads(next((tmp_path / "dump" / f"rank{r}").glob("*_merged/summary.json")).read_text())["records"]["interleave"]
+        json.loads(next((tmp_path / "dump" / f"rank{r}").glob("*_merged/summary.json")).read_text())["records"][
+            "interleave"
+        ]
         for r in range(2)
     ]
     assert all(r["measured_pairs"] > 0 for r in records)

@@ -76,9 +76,7 @@ def test_gpt_cross_entropy_loss_matches_eager() -> None:
     torch.manual_seed(2)
     (idx,) = _gpt_batch(3)
     targets = torch.roll(idx, -1, dims=1)
-    assert_matches_eager(
-        GPT, [(idx,)], options={**STRICT, "codegen": "eager"}, loss_fn=_gpt_loss(targets)
-    )
+    assert_matches_eager(GPT, [(idx,)], options={**STRICT, "codegen": "eager"}, loss_fn=_gpt_loss(targets))
 
 
 @pytest.mark.parametrize("codegen", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])

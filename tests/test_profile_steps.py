@@ -157,7 +157,9 @@ def test_collectives_cut_the_call_into_segments(comm_dump: Path) -> None:
         assert ET.parse(folder / name).getroot().tag == "{http://www.w3.org/2000/svg}svg"
 
 
-def test_report_prints_measured_columns_and_segments(mlp_dump: Path, comm_dump: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_prints_measured_columns_and_segments(
+    mlp_dump: Path, comm_dump: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["report", str(comm_dump)]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0]
@@ -235,7 +237,10 @@ def test_boundaries_are_the_comm_nodes_in_graph_order() -> None:
         gm = trace_aten(_two_all_reduces, torch.randn(8, 8), torch.randn(8, 8), torch.randn(4, 4))
     found = comm_boundaries(gm)
     assert [(b.op, b.kind) for b in found] == [
-        ("all_reduce", "collective"), ("wait_tensor", "wait"), ("all_reduce", "collective"), ("wait_tensor", "wait")
+        ("all_reduce", "collective"),
+        ("wait_tensor", "wait"),
+        ("all_reduce", "collective"),
+        ("wait_tensor", "wait"),
     ]
     assert found[1].issue == found[0].node and found[3].issue == found[2].node
     assert {b.namespace for b in found} == {"_c10d_functional"}

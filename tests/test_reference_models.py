@@ -67,10 +67,7 @@ def test_sharded_losses_sum_to_the_full_loss() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 8, 16, generator=gen)
     targets = torch.randint(0, 16, (2, 8), generator=gen)
-    parts = [
-        lm_loss(shard_sequence(logits, r, 4), shard_sequence(targets, r, 4), normalizer=16)
-        for r in range(4)
-    ]
+    parts = [lm_loss(shard_sequence(logits, r, 4), shard_sequence(targets, r, 4), normalizer=16) for r in range(4)]
     torch.testing.assert_close(sum(parts), lm_loss(logits, targets))
     assert torch.equal(reference_slice(logits, 2, 1, 2), logits[:, :, 8:])
 
@@ -88,9 +85,9 @@ def test_moe_with_ample_capacity_equals_dense_per_token_formula(top_k: int) -> N
     ).view(config.n_experts, 3, 10, config.dim)
     expected = torch.zeros_like(x)
     for j in range(top_k):
-        picked = every_expert.permute(1, 2, 0, 3).gather(
-            2, top_i[..., j, None, None].expand(-1, -1, 1, config.dim)
-        )[:, :, 0]
+        picked = every_expert.permute(1, 2, 0, 3).gather(2, top_i[..., j, None, None].expand(-1, -1, 1, config.dim))[
+            :, :, 0
+        ]
         expected += gates[..., j, None] * picked
     torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-4)
 

@@ -134,7 +134,13 @@ def test_order_sensitive_nodes_are_barriers() -> None:
     g.output((w, r2, cp))
     gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
     assert [is_order_sensitive(n) for n in gm.graph.nodes if n.op == "call_function"] == [
-        False, True, False, False, False, True, True
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+        True,
     ]
     reorder_pass(gm, _ctx())
     names = _names(gm)
@@ -165,9 +171,7 @@ def random_graphs(draw) -> torch.fx.GraphModule:
 
 @settings(max_examples=60, deadline=None)
 @given(random_graphs(), st.floats(0.1, 5.0), st.integers(1, 3), st.integers(1, 10), st.data())
-def test_random_dags_stay_valid_within_budget_and_never_get_slower(
-    gm, comm_s, max_in_flight, distance, data
-) -> None:
+def test_random_dags_stay_valid_within_budget_and_never_get_slower(gm, comm_s, max_in_flight, distance, data) -> None:
     names = [n.name for n in gm.graph.nodes if n.op == "call_function" and kind_of(n) != "wait"]
     sizes = {name: data.draw(st.integers(1, 100), label=name) for name in names}
     estimator = TableEstimator(kind_times_s={"compute": 1.0, "collective": comm_s}, output_bytes=sizes)

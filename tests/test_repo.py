@@ -31,5 +31,5 @@ def test_ci_builds_a_fresh_virtual_environment() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^python3 -m venv \"\$venv\"$", ci, flags=re.M), "CI must create its own, empty venv"
     assert re.search(r"venv=\$\(mktemp -d", ci), "in a fresh temporary folder"
-    assert ". \"$venv/bin/activate\"" in ci
+    assert '. "$venv/bin/activate"' in ci
     assert "python -m dhelix_compile.testing.smoke" in ci and "dhelix demo --help" in ci

@@ -60,44 +60,121 @@ _GPT_VOCAB = 50257  # GPT-2 BPE
 MODELS: dict[str, ModelShape] = {
     shape.name.lower(): shape
     for shape in (
-        ModelShape("Llama-8B", "llama", 32, 4096, 32, 14336, _LLAMA_VOCAB,
-                   "assumed: Llama-3-8B shape without GQA (7.9B with a 32k vocab)"),
-        ModelShape("Llama-25B", "llama", 40, 7168, 56, 19200, _LLAMA_VOCAB,
-                   "assumed: no published shape; hidden 7168 / 56 heads (divisible by tp 8), FFN ~8/3 h"),
-        ModelShape("Llama-39B", "llama", 48, 8192, 64, 22016, _LLAMA_VOCAB,
-                   "assumed: Megatron-LM's 39.1B (48 x 8192, 64 heads) with a Llama SwiGLU MLP (FFN of LLaMA-65B)"),
-        ModelShape("Llama-66B", "llama", 80, 8192, 64, 22016, _LLAMA_VOCAB,
-                   "assumed: LLaMA-65B shape (Touvron et al. 2023: 80 x 8192, 64 heads, FFN 22016)"),
-        ModelShape("GPT-6.7B", "gpt", 32, 4096, 32, 16384, _GPT_VOCAB,
-                   "GPT-3 6.7B (Brown et al. 2020, Table 2.1: 32 x 4096, 32 heads)"),
-        ModelShape("GPT-18B", "gpt", 40, 6144, 48, 24576, _GPT_VOCAB,
-                   "assumed: Megatron-LM's 18.4B (Narayanan et al. 2021, Table 1: 40 x 6144, 48 heads)"),
-        ModelShape("GPT-30B", "gpt", 48, 7168, 56, 28672, _GPT_VOCAB,
-                   "assumed: OPT-30B shape (Zhang et al. 2022: 48 x 7168, 56 heads)"),
+        ModelShape(
+            "Llama-8B",
+            "llama",
+            32,
+            4096,
+            32,
+            14336,
+            _LLAMA_VOCAB,
+            "assumed: Llama-3-8B shape without GQA (7.9B with a 32k vocab)",
+        ),
+        ModelShape(
+            "Llama-25B",
+            "llama",
+            40,
+            7168,
+            56,
+            19200,
+            _LLAMA_VOCAB,
+            "assumed: no published shape; hidden 7168 / 56 heads (divisible by tp 8), FFN ~8/3 h",
+        ),
+        ModelShape(
+            "Llama-39B",
+            "llama",
+            48,
+            8192,
+            64,
+            22016,
+            _LLAMA_VOCAB,
+            "assumed: Megatron-LM's 39.1B (48 x 8192, 64 heads) with a Llama SwiGLU MLP (FFN of LLaMA-65B)",
+        ),
+        ModelShape(
+            "Llama-66B",
+            "llama",
+            80,
+            8192,
+            64,
+            22016,
+            _LLAMA_VOCAB,
+            "assumed: LLaMA-65B shape (Touvron et al. 2023: 80 x 8192, 64 heads, FFN 22016)",
+        ),
+        ModelShape(
+            "GPT-6.7B",
+            "gpt",
+            32,
+            4096,
+            32,
+            16384,
+            _GPT_VOCAB,
+            "GPT-3 6.7B (Brown et al. 2020, Table 2.1: 32 x 4096, 32 heads)",
+        ),
+        ModelShape(
+            "GPT-18B",
+            "gpt",
+            40,
+            6144,
+            48,
+            24576,
+            _GPT_VOCAB,
+            "assumed: Megatron-LM's 18.4B (Narayanan et al. 2021, Table 1: 40 x 6144, 48 heads)",
+        ),
+        ModelShape(
+            "GPT-30B",
+            "gpt",
+            48,
+            7168,
+            56,
+            28672,
+            _GPT_VOCAB,
+            "assumed: OPT-30B shape (Zhang et al. 2022: 48 x 7168, 56 heads)",
+        ),
     )
 }
 
 _A40_ASSUMED = (
-    "model shape", "seq_len", "micro_batch_size", "micro_batches", "gpus_per_node 8",
-    "intra-node link pcie4", "inter-node link ib_hdr",
+    "model shape",
+    "seq_len",
+    "micro_batch_size",
+    "micro_batches",
+    "gpus_per_node 8",
+    "intra-node link pcie4",
+    "inter-node link ib_hdr",
 )
 
 
-def _a40(name: str, model: str, dp: int, tp: int, pp: int, cp: int, seq: int, speedup: float,
-         megatron: float, dhelix: float) -> ClusterSetting:
+def _a40(
+    name: str, model: str, dp: int, tp: int, pp: int, cp: int, seq: int, speedup: float, megatron: float, dhelix: float
+) -> ClusterSetting:
     return ClusterSetting(
-        name=name, model=MODELS[model], parallel=Parallelism(dp=dp, tp=tp, pp=pp, cp=cp),
-        seq_len=seq, micro_batch_size=1, micro_batches=8, device="a40", gpus_per_node=8,
-        intra_node_link="pcie4", inter_node_link="ib_hdr",
-        paper=PaperReport(speedup, megatron, dhelix, _FIG_A40), assumed=_A40_ASSUMED,
+        name=name,
+        model=MODELS[model],
+        parallel=Parallelism(dp=dp, tp=tp, pp=pp, cp=cp),
+        seq_len=seq,
+        micro_batch_size=1,
+        micro_batches=8,
+        device="a40",
+        gpus_per_node=8,
+        intra_node_link="pcie4",
+        inter_node_link="ib_hdr",
+        paper=PaperReport(speedup, megatron, dhelix, _FIG_A40),
+        assumed=_A40_ASSUMED,
     )
 
 
 def _a800(name: str, seq: int, dp: int, cp: int, speedup: float, megatron: float, dhelix: float) -> ClusterSetting:
     return ClusterSetting(
-        name=name, model=MODELS["llama-66b"], parallel=Parallelism(dp=dp, tp=8, pp=2, cp=cp),
-        seq_len=seq, micro_batch_size=1, micro_batches=8, device="a800", gpus_per_node=8,
-        intra_node_link="nvlink3_a800", inter_node_link="ib_hdr",
+        name=name,
+        model=MODELS["llama-66b"],
+        parallel=Parallelism(dp=dp, tp=8, pp=2, cp=cp),
+        seq_len=seq,
+        micro_batch_size=1,
+        micro_batches=8,
+        device="a800",
+        gpus_per_node=8,
+        intra_node_link="nvlink3_a800",
+        inter_node_link="ib_hdr",
         paper=PaperReport(speedup, megatron, dhelix, _FIG_A800),
         assumed=("model shape", "micro_batch_size", "micro_batches", "gpus_per_node 8", "inter-node link ib_hdr"),
     )
@@ -105,9 +182,16 @@ def _a800(name: str, seq: int, dp: int, cp: int, speedup: float, megatron: float
 
 def _h100(name: str, dp: int, tp: int) -> ClusterSetting:
     return ClusterSetting(
-        name=name, model=MODELS["llama-39b"], parallel=Parallelism(dp=dp, tp=tp),
-        seq_len=4096, micro_batch_size=1, micro_batches=8, device="h100_sxm", gpus_per_node=8,
-        intra_node_link="nvlink4", inter_node_link="ib_ndr",
+        name=name,
+        model=MODELS["llama-39b"],
+        parallel=Parallelism(dp=dp, tp=tp),
+        seq_len=4096,
+        micro_batch_size=1,
+        micro_batches=8,
+        device="h100_sxm",
+        gpus_per_node=8,
+        intra_node_link="nvlink4",
+        inter_node_link="ib_ndr",
         paper=PaperReport(None, None, None, _H100_NOTE),
         assumed=("whole setting (model, degrees, seq_len, batch)", "gpus_per_node 8", "inter-node link ib_ndr"),
     )

@@ -39,8 +39,12 @@ def format_prediction(pred: ClusterPrediction) -> str:
     p = s.parallel
     links = ", ".join(
         f"{kind} {link.name}"
-        for kind, degree, link in (("TP", p.tp, s.tp_link), ("CP", p.cp, s.cp_link), ("DP", p.dp, s.dp_link),
-                                   ("PP", p.pp, s.pp_link))
+        for kind, degree, link in (
+            ("TP", p.tp, s.tp_link),
+            ("CP", p.cp, s.cp_link),
+            ("DP", p.dp, s.dp_link),
+            ("PP", p.pp, s.pp_link),
+        )
         if degree > 1
     )
     per_microbatch = (

@@ -141,7 +141,9 @@ class ClusterPrediction:
                 f"measured{mfu} -- the real kernels and links leave more time that a second strand can fill -- "
                 "and DP/PP traffic, which DHelix may also overlap, stays exposed in both schedules here."
             )
-        return head + f"; predicted {format_ratio(self.speedup)} is within 3% of the paper's {format_ratio(paper)}{mfu}."
+        return (
+            head + f"; predicted {format_ratio(self.speedup)} is within 3% of the paper's {format_ratio(paper)}{mfu}."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         s = self.setting
@@ -188,7 +190,9 @@ def _dp_sync_s(setting: ClusterSetting) -> float:
     nbytes = params * BF16_BYTES
     group = p.dp * p.cp
     link = setting.dp_link
-    return collective_time_s("reduce_scatter", nbytes, group, link) + collective_time_s("all_gather", nbytes, group, link)
+    return collective_time_s("reduce_scatter", nbytes, group, link) + collective_time_s(
+        "all_gather", nbytes, group, link
+    )
 
 
 def _p2p_s(setting: ClusterSetting) -> float:
@@ -219,7 +223,10 @@ def simulate_setting(
         raise ValueError(f"matmul_efficiency must be in (0, 1], got {matmul_efficiency}")
     fwd, bwd = strands(setting, matmul_efficiency)
     as_segments = [
-        [Segment(strand=k, nodes=(), compute_s=c.compute_s, comm_s=c.comm_s, live_after_bytes=0, peak_bytes=0) for c in side]
+        [
+            Segment(strand=k, nodes=(), compute_s=c.compute_s, comm_s=c.comm_s, live_after_bytes=0, peak_bytes=0)
+            for c in side
+        ]
         for k, side in enumerate((fwd, bwd))
     ]
     path, pair_s = plan_pairs(as_segments[0], as_segments[1], cost=formula_cost(as_segments[0], as_segments[1], factor))

@@ -143,7 +143,9 @@ class _StageBuilder:
         """
         s, m, p = self.s, self.s.model, self.s.parallel
         heads = m.heads // p.tp
-        flops = attention_flops(s.micro_batch_size, self.tokens // s.micro_batch_size, s.seq_len, heads, m.head_dim, causal=True)
+        flops = attention_flops(
+            s.micro_batch_size, self.tokens // s.micro_batch_size, s.seq_len, heads, m.head_dim, causal=True
+        )
         peak = self.dev.flops_per_s(torch.bfloat16) * self.eff
         fwd = self.dev.launch_overhead_s + flops / peak
         bwd = self.dev.launch_overhead_s + ATTENTION_BACKWARD_RATIO * flops / peak
@@ -229,14 +231,14 @@ def _cut(items: Sequence[tuple[str, float, tuple[str, float] | None]]) -> list[C
     return segments
 
 
-def strands(setting: ClusterSetting, matmul_efficiency: float = 1.0) -> tuple[list[ClusterSegment], list[ClusterSegment]]:
+def strands(
+    setting: ClusterSetting, matmul_efficiency: float = 1.0
+) -> tuple[list[ClusterSegment], list[ClusterSegment]]:
     """(forward, backward) segments of one micro-batch on the last pipeline stage."""
     setting.validate()
     ops = _StageBuilder(setting, matmul_efficiency).stage_ops()
     fwd_items = [(op.name, op.fwd_s, op.fwd_comm) for op in ops if op.fwd_comm is not None or op.fwd_s > 0]
-    bwd_items = [
-        (op.name, op.bwd_s, op.bwd_comm) for op in reversed(ops) if op.bwd_comm is not None or op.bwd_s > 0
-    ]
+    bwd_items = [(op.name, op.bwd_s, op.bwd_comm) for op in reversed(ops) if op.bwd_comm is not None or op.bwd_s > 0]
     return _cut(fwd_items), _cut(bwd_items)
 
 

@@ -64,8 +64,7 @@ def measure_contention(
     # Repeat the op so that it spans the transfer (capped at ~20 ms per sample).
     iters = int(min(MAX_ITERS, max(1, math.ceil(min(t_comm, MAX_SAMPLE_S) / max(t_compute, 1e-7)))))
     key = (
-        f"contention|{sig}|bytes={nbytes}|iters={iters}"
-        f"|backend={backend_name(group)}|size={resolve_group_size(group)}"
+        f"contention|{sig}|bytes={nbytes}|iters={iters}|backend={backend_name(group)}|size={resolve_group_size(group)}"
     )
     # Every rank must take the same branch: measure unless the key is cached everywhere.
     if not agree_max([0.0 if key in cache else 1.0], group)[0]:

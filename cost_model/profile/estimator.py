@@ -284,7 +284,7 @@ class ProfiledEstimator(EstimatorBase):
 
             if dist.is_available() and dist.is_initialized():
                 return dist.group.WORLD
-        except Exception:
+        except Exception:  # noqa: BLE001 - no usable default group: measure without agreement
             return None
         return None
 
@@ -373,7 +373,11 @@ class ProfiledEstimator(EstimatorBase):
         contention = None
         if self.measure_contention:
             contention = measure_contention(
-                [(t, it.sig, it.node) for it, t in zip(items, times, strict=True) if not it.is_collective and t != _FAILED],
+                [
+                    (t, it.sig, it.node)
+                    for it, t in zip(items, times, strict=True)
+                    if not it.is_collective and t != _FAILED
+                ],
                 [(t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != _FAILED],
                 agree_group,
                 cache,
@@ -405,7 +409,7 @@ class ProfiledEstimator(EstimatorBase):
         device = device_of_nodes([node])
         try:
             args, kwargs = self.real_args(node, hints, item.is_collective)
-        except Exception:
+        except Exception:  # noqa: BLE001 - an op that cannot run on materialized inputs is priced by the base model
             return math.nan
         if item.is_collective:
             group = self._group_of(node)
@@ -420,7 +424,7 @@ class ProfiledEstimator(EstimatorBase):
             try:
                 dist.barrier(group=group)
                 return median_run_s(run, self.warmup, self.repeats, device)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a collective that fails to run is priced by the base model
                 return math.nan
 
         def run_compute() -> object:
@@ -428,7 +432,7 @@ class ProfiledEstimator(EstimatorBase):
 
         try:
             return median_run_s(run_compute, self.warmup, self.repeats, device)
-        except Exception:
+        except Exception:  # noqa: BLE001 - an op that fails to run is priced by the base model
             return math.nan
 
 
@@ -437,7 +441,7 @@ def _rank(group: Any) -> int:
         return 0
     try:
         return int(group.rank())
-    except Exception:
+    except Exception:  # noqa: BLE001 - a group without a rank: measure as rank 0
         return 0
 
 

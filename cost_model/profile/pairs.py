@@ -126,6 +126,7 @@ def segment_pair_times(
     group = profiled.agreement_group()
     check_same_signatures(["|".join(f) + "||" + "|".join(b) for f, b in todo], group)
     if todo:
+
         def measure_all() -> list[float]:
             times = []
             for sig in todo:

@@ -42,9 +42,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_run_s(
-    fn: Callable[[], object], warmup: int, repeats: int, device: torch.device
-) -> float:
+def median_run_s(fn: Callable[[], object], warmup: int, repeats: int, device: torch.device) -> float:
     """Median wall time of ``repeats`` calls of ``fn`` after ``warmup`` calls (device synchronized)."""
     for _ in range(warmup):
         fn()
@@ -85,10 +83,7 @@ def real_args(
                     made[value] = materialize(val, hints)
                 elif isinstance(val, (list, tuple)):
                     made[value] = type(val)(
-                        materialize(v, hints)
-                        if isinstance(v, torch.Tensor)
-                        else concretize(v, hints)
-                        for v in val
+                        materialize(v, hints) if isinstance(v, torch.Tensor) else concretize(v, hints) for v in val
                     )
                 else:
                     made[value] = concretize(val, hints)

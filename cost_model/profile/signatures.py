@@ -58,14 +58,9 @@ def collective_signature(node: torch.fx.Node, group: Any) -> str:
     """The signature of a collective issue node run on the live process group ``group``."""
     hints = size_hints([node, *node.all_input_nodes])
     call = describe_comm(node, resolve_group_size(group))
-    parts = [
-        f"{k}={_arg_sig(v, hints)}"
-        for k, v in bound_args(node).items()
-        if k not in ("group_name", "group_size")
-    ]
+    parts = [f"{k}={_arg_sig(v, hints)}" for k, v in bound_args(node).items() if k not in ("group_name", "group_size")]
     return (
-        f"{op_name(node, qualified=True)}|{';'.join(parts)}|group_size={call.group_size}"
-        f"|backend={backend_name(group)}"
+        f"{op_name(node, qualified=True)}|{';'.join(parts)}|group_size={call.group_size}|backend={backend_name(group)}"
     )
 
 

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
 from cost_model.units import format_ms
 
 #: Step-time variants of the demo, in table order.
@@ -55,8 +56,10 @@ def _worker(args: argparse.Namespace) -> None:
 
     def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [
-            (torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-             torch.randint(0, config.vocab_size, (batch, seq), generator=gen))
+            (
+                torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+                torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+            )
             for _ in range(args.microbatches)
         ]
 
@@ -114,7 +117,9 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _print_results(result: dict[str, Any], link: str, dump_dir: Path) -> None:
     print(f"link: {link}")
-    print(f"model: TP+SP reference transformer '{result['model']}', 2 ranks, {result['microbatches']} micro-batches per step")
+    print(
+        f"model: TP+SP reference transformer '{result['model']}', 2 ranks, {result['microbatches']} micro-batches per step"
+    )
     print()
     print("| step | eager loss | helix loss | difference |")
     print("|---:|---:|---:|---:|")
@@ -145,9 +150,22 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dhelix_demo_") as tmp:
         out = Path(tmp) / "demo.json"
         argv = [
-            sys.executable, "-m", "dhelix_compile.bench.demo", "--worker", "--out", str(out),
-            "--model", args.model, "--steps", str(args.steps), "--microbatches", str(args.microbatches),
-            "--repeats", str(args.repeats), "--dump-dir", str(dump_dir),
+            sys.executable,
+            "-m",
+            "dhelix_compile.bench.demo",
+            "--worker",
+            "--out",
+            str(out),
+            "--model",
+            args.model,
+            "--steps",
+            str(args.steps),
+            "--microbatches",
+            str(args.microbatches),
+            "--repeats",
+            str(args.repeats),
+            "--dump-dir",
+            str(dump_dir),
         ]
         print(f"dhelix demo: launching 2 ranks (link rate {args.rate}) ...", flush=True)
         started = time.perf_counter()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -208,7 +209,7 @@ def _shares(count: int, weights: Sequence[float]) -> list[int]:
     for w in weights:
         cumulative += w
         bounds.append(round(count * cumulative / total))
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def _times_alone(replay: CollectiveReplay, samples: int) -> list[float]:

@@ -74,8 +74,10 @@ def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, varia
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     gen = torch.Generator().manual_seed(1234)
     mbs = [
-        (torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-         torch.randint(0, config.vocab_size, (batch, seq), generator=gen))
+        (
+            torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+            torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+        )
         for _ in range(microbatches)
     ]
 
@@ -115,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {peak / 2**20:.1f} | {ratio} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "ranks": args.ranks, "microbatches": args.microbatches, "peak_bytes": peaks}, f, indent=2)
+            json.dump(
+                {"model": args.model, "ranks": args.ranks, "microbatches": args.microbatches, "peak_bytes": peaks},
+                f,
+                indent=2,
+            )
     return 0
 
 

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from cost_model.units import format_ms
 
 
@@ -33,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    config = ModelConfig(dim=args.dim, n_heads=4, n_layers=args.layers, ffn_hidden=2 * args.dim,
-                         vocab_size=128, max_seq_len=args.seq_len)
+    config = ModelConfig(
+        dim=args.dim, n_heads=4, n_layers=args.layers, ffn_hidden=2 * args.dim, vocab_size=128, max_seq_len=args.seq_len
+    )
     model = parallelize_tp_sp(Transformer(config), dist.device_mesh.DeviceMesh("cpu", [0, 1]))
     gen = torch.Generator().manual_seed(0)
     mbs = [tuple(torch.randint(0, 128, (2, args.seq_len), generator=gen) for _ in range(2)) for _ in range(2)]
@@ -46,14 +48,23 @@ def main(argv: list[str] | None = None) -> int:
         summary = json.loads(next(Path(dump).glob("**/*_merged/summary.json")).read_text())
     record = summary["records"]["interleave"]
     print(f"TP+SP transformer, {args.layers} layers, fake 2-rank group")
-    print(f"merged graph: {record['fwd_segments']:.0f} forward + {record['bwd_segments']:.0f} backward segments, "
-          f"{record['paired_segments']:.0f} paired")
-    makespans = {k[len("predicted_makespan_"):-2] or "chosen": v for k, v in record.items()
-                 if k.startswith("predicted_makespan_") and k.endswith("_s")}
-    print("predicted makespan per candidate order (ms): "
-          + ", ".join(f"{name} {format_ms(value, 2)}" for name, value in makespans.items()))
-    print(f"plan (segments + DP + refinement): {record['plan_time_s']:.3f} s; "
-          f"interleave pass: {summary['pass_seconds']['interleave']:.3f} s; whole first step incl. compile: {total_s:.1f} s")
+    print(
+        f"merged graph: {record['fwd_segments']:.0f} forward + {record['bwd_segments']:.0f} backward segments, "
+        f"{record['paired_segments']:.0f} paired"
+    )
+    makespans = {
+        k[len("predicted_makespan_") : -2] or "chosen": v
+        for k, v in record.items()
+        if k.startswith("predicted_makespan_") and k.endswith("_s")
+    }
+    print(
+        "predicted makespan per candidate order (ms): "
+        + ", ".join(f"{name} {format_ms(value, 2)}" for name, value in makespans.items())
+    )
+    print(
+        f"plan (segments + DP + refinement): {record['plan_time_s']:.3f} s; "
+        f"interleave pass: {summary['pass_seconds']['interleave']:.3f} s; whole first step incl. compile: {total_s:.1f} s"
+    )
     dist.destroy_process_group()
     return 0
 

@@ -44,18 +44,38 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 from cost_model.progress import item_label, progress_bar
 from cost_model.units import format_ms
+from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
 
 def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
     return [
-        sys.executable, "-m", "dhelix_compile.bench.worker",
-        "--out", str(out), "--mode", mode, "--model", args.model, "--parallel", args.parallel,
-        "--variants", args.variants, "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-        "--threads", str(args.threads), "--dhelix-options", args.dhelix_options,
-        "--time-limit-s", str(args.time_limit_s), "--microbatches", str(args.microbatches),
+        sys.executable,
+        "-m",
+        "dhelix_compile.bench.worker",
+        "--out",
+        str(out),
+        "--mode",
+        mode,
+        "--model",
+        args.model,
+        "--parallel",
+        args.parallel,
+        "--variants",
+        args.variants,
+        "--repeats",
+        str(args.repeats),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--dhelix-options",
+        args.dhelix_options,
+        "--time-limit-s",
+        str(args.time_limit_s),
+        "--microbatches",
+        str(args.microbatches),
     ]
 
 
@@ -178,10 +198,11 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         f"T_compute = {format_ms(summary['t_compute_s'])} ms, T_comm = {format_ms(summary['t_comm_s'])} ms, "
         f"limit max(T_compute, T_comm) = {format_ms(limit)} ms, "
-        f"sequential T_compute + T_comm = {format_ms((summary['t_compute_s'] + summary['t_comm_s']))} ms"
+        f"sequential T_compute + T_comm = {format_ms(summary['t_compute_s'] + summary['t_comm_s'])} ms"
         + (
             f"; T_comm takes {format_ms(summary['t_comm_cpu_s'])} ms of CPU per rank"
-            if summary.get("t_comm_cpu_s") is not None else ""
+            if summary.get("t_comm_cpu_s") is not None
+            else ""
         ),
         "",
         "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | step / limit "
@@ -217,7 +238,11 @@ def markdown(summary: dict[str, Any]) -> str:
         )
     predicted = {n: v for n, v in summary["variants"].items() if v.get("predicted_step_s")}
     if predicted:
-        lines += ["", "| variant | predicted step (ms) | measured median (ms) | predicted / measured |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "| variant | predicted step (ms) | measured median (ms) | predicted / measured |",
+            "|---|---:|---:|---:|",
+        ]
         for name, v in predicted.items():
             lines.append(
                 f"| {name} | {format_ms(v['predicted_step_s'])} | {format_ms(v['step_s_median'])} "
@@ -236,7 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small", help="model size (dhelix_compile.bench.worker sizes)")
     parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
     parser.add_argument(
-        "--variants", default=",".join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT),
+        "--variants",
+        default=",".join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT),
         help=f"comma-separated, from {', '.join(STEP_VARIANTS)}",
     )
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of the link; 'none' for plain loopback")
@@ -289,7 +315,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             print(f"[1/2] T_compute: {args.variants} on the fake process group ...", file=sys.stderr, flush=True)
             compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
-            print(f"[2/2] on the link (rate {args.rate}): every variant interleaved, then T_comm ...", file=sys.stderr, flush=True)
+            print(
+                f"[2/2] on the link (rate {args.rate}): every variant interleaved, then T_comm ...",
+                file=sys.stderr,
+                flush=True,
+            )
             t_compute = _t_compute(compute_run)
             link_run, launched = _launch(
                 Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args, ["--t-compute-s", repr(t_compute)]

@@ -33,8 +33,14 @@ import torch
 from dhelix_compile import _torch_compat as compat
 
 VARIANTS: tuple[str, ...] = (
-    "eager", "inductor", "inductor_overlap", "dhelix", "dhelix_decompose", "dhelix_decompose_pieces",
-    "dhelix_decompose_chain", "dhelix_eager",
+    "eager",
+    "inductor",
+    "inductor_overlap",
+    "dhelix",
+    "dhelix_decompose",
+    "dhelix_decompose_pieces",
+    "dhelix_decompose_chain",
+    "dhelix_eager",
 )
 #: Run only when named: diagnostics and ablations.
 NOT_BY_DEFAULT: tuple[str, ...] = ("dhelix_decompose_pieces", "dhelix_decompose_chain", "dhelix_eager")

@@ -88,7 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dhelix-options", default="{}", help="JSON dict of dhelix options")
     parser.add_argument("--time-limit-s", type=float, default=300.0, help="stop repeating after this")
     parser.add_argument(
-        "--t-compute-s", type=float, default=0.0,
+        "--t-compute-s",
+        type=float,
+        default=0.0,
         help="link mode: also time the ceiling, the step's collectives hidden under this much synthetic compute",
     )
     parser.add_argument("--progress-file", default=None, help="rank 0 writes 'done total variant' here")
@@ -97,7 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(size: str) -> tuple[ModelConfig, int, int]:
     dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[size]
-    return ModelConfig(dim=dim, n_heads=heads, n_layers=layers, ffn_hidden=ffn, vocab_size=vocab, max_seq_len=seq), seq, batch
+    return (
+        ModelConfig(dim=dim, n_heads=heads, n_layers=layers, ffn_hidden=ffn, vocab_size=vocab, max_seq_len=seq),
+        seq,
+        batch,
+    )
 
 
 class MLPBlock(torch.nn.Module):
@@ -180,8 +186,10 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         config = ModelConfig(dim=dim, ffn_hidden=ffn)
         # this rank's sequence shard (requiring grad, so the backward has the mirror pair) and a probe
         microbatches: list[tuple[torch.Tensor, ...]] = [
-            (torch.randn(batch, seq // world_size, dim, generator=gen).requires_grad_(),
-             torch.randn(batch, seq // world_size, dim, generator=gen))
+            (
+                torch.randn(batch, seq // world_size, dim, generator=gen).requires_grad_(),
+                torch.randn(batch, seq // world_size, dim, generator=gen),
+            )
             for _ in range(args.microbatches)
         ]
 
@@ -200,7 +208,8 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         moe_config.validate(world_size)
         # this rank's dispatch group of tokens and a probe
         microbatches = [
-            (torch.randn(seq, dim, generator=gen), torch.randn(seq, dim, generator=gen)) for _ in range(args.microbatches)
+            (torch.randn(seq, dim, generator=gen), torch.randn(seq, dim, generator=gen))
+            for _ in range(args.microbatches)
         ]
 
         def make() -> torch.nn.Module:
@@ -212,8 +221,10 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         config, seq, batch = model_config(args.model)
         config.validate(world_size)
         microbatches = [
-            (torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-             torch.randint(0, config.vocab_size, (batch, seq), generator=gen))
+            (
+                torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+                torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+            )
             for _ in range(args.microbatches)
         ]
         parallelize = parallelize_tp_sp if args.parallel == "tp_sp" else parallelize_tp
@@ -296,7 +307,8 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
             }
         predicted = {
             name: _predicted_step_s(dump_root / name, rank, args.microbatches)
-            for name in steps if name.startswith(("dhelix", "helix"))
+            for name in steps
+            if name.startswith(("dhelix", "helix"))
         }
         names = sorted(predicted)
         per_rank = gather_floats([predicted[name] for name in names], dist.group.WORLD)

@@ -38,7 +38,13 @@ import torch
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
-from dhelix_compile.helix_runtime.strands import BackwardThread, HelixError, StrandExchange, StrandPair, compile_strand_partition
+from dhelix_compile.helix_runtime.strands import (
+    BackwardThread,
+    HelixError,
+    StrandExchange,
+    StrandPair,
+    compile_strand_partition,
+)
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -68,9 +74,7 @@ class HelixStep:
         self._exchange = StrandExchange()
         self._backward_thread = BackwardThread()
         weakref.finalize(self, self._backward_thread.close)
-        self._compiled = torch.compile(
-            _with_own_code(self._loss), backend=self._backend, fullgraph=True, dynamic=False
-        )
+        self._compiled = torch.compile(_with_own_code(self._loss), backend=self._backend, fullgraph=True, dynamic=False)
 
     def __call__(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
         items = self._check(microbatches)
@@ -135,9 +139,7 @@ class HelixStep:
 
     def _check(self, microbatches: Sequence[Any]) -> list[Any]:
         if isinstance(microbatches, (torch.Tensor, Mapping)) or not isinstance(microbatches, Sequence):
-            raise HelixError(
-                f"a helix step takes a list of micro-batches, got {type(microbatches).__name__}"
-            )
+            raise HelixError(f"a helix step takes a list of micro-batches, got {type(microbatches).__name__}")
         items = list(microbatches)
         if not items:
             raise HelixError("a helix step needs at least one micro-batch; got an empty list")

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from cost_model.op_kinds import op_name
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.capture import compile_partition
 from dhelix_compile.config import DHelixConfig
-from cost_model.op_kinds import op_name
 from graph_passes.merge_strands import MergedStrands, merge_strands
 
 log = logging.getLogger("dhelix.helix")
@@ -59,9 +59,24 @@ class HelixError(RuntimeError):
 #: Ops that draw random numbers. A helix step runs micro-batch i+1's forward inside the same
 #: graph as micro-batch i's backward; rather than reason about RNG streams, helix refuses them.
 _RANDOM_OP_NAMES = (
-    "native_dropout", "dropout", "bernoulli", "rand", "randn", "randint", "rand_like",
-    "randn_like", "randint_like", "randperm", "normal", "uniform", "exponential", "multinomial",
-    "inductor_random", "inductor_seeds", "philox_rand", "run_and_save_rng_state",
+    "native_dropout",
+    "dropout",
+    "bernoulli",
+    "rand",
+    "randn",
+    "randint",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "randperm",
+    "normal",
+    "uniform",
+    "exponential",
+    "multinomial",
+    "inductor_random",
+    "inductor_seeds",
+    "philox_rand",
+    "run_and_save_rng_state",
 )
 
 
@@ -226,7 +241,7 @@ class BackwardThread:
             try:
                 assert job.loss is not None
                 job.loss.backward()
-            except BaseException as exc:  # re-raised in the submitting thread
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the submitting thread
                 job.error = exc
             finally:
                 job.loss = None
@@ -304,9 +319,7 @@ def compile_strand_partition(
                 "to 0 (or use model.eval() for the dropout layers)."
             )
     scheduled: list[torch.fx.GraphModule] = []
-    compiled = compile_partition(
-        gm, example_inputs, config=config, on_scheduled=scheduled.append, **inductor_kwargs
-    )
+    compiled = compile_partition(gm, example_inputs, config=config, on_scheduled=scheduled.append, **inductor_kwargs)
     strand = _Strand(scheduled[0] if scheduled else gm, example_inputs, dict(inductor_kwargs), compiled)
     if not inductor_kwargs.get("is_backward"):
         pair.forward = strand

@@ -134,9 +134,7 @@ def _probe_namespace(ip: str, tc: str) -> str:
     except RuntimeError as exc:
         return f"cannot create a network namespace: {exc}"
     try:
-        _check(
-            [ip, "-n", ns, "link", "add", "dxprobe0", "type", "veth", "peer", "name", "dxprobe1"]
-        )
+        _check([ip, "-n", ns, "link", "add", "dxprobe0", "type", "veth", "peer", "name", "dxprobe1"])
         _check([ip, "netns", "exec", ns, tc, "qdisc", "replace", "dev", "dxprobe0", "root",
                 "tbf", "rate", "1gbit", "burst", "256kb", "latency", "50ms"])  # fmt: skip
     except RuntimeError as exc:
@@ -172,8 +170,7 @@ def _apply_tbf(ip: str, tc: str, ns: str, ifname: str, link: LinkSpec) -> None:
     if done.returncode != 0:
         msg = (done.stderr or done.stdout).strip()
         raise ValueError(
-            f"tc rejected the link (rate={link.rate!r}, burst={link.burst!r}, "
-            f"latency={link.latency!r}): {msg}"
+            f"tc rejected the link (rate={link.rate!r}, burst={link.burst!r}, latency={link.latency!r}): {msg}"
         )
 
 
@@ -185,9 +182,7 @@ def _create_pair(names: _Names, link: LinkSpec, created: list[str]) -> None:
         created.append(ns)  # before creating: an interrupt right after must still clean it up
         _check([ip, "netns", "add", ns])
     (ns0, ns1), (if0, if1) = names.namespaces, names.ifnames
-    _check(
-        [ip, "link", "add", if0, "netns", ns0, "type", "veth", "peer", "name", if1, "netns", ns1]
-    )
+    _check([ip, "link", "add", if0, "netns", ns0, "type", "veth", "peer", "name", if1, "netns", ns1])
     for ns, ifname, addr in zip(names.namespaces, names.ifnames, names.addrs, strict=True):
         # No IPv6 link-local address: gloo takes the first address of GLOO_SOCKET_IFNAME.
         _run([ip, "-n", ns, "link", "set", "dev", ifname, "addrgenmode", "none"])

@@ -93,9 +93,7 @@ def _child_pythonpath(current: str | None) -> str:
     return os.pathsep.join(parts)
 
 
-def _rank_env(
-    base: Mapping[str, str], rank: int, world_size: int, placement: Placement, port: int
-) -> dict[str, str]:
+def _rank_env(base: Mapping[str, str], rank: int, world_size: int, placement: Placement, port: int) -> dict[str, str]:
     env = dict(base)
     env.update(
         RANK=str(rank),
@@ -268,6 +266,12 @@ def launch_ranks(
             f"ranks {unfinished} did not finish within {timeout_s:g} s on {placement.description}; killed.\n{tails}"
         )
     return LaunchResult(
-        placement.description, placement.rate_limited, codes, stdout, stderr,
-        pids=[rank.proc.pid for rank in ranks], unfinished=unfinished, timed_out=timed_out,
+        placement.description,
+        placement.rate_limited,
+        codes,
+        stdout,
+        stderr,
+        pids=[rank.proc.pid for rank in ranks],
+        unfinished=unfinished,
+        timed_out=timed_out,
     )

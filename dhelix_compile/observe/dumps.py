@@ -52,8 +52,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.fx
 
-from cost_model.op_kinds import op_name
 from cost_model import Estimator, SimResult, simulate
+from cost_model.op_kinds import op_name
 from dhelix_compile.observe import report
 from dhelix_compile.observe.graph_picture import write_graph_picture
 from dhelix_compile.observe.measured import MeasuredTimeline
@@ -83,9 +83,7 @@ def format_op_count_diff(before: Counter[str], after: Counter[str]) -> str:
 def format_graph(gm: torch.fx.GraphModule) -> str:
     """Readable graph text: the generated Python with shapes, then each node's dhelix meta."""
     text = gm.print_readable(print_output=False, include_stride=False, include_device=True)
-    tagged = [
-        f"#   {n.name}: {n.meta['dhelix']}" for n in gm.graph.nodes if "dhelix" in n.meta
-    ]
+    tagged = [f"#   {n.name}: {n.meta['dhelix']}" for n in gm.graph.nodes if "dhelix" in n.meta]
     if tagged:
         text += "\n# node.meta['dhelix']:\n" + "\n".join(tagged) + "\n"
     return text
@@ -137,15 +135,11 @@ class GraphDumper:
     def snapshot(self, gm: torch.fx.GraphModule) -> _Snapshot:
         return _Snapshot(format_graph(gm), op_counts(gm))
 
-    def after_pass(
-        self, index: int, name: str, before: Any, gm: torch.fx.GraphModule, seconds: float
-    ) -> None:
+    def after_pass(self, index: int, name: str, before: Any, gm: torch.fx.GraphModule, seconds: float) -> None:
         stem = f"{index + 1:02d}_{_safe(name)}"
         (self.folder / f"{stem}.before.txt").write_text(before.text)
         (self.folder / f"{stem}.after.txt").write_text(format_graph(gm))
-        (self.folder / f"{stem}.opcount.txt").write_text(
-            format_op_count_diff(before.counts, op_counts(gm))
-        )
+        (self.folder / f"{stem}.opcount.txt").write_text(format_op_count_diff(before.counts, op_counts(gm)))
         self.pass_seconds[name] = seconds
 
     def write_timelines(
@@ -204,4 +198,3 @@ class GraphDumper:
         assert self.summary is not None
         (self.folder / "summary.json").write_text(json.dumps(self.summary, indent=2, default=str) + "\n")
         (self.folder / "index.html").write_text(report.index_html(self.folder, self.summary))
-

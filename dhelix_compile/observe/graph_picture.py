@@ -71,15 +71,19 @@ def graph_dot(gm: torch.fx.GraphModule, title: str = "") -> str:
         "  rankdir=TB;",
         f"  label={_dot_id(title)}; labelloc=t; fontname=Helvetica;",
         '  node [shape=box, style="rounded,filled", fontname=Helvetica, fontsize=10, penwidth=2];',
-        "  edge [color=\"#777777\", arrowsize=0.6];",
+        '  edge [color="#777777", arrowsize=0.6];',
     ]
     for index, node in enumerate(gm.graph.nodes):
         kind = node_kind(node)
         strand = node_strand(node)
-        label = _dot_id(f"{index}: {node.name}")[:-1] + "\\n" + _dot_id(f"{_target_name(node)} [{kind}, strand {strand}]")[1:]
+        label = (
+            _dot_id(f"{index}: {node.name}")[:-1]
+            + "\\n"
+            + _dot_id(f"{_target_name(node)} [{kind}, strand {strand}]")[1:]
+        )
         lines.append(
-            f"  {_dot_id(node.name)} [label={label}, fillcolor=\"{KIND_COLOURS.get(kind, '#ffffff')}\", "
-            f"color=\"{strand_colour(strand)}\"];"
+            f'  {_dot_id(node.name)} [label={label}, fillcolor="{KIND_COLOURS.get(kind, "#ffffff")}", '
+            f'color="{strand_colour(strand)}"];'
         )
     for node in gm.graph.nodes:
         for inp in node.all_input_nodes:
@@ -117,7 +121,9 @@ def node_list_svg(gm: torch.fx.GraphModule, title: str = "") -> str:
     height_px = 60 + _ROW_H_PX * (len(nodes) + 2)
     rows = [
         svg.text(8, 20, title or "graph", size=14, weight="bold"),
-        svg.text(8, 38, "Graphviz 'dot' not installed: nodes in schedule order (fill = kind, left bar = strand)", size=11),
+        svg.text(
+            8, 38, "Graphviz 'dot' not installed: nodes in schedule order (fill = kind, left bar = strand)", size=11
+        ),
     ]
     y = 50
     for index, node in enumerate(nodes):

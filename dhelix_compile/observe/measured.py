@@ -257,7 +257,9 @@ class MeasuredStep:
 
 def read_step(plan: MeasurementPlan, events: Sequence[dict[str, Any]]) -> MeasuredStep:
     """The call span and boundary events of one profiled call (``events``: Chrome trace events)."""
-    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == _ANNOTATION_CAT and e.get("name") == plan.marker]
+    calls = [
+        e for e in events if e.get("ph") == "X" and e.get("cat") == _ANNOTATION_CAT and e.get("name") == plan.marker
+    ]
     if len(calls) != 1:
         raise ValueError(f"{plan.marker}: expected one profiler span per call, found {len(calls)}")
     call = _span(calls[0])
@@ -354,7 +356,9 @@ class MeasuredTimeline:
                 )
         totals = tuple(s.step_s for s in self.steps)
         rows.append(
-            SegmentRow(None, "whole call", self.plan.predicted_step_s, statistics.median(totals) if totals else None, totals)
+            SegmentRow(
+                None, "whole call", self.plan.predicted_step_s, statistics.median(totals) if totals else None, totals
+            )
         )
         return rows
 
@@ -391,8 +395,7 @@ class MeasuredTimeline:
             header += f", no segments ({self.steps[step].mismatch})" if self.steps[step].mismatch else ""
         elif self.plan.boundaries:
             header += (
-                f", blocked in waits {format_ms(result.exposed_comm_s, 3)} ms; "
-                "comm bars: issue → its wait returned"
+                f", blocked in waits {format_ms(result.exposed_comm_s, 3)} ms; comm bars: issue → its wait returned"
             )
         return LabelledTimeline(label, result, header)
 
@@ -418,7 +421,9 @@ def measured_sim_result(plan: MeasurementPlan, step: MeasuredStep) -> SimResult:
     prev_end = t0
     for seg, boundary, span in zip(segments, plan.boundaries, step.boundaries):
         if span.start_us > prev_end:
-            events.append(SimEvent(f"segment {seg.index}", "compute", "compute", s(prev_end), s(span.start_us), boundary.strand))
+            events.append(
+                SimEvent(f"segment {seg.index}", "compute", "compute", s(prev_end), s(span.start_us), boundary.strand)
+            )
         kind = "wait" if boundary.kind == "wait" else "compute"
         events.append(SimEvent(boundary.node, kind, "compute", s(span.start_us), s(span.end_us), boundary.strand))
         prev_end = span.end_us
@@ -460,7 +465,9 @@ def measure(plan: MeasurementPlan, traces: Sequence[dict[str, Any]], clock: str 
 # --------------------------------------------------------------------------- the trace file
 
 
-def merged_trace(plan: MeasurementPlan, traces: Sequence[dict[str, Any]], steps: Sequence[MeasuredStep]) -> dict[str, Any]:
+def merged_trace(
+    plan: MeasurementPlan, traces: Sequence[dict[str, Any]], steps: Sequence[MeasuredStep]
+) -> dict[str, Any]:
     """The profiled calls' traces as one Chrome / Perfetto trace, plus a ``dhelix`` process.
 
     Times are rebased so the first event is at 0 (``baseTimeNanoseconds`` moves with them, so
@@ -478,7 +485,9 @@ def merged_trace(plan: MeasurementPlan, traces: Sequence[dict[str, Any]], steps:
             if isinstance(event.get("pid"), int):
                 pids.append(event["pid"])
             if event.get("ph") == "M":
-                key = json.dumps([event.get("name"), event.get("pid"), event.get("tid"), event.get("args")], sort_keys=True)
+                key = json.dumps(
+                    [event.get("name"), event.get("pid"), event.get("tid"), event.get("args")], sort_keys=True
+                )
                 if key in seen_metadata:
                     continue
                 seen_metadata.add(key)
@@ -495,7 +504,9 @@ def merged_trace(plan: MeasurementPlan, traces: Sequence[dict[str, Any]], steps:
     return merged
 
 
-def _segment_events(plan: MeasurementPlan, steps: Sequence[MeasuredStep], pid: int, t0_us: float) -> list[dict[str, Any]]:
+def _segment_events(
+    plan: MeasurementPlan, steps: Sequence[MeasuredStep], pid: int, t0_us: float
+) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"dhelix: {plan.graph_name}"}},
         {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": -1}},
@@ -514,7 +525,11 @@ def _segment_events(plan: MeasurementPlan, steps: Sequence[MeasuredStep], pid: i
                 "tid": 0,
                 "ts": step.call.start_us - t0_us,
                 "dur": step.call.end_us - step.call.start_us,
-                "args": {"measured_ms": step.step_s * 1e3, "predicted_ms": _ms(plan.predicted_step_s), "mismatch": step.mismatch},
+                "args": {
+                    "measured_ms": step.step_s * 1e3,
+                    "predicted_ms": _ms(plan.predicted_step_s),
+                    "mismatch": step.mismatch,
+                },
             }
         )
         if step.boundaries is None:

@@ -76,7 +76,12 @@ def _measured_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("measured / predicted (dhelix schedule)", _ratio(m.get("ratio"))),
         ]
     if summary.get("profile_steps"):
-        return [("measured call (ms)", f"pending: written after a warm-up call and {summary['profile_steps']} profiled calls")]
+        return [
+            (
+                "measured call (ms)",
+                f"pending: written after a warm-up call and {summary['profile_steps']} profiled calls",
+            )
+        ]
     return []
 
 
@@ -105,8 +110,7 @@ def index_html(folder: Path, summary: dict[str, Any]) -> str:
     """The page of one graph folder (see the module docstring)."""
     name = str(summary.get("graph", folder.name))
     table = "\n".join(
-        f"<tr><th>{html.escape(label)}</th><td>{html.escape(value)}</td></tr>"
-        for label, value in summary_rows(summary)
+        f"<tr><th>{html.escape(label)}</th><td>{html.escape(value)}</td></tr>" for label, value in summary_rows(summary)
     )
     gantt = folder / "timeline.svg"
     picture = (
@@ -158,11 +162,23 @@ SEGMENT_COLUMNS = ("#", "segment", "predicted ms", "measured ms", "measured / pr
 def segment_table_rows(measured: dict[str, Any]) -> list[tuple[str, ...]]:
     """Rows of the predicted-vs-measured table: one per segment, then the whole call."""
     rows: list[tuple[str, ...]] = [
-        (str(seg["segment"]), seg["label"], format_ms(seg["predicted_s"], 3), format_ms(seg["measured_s"], 3), _ratio(seg["ratio"]))
+        (
+            str(seg["segment"]),
+            seg["label"],
+            format_ms(seg["predicted_s"], 3),
+            format_ms(seg["measured_s"], 3),
+            _ratio(seg["ratio"]),
+        )
         for seg in measured.get("segments") or []
     ]
     rows.append(
-        ("", "whole call", format_ms(measured.get("predicted_step_s"), 3), format_ms(measured.get("measured_step_s"), 3), _ratio(measured.get("ratio")))
+        (
+            "",
+            "whole call",
+            format_ms(measured.get("predicted_step_s"), 3),
+            format_ms(measured.get("measured_step_s"), 3),
+            _ratio(measured.get("ratio")),
+        )
     )
     return rows
 

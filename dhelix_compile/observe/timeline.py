@@ -89,9 +89,7 @@ def track_name(resource: str) -> str:
 
 def exposed_intervals(result: SimResult) -> list[tuple[float, float]]:
     """``(start_s, end_s)`` intervals in which the compute stream waits on a transfer."""
-    track = sorted(
-        (ev for ev in result.events if ev.resource == "compute"), key=lambda e: (e.start_s, e.end_s)
-    )
+    track = sorted((ev for ev in result.events if ev.resource == "compute"), key=lambda e: (e.start_s, e.end_s))
     intervals: list[tuple[float, float]] = []
     now_s = 0.0
     for ev in track:
@@ -151,12 +149,8 @@ def _trace_metadata(pid: int, timeline: LabelledTimeline) -> list[dict[str, Any]
         {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
     ]
     for tid, resource in enumerate(resources_of(res)):
-        meta.append(
-            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track_name(resource)}}
-        )
-        meta.append(
-            {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
-        )
+        meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track_name(resource)}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     return meta
 
 
@@ -220,9 +214,7 @@ def gantt_svg(timelines: Sequence[LabelledTimeline], title: str = "") -> str:
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width_px}" height="{y_px + 8}" '
         f'viewBox="0 0 {width_px} {y_px + 8}" font-family="Helvetica, Arial, sans-serif">\n'
-        f'<rect x="0" y="0" width="{width_px}" height="{y_px + 8}" fill="white"/>\n'
-        + "\n".join(parts)
-        + "\n</svg>\n"
+        f'<rect x="0" y="0" width="{width_px}" height="{y_px + 8}" fill="white"/>\n' + "\n".join(parts) + "\n</svg>\n"
     )
 
 
@@ -293,8 +285,7 @@ def _bar(ev: SimEvent, scale: _Scale, y_px: float) -> str:
     is_compute = ev.resource == "compute"
     fill = colour if is_compute else _lighten(colour)
     tooltip = (
-        f"{ev.node_name} ({ev.kind}, strand {ev.strand}): "
-        f"{format_ms(ev.start_s, 4)} - {format_ms(ev.end_s, 4)} ms"
+        f"{ev.node_name} ({ev.kind}, strand {ev.strand}): {format_ms(ev.start_s, 4)} - {format_ms(ev.end_s, 4)} ms"
     )
     bar = (
         f'<rect x="{x0:.2f}" y="{y_px + 2:.1f}" width="{width:.2f}" height="{_TRACK_H_PX - 4}" '
@@ -343,9 +334,7 @@ def _legend(strands: list[int], y_px: float) -> tuple[str, float]:
         entries.append(
             (f'fill="{_lighten(colour)}" stroke="{colour}" stroke-width="1.5"', f"communication (strand {strand})")
         )
-    entries.append(
-        (f'fill="url(#exposed)" stroke="{_EXPOSED_COLOUR}"', "exposed communication (compute stream waits)")
-    )
+    entries.append((f'fill="url(#exposed)" stroke="{_EXPOSED_COLOUR}"', "exposed communication (compute stream waits)"))
     for style, label in entries:
         width_px = 22 + len(label) * _CHAR_W_PX + 16
         if x + width_px > _LABEL_W_PX + _PLOT_W_PX:

@@ -42,10 +42,12 @@ def p2p_exchange(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, gro
         return [send.new_empty(0), torch.empty_like(send, memory_format=torch.contiguous_format)]
     payload = send.clone(memory_format=torch.contiguous_format)  # ours until the send completes: one copy
     received = torch.empty_like(payload)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, payload, group=group, group_peer=to_peer, tag=tag),
-        dist.P2POp(dist.irecv, received, group=group, group_peer=from_peer, tag=tag),
-    ])
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, payload, group=group, group_peer=to_peer, tag=tag),
+            dist.P2POp(dist.irecv, received, group=group, group_peer=from_peer, tag=tag),
+        ]
+    )
     send_work, recv_work = (works[0], works[-1]) if works else (None, None)
     done = send.new_empty(0)
     if send_work is not None:
@@ -57,7 +59,9 @@ def p2p_exchange(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, gro
 
 
 @p2p_exchange.register_fake
-def _p2p_exchange_fake(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, group_name: str) -> list[torch.Tensor]:
+def _p2p_exchange_fake(
+    send: torch.Tensor, to_peer: int, from_peer: int, tag: int, group_name: str
+) -> list[torch.Tensor]:
     return [send.new_empty(0), torch.empty_like(send, memory_format=torch.contiguous_format)]
 
 

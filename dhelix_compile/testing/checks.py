@@ -95,9 +95,7 @@ class ParallelCase:
     """Plain replicated parameters whose gradients are partial (summed before comparing)."""
 
 
-def _transformer_case(
-    kind: ModelKind, rank: int, world_size: int, config: CheckConfig
-) -> ParallelCase:
+def _transformer_case(kind: ModelKind, rank: int, world_size: int, config: CheckConfig) -> ParallelCase:
     gen = torch.Generator().manual_seed(config.data_seed)
     shape = (config.batch, config.seq_len)
     tokens = torch.randint(0, config.model.vocab_size, shape, generator=gen)
@@ -155,9 +153,7 @@ def _moe_case(rank: int, world_size: int, config: CheckConfig) -> ParallelCase:
     )
 
 
-def build_case(
-    kind: ModelKind, rank: int, world_size: int, config: CheckConfig = CheckConfig()
-) -> ParallelCase:
+def build_case(kind: ModelKind, rank: int, world_size: int, config: CheckConfig = CheckConfig()) -> ParallelCase:
     """Reference + parallel model of ``kind`` for this rank, with seeded inputs."""
     if kind == "moe":
         return _moe_case(rank, world_size, config)
@@ -190,9 +186,7 @@ def _run_parallel(
     elapsed_s = time.perf_counter() - start
     sync_replicated_grads(case.parallel, case.replicated)
     # Collect problems rather than raise at the first, so every rank runs the same collectives.
-    problems: list[str | None] = [
-        _close(f"{label} output", out.detach(), case.local_slice(reference_out), config)
-    ]
+    problems: list[str | None] = [_close(f"{label} output", out.detach(), case.local_slice(reference_out), config)]
     inputs = zip(case.local_inputs, case.reference_inputs, strict=True)
     for i, (local_in, ref_in) in enumerate(inputs):
         if not local_in.requires_grad:
@@ -203,9 +197,7 @@ def _run_parallel(
             want = case.local_slice(ref_in.grad)
             problems.append(_close(f"{label} input {i} grad", local_in.grad, want, config))
     try:
-        assert_matches_reference(
-            case.parallel, case.reference, rank, world_size, atol=config.atol, rtol=config.rtol
-        )
+        assert_matches_reference(case.parallel, case.reference, rank, world_size, atol=config.atol, rtol=config.rtol)
     except AssertionError as err:
         problems.append(f"{label} parameters: {err}")
     found = [p for p in problems if p]
@@ -230,9 +222,7 @@ def check_against_reference(
     reference_loss.backward()
     reference_out = reference_out.detach()
     report: dict[str, Any] = {"kind": kind, "reference_loss": reference_loss.item()}
-    report["eager"] = _run_parallel(
-        case, case.parallel, reference_out, rank, world_size, config, "eager"
-    )
+    report["eager"] = _run_parallel(case, case.parallel, reference_out, rank, world_size, config, "eager")
     if backend is not None:
         torch._dynamo.reset()
         counter = _GraphCounter(backend)
@@ -241,9 +231,7 @@ def check_against_reference(
         fresh.reference_inputs = case.reference_inputs
         compiled = torch.compile(fresh.parallel, backend=counter)
         breaks_before = _graph_breaks()
-        report["compiled"] = _run_parallel(
-            fresh, compiled, reference_out, rank, world_size, config, "compiled"
-        )
+        report["compiled"] = _run_parallel(fresh, compiled, reference_out, rank, world_size, config, "compiled")
         report["compiled"]["graphs"] = counter.graphs
         report["compiled"]["graph_breaks"] = _graph_breaks() - breaks_before
         report["compiled"]["collectives"] = counter.collectives

@@ -53,12 +53,14 @@ def train_step(
     return StepResult(
         outputs=[t.detach().clone() for t in tree_leaves(output) if isinstance(t, torch.Tensor)],
         loss=loss.detach().clone(),
-        grads={
-            n: None if p.grad is None else p.grad.detach().clone()
-            for n, p in model.named_parameters()
-        },
+        grads={n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()},
         buffers={n: b.detach().clone() for n, b in model.named_buffers()},
     )
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """A ``torch.testing.assert_close`` message that says where the mismatch is."""
+    return lambda message: f"{prefix}: {message}"
 
 
 def assert_close_results(
@@ -67,17 +69,17 @@ def assert_close_results(
     """Outputs, loss, every gradient and every buffer agree; the message names what differs."""
     assert len(expected.outputs) == len(actual.outputs), f"{where}: number of outputs differs"
     for i, (e, a) in enumerate(zip(expected.outputs, actual.outputs)):
-        torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m: f"{where} output {i}: {m}")
+        torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=_prefixed(f"{where} output {i}"))
     torch.testing.assert_close(actual.loss, expected.loss, atol=atol, rtol=rtol)
     assert expected.grads.keys() == actual.grads.keys()
     for name, e_grad in expected.grads.items():
         a_grad = actual.grads[name]
         assert (e_grad is None) == (a_grad is None), f"{where}: grad of {name} is None on one side only"
         if e_grad is not None:
-            torch.testing.assert_close(a_grad, e_grad, atol=atol, rtol=rtol, msg=lambda m: f"{where} grad {name}: {m}")
+            torch.testing.assert_close(a_grad, e_grad, atol=atol, rtol=rtol, msg=_prefixed(f"{where} grad {name}"))
     for name, e in expected.buffers.items():
         torch.testing.assert_close(
-            actual.buffers[name], e, atol=atol, rtol=rtol, msg=lambda m: f"{where} buffer {name}: {m}"
+            actual.buffers[name], e, atol=atol, rtol=rtol, msg=_prefixed(f"{where} buffer {name}")
         )
 
 

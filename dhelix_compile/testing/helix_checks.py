@@ -55,7 +55,9 @@ def _loss_fn(kind: ModelKind, normalizer: int | None) -> Callable[[nn.Module, An
     return lambda model, mb: lm_loss(model(mb[0]), mb[1])
 
 
-def _microbatch(kind: ModelKind, rank: int, world_size: int, config: CheckConfig, seed: int) -> tuple[torch.Tensor, ...]:
+def _microbatch(
+    kind: ModelKind, rank: int, world_size: int, config: CheckConfig, seed: int
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     if kind == "moe":
         shape: tuple[int, ...] = (world_size, config.moe_tokens, config.moe.dim)
@@ -71,7 +73,11 @@ def _microbatch(kind: ModelKind, rank: int, world_size: int, config: CheckConfig
 
 
 def build_helix_case(
-    kind: ModelKind, rank: int, world_size: int, num_microbatches: int, dtype: str = "float32",
+    kind: ModelKind,
+    rank: int,
+    world_size: int,
+    num_microbatches: int,
+    dtype: str = "float32",
     config: CheckConfig = CheckConfig(),
 ) -> HelixCase:
     """The models, micro-batches and loss of ``kind`` for this rank (see the module docstring)."""

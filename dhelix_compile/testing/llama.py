@@ -106,9 +106,7 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(
-    head_dim: int, max_seq_len: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each ``[max_seq_len, head_dim // 2]`` float32."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
@@ -242,9 +240,7 @@ def init_weights_(module: nn.Module, seed: int) -> None:
         param.copy_(value)
 
 
-def lm_loss(
-    logits: torch.Tensor, targets: torch.Tensor, normalizer: int | None = None
-) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, normalizer: int | None = None) -> torch.Tensor:
     """Cross entropy of ``logits[..., V]`` against ``targets[...]`` in float32.
 
     ``normalizer=None``: mean over the tokens given. ``normalizer=n``: sum / n, for a rank that

@@ -73,14 +73,10 @@ class MoEConfig:
         if self.top_k not in (1, 2) or self.top_k > self.n_experts:
             raise ValueError(f"MoEConfig: top_k={self.top_k} must be 1 or 2 and <= n_experts")
         if self.n_experts % world_size:
-            raise ValueError(
-                f"MoEConfig: n_experts={self.n_experts} not divisible by world_size={world_size}"
-            )
+            raise ValueError(f"MoEConfig: n_experts={self.n_experts} not divisible by world_size={world_size}")
 
 
-def route(
-    x: torch.Tensor, router_weight: torch.Tensor, top_k: int, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dispatch, combine)``, each ``[..., T, E, C]``, for tokens ``x[..., T, D]``.
 
     ``dispatch`` is 0/1 (token t goes to slot c of expert e), ``combine`` is dispatch times the
@@ -108,9 +104,7 @@ def route(
     return dispatch.to(x.dtype), combine.to(x.dtype)
 
 
-def expert_ffn(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
-) -> torch.Tensor:
+def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU per expert: ``x[E, N, D]``, ``w1/w3[E, D, H]``, ``w2[E, H, D]`` -> ``[E, N, D]``."""
     return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
 
@@ -164,9 +158,7 @@ class ExpertParallelMoE(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_reference(
-        cls, reference: ReferenceMoE, group: dist.ProcessGroup | None = None
-    ) -> ExpertParallelMoE:
+    def from_reference(cls, reference: ReferenceMoE, group: dist.ProcessGroup | None = None) -> ExpertParallelMoE:
         """This rank's experts and a replica of the router, copied from ``reference``."""
         model = cls(reference.config, group)
         copy_shards_from(model, reference, model.rank, model.ep)

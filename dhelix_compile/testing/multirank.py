@@ -92,9 +92,7 @@ class RankFailure:
 class MultiRankError(RuntimeError):
     """One or more ranks failed; ``failures`` says which and why (ordered by rank)."""
 
-    def __init__(
-        self, summary: str, failures: list[RankFailure], world_size: int, pids: list[int]
-    ) -> None:
+    def __init__(self, summary: str, failures: list[RankFailure], world_size: int, pids: list[int]) -> None:
         self.failures: tuple[RankFailure, ...] = tuple(sorted(failures, key=lambda f: f.rank))
         self.world_size = world_size
         self.pids: tuple[int, ...] = tuple(pids)
@@ -226,7 +224,9 @@ class _Outcome:
             raise MultiRankTimeout(
                 f"run_on_ranks: rank(s) {unfinished} of {world_size} did not finish within "
                 f"timeout_s={self.timeout_s:g}",
-                failures, world_size, pids,
+                failures,
+                world_size,
+                pids,
             )
         err = MultiRankError("", failures, world_size, pids)
         first = err.first_failure

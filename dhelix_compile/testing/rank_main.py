@@ -9,6 +9,7 @@ stack to ``WORKDIR/rank<r>.stacks`` (the launcher sends it to a rank it is about
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -40,10 +41,8 @@ def main(workdir: Path) -> int:
         outcome = ("exception", traceback.format_exc(), time.time())
     _write(result_path, outcome)
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):  # a failed rank's teardown must not mask its error
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 (a failed rank's teardown must not mask its error)
-            pass
     return 0 if outcome[0] == "ok" else 1
 
 

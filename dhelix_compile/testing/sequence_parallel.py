@@ -148,9 +148,7 @@ class FunctionalSPTransformer(nn.Module):
         name = _group_name(group)
         with torch.random.fork_rng(devices=[]):  # weights come from from_reference
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-            self.layers = nn.ModuleList(
-                FunctionalSPBlock(config, self.tp, name) for _ in range(config.n_layers)
-            )
+            self.layers = nn.ModuleList(FunctionalSPBlock(config, self.tp, name) for _ in range(config.n_layers))
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         cos, sin = rotary_tables(config.head_dim, config.max_seq_len, config.rope_theta)
@@ -160,9 +158,7 @@ class FunctionalSPTransformer(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_reference(
-        cls, reference: Transformer, group: dist.ProcessGroup | None = None
-    ) -> FunctionalSPTransformer:
+    def from_reference(cls, reference: Transformer, group: dist.ProcessGroup | None = None) -> FunctionalSPTransformer:
         """This rank's shards of ``reference``'s weights (``reference`` is left untouched)."""
         model = cls(reference.config, group)
         copy_shards_from(model, reference, model.rank, model.tp)

@@ -33,8 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = [
-    "copy_shards_from",
     "assert_matches_reference",
+    "copy_shards_from",
     "local_grad",
     "local_value",
     "reference_slice",
@@ -43,9 +43,7 @@ __all__ = [
 ]
 
 
-def reference_slice(
-    full: torch.Tensor, dim: int | None, rank: int, world_size: int
-) -> torch.Tensor:
+def reference_slice(full: torch.Tensor, dim: int | None, rank: int, world_size: int) -> torch.Tensor:
     """The part of ``full`` that ``rank`` holds: ``full.chunk(world_size, dim)[rank]`` or all."""
     if dim is None:
         return full
@@ -118,9 +116,7 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def sync_replicated_grads(
-    model: nn.Module, names: Iterable[str], group: dist.ProcessGroup | None = None
-) -> None:
+def sync_replicated_grads(model: nn.Module, names: Iterable[str], group: dist.ProcessGroup | None = None) -> None:
     """Sum the gradients of the named plain (non-DTensor) parameters over ``group``, in place."""
     params = dict(model.named_parameters())
     for name in names:
@@ -157,8 +153,7 @@ def assert_matches_reference(
             ref_grad = ref_params[name].grad
             if grad is None or ref_grad is None:
                 problems.append(
-                    f"{name}: missing gradient (local: {grad is not None}, "
-                    f"reference: {ref_grad is not None})"
+                    f"{name}: missing gradient (local: {grad is not None}, reference: {ref_grad is not None})"
                 )
                 continue
             pairs.append(("grad", grad, ref_grad))

@@ -26,7 +26,9 @@ def import_everything() -> list[str]:
             try:
                 importlib.import_module(info.name)
             except ImportError as error:
-                raise SystemExit(f"smoke: {info.name} does not import with the declared dependencies: {error}")
+                raise SystemExit(
+                    f"smoke: {info.name} does not import with the declared dependencies: {error}"
+                ) from error
             names.append(info.name)
     return names
 

@@ -112,9 +112,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A tiny GPT: token + position embeddings, a stack of blocks, a LayerNorm and an LM head."""
 
-    def __init__(
-        self, vocab: int = 64, dim: int = 32, n_heads: int = 4, n_layers: int = 2, max_seq: int = 32
-    ) -> None:
+    def __init__(self, vocab: int = 64, dim: int = 32, n_heads: int = 4, n_layers: int = 2, max_seq: int = 32) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_seq, dim)

@@ -89,7 +89,17 @@ class AllGatherSite:
         self.views += [v for t in self.transposes for v in _chain_to(as_node(t.args[0]), m.gathered)]
         chunkers = [u for u in m.wait.users] if m.gathered is not m.wait else []
         getitems = [g for c in chunkers for g in c.users if g.target is operator.getitem]
-        region = {m.issue, m.wait, m.gathered, *chunkers, *getitems, *self.views, *m.matmuls, *self.transposes, *m.transposed}
+        region = {
+            m.issue,
+            m.wait,
+            m.gathered,
+            *chunkers,
+            *getitems,
+            *self.views,
+            *m.matmuls,
+            *self.transposes,
+            *m.transposed,
+        }
         self.old_nodes = sorted(region, key=position.__getitem__)
         self.anchor = min([*m.matmuls, *m.transposed], key=position.__getitem__)
         self.lead = list(val(m.gathered).shape[:-1])
@@ -102,7 +112,9 @@ class AllGatherSite:
             if other.dim() != 2 or other.shape[0] != math.prod(self.lead):
                 raise SkipSite("weight gradient", f"the other operand of {mm.name} does not have the gathered rows")
             if self.d != 0 and not other.is_contiguous():
-                raise SkipSite("not contiguous", f"the other operand of the weight-gradient matmul {mm.name} is not contiguous")
+                raise SkipSite(
+                    "not contiguous", f"the other operand of the weight-gradient matmul {mm.name} is not contiguous"
+                )
         consumers = consumers_through(m.gathered)
         self.needs_gathered = any(c not in m.matmuls and c not in self.transposes for c in consumers)
         self.hoist: list[torch.fx.Node] = []  # moved before the rewrite when it is committed
@@ -146,7 +158,10 @@ class AllGatherSite:
             return [
                 e.exchange(
                     e.slice(m.shard, d, p * size, (p + 1) * size),
-                    (rank - s) % n, (rank + s) % n, transfer_tag(tag, (s - 1) * pieces + p), m.group_name,
+                    (rank - s) % n,
+                    (rank + s) % n,
+                    transfer_tag(tag, (s - 1) * pieces + p),
+                    m.group_name,
                 )
                 for p in range(pieces)
             ]
@@ -186,7 +201,9 @@ class AllGatherSite:
         if self.shard_shape[d] % k:
             raise SkipSite("indivisible", f"shard dim {d} ({self.shard_shape[d]}) not divisible by {k}")
         if any(full_bias(mm) is not None for mm in m.matmuls):
-            raise SkipSite("per-row bias", "an addmm bias with a row per output row (the chunks gather rows of every rank)")
+            raise SkipSite(
+                "per-row bias", "an addmm bias with a row per output row (the chunks gather rows of every rank)"
+            )
         if m.transposed:
             raise SkipSite("weight gradient", "weight-gradient matmuls (only per-peer splits them)")
         size = self.shard_shape[d] // k
@@ -238,9 +255,9 @@ class AllGatherSite:
             position = node_positions(self.graph)
             late = sorted(
                 {v: None for v in self.views if v.users and position[v] < position[gathered_new]},
-                key=position.__getitem__, reverse=True,
+                key=position.__getitem__,
+                reverse=True,
             )
             for v in late:
                 gathered_new.append(v)
         erase_dead(self.graph, self.old_nodes)
-

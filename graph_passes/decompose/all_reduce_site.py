@@ -57,7 +57,9 @@ class AllReduceSite(ReplacesOutput):
         inside = {*chain, m.issue}
         for node in [m.matmul, *chain]:
             if any(u not in inside for u in node.users):
-                raise SkipSite("other consumers", f"{node.name}, the matmul output or a view of it, has other consumers")
+                raise SkipSite(
+                    "other consumers", f"{node.name}, the matmul output or a view of it, has other consumers"
+                )
         if len(val(row_operand(m.matmul)).shape) != 2:
             raise SkipSite("not 2-d", f"the row operand of {m.matmul.name} is not 2-d")
         position = node_positions(graph)
@@ -98,5 +100,3 @@ class AllReduceSite(ReplacesOutput):
         flights = [e.call(op, self._part(e, c, k), self.m.reduce_op, self.m.group_name) for c in range(k)]
         outs = [e.call(c10d.wait_tensor.default, f) for f in flights]
         return Variant(f"chunked_{k}", e, self._result(e, outs))
-
-

@@ -101,8 +101,13 @@ class AllToAllSite(PerPeerOnly, ReplacesOutput):
         m, n, size = self.m, self.n, self.chunk_rows
         inp = as_node(m.issue.args[0])
         flights = {
-            (rank - s) % n: e.exchange(e.slice(inp, 0, (rank + s) % n * size, ((rank + s) % n + 1) * size),
-                                      (rank + s) % n, (rank - s) % n, transfer_tag(tag, s - 1), m.group_name)
+            (rank - s) % n: e.exchange(
+                e.slice(inp, 0, (rank + s) % n * size, ((rank + s) % n + 1) * size),
+                (rank + s) % n,
+                (rank - s) % n,
+                transfer_tag(tag, s - 1),
+                m.group_name,
+            )
             for s in range(1, n)
         }
         chunks = {rank: e.slice(inp, 0, rank * size, (rank + 1) * size, contiguous=True)}
@@ -142,7 +147,9 @@ class BmmAllToAllSite(PerPeerOnly, ReplacesOutput):
         experts, rows = val(m.output).shape[:2]
         shape = list(val(view).shape)
         if shape[:3] != [experts, n, rows // n] or rows % n:
-            raise SkipSite("unsupported layout", f"the bmm output is not viewed [experts, {n} destinations, slots, ...]")
+            raise SkipSite(
+                "unsupported layout", f"the bmm output is not viewed [experts, {n} destinations, slots, ...]"
+            )
         swap = _swap_of_first_two_dims(view, "the destination dim is permuted by {}, not swapped with the first")
         chain, node = [view, swap], swap
         while node is not m.issue.args[0]:
@@ -151,7 +158,9 @@ class BmmAllToAllSite(PerPeerOnly, ReplacesOutput):
         self.slots = rows // n
         self.chunk_shape = [experts * self.slots, *shape[3:]]
         position = node_positions(graph)
-        self.old_nodes = sorted([*m.bmms, *_nodes_between(m.output, m.bmms), *chain, m.issue, m.wait], key=position.__getitem__)
+        self.old_nodes = sorted(
+            [*m.bmms, *_nodes_between(m.output, m.bmms), *chain, m.issue, m.wait], key=position.__getitem__
+        )
         self.anchor = max(m.bmms, key=position.__getitem__)  # every operand exists there
 
     def _part(self, e: Emitter, j: int) -> torch.fx.Node:
@@ -170,7 +179,9 @@ class BmmAllToAllSite(PerPeerOnly, ReplacesOutput):
             raise SkipSite("no pieces", f"{pieces} pieces asked; all-to-all sites send whole chunks")
         m, n = self.m, self.n
         flights = {
-            (rank - s) % n: e.exchange(self._part(e, (rank + s) % n), (rank + s) % n, (rank - s) % n, transfer_tag(tag, s - 1), m.group_name)
+            (rank - s) % n: e.exchange(
+                self._part(e, (rank + s) % n), (rank + s) % n, (rank - s) % n, transfer_tag(tag, s - 1), m.group_name
+            )
             for s in range(1, n)
         }
         chunks = {rank: self._part(e, rank)}
@@ -204,7 +215,10 @@ def _only_user(node: torch.fx.Node, targets: tuple[Any, ...], *, required: bool 
     if len(users) == 1 and users[0].target in targets:
         return users[0]
     if required:
-        raise SkipSite("unsupported layout", f"{node.name} is read by {[u.name for u in users]}, not by one of {[str(t) for t in targets]}")
+        raise SkipSite(
+            "unsupported layout",
+            f"{node.name} is read by {[u.name for u in users]}, not by one of {[str(t) for t in targets]}",
+        )
     return None
 
 

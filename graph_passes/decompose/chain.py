@@ -46,6 +46,7 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -133,7 +134,8 @@ class ChainSite(PerPeerOnly):
             self._check(node)
         inside = {*self.region, gather.gathered}
         self.outputs = [
-            node for node in [gather.gathered, *self.region]
+            node
+            for node in [gather.gathered, *self.region]
             if any(u not in inside and u not in self.scatter.old_nodes for u in node.users)
         ]
         first_users = [u for node in self.outputs for u in node.users if u not in inside]
@@ -145,7 +147,9 @@ class ChainSite(PerPeerOnly):
                     late_operands(arg, self.anchor, position, self.hoist)
         for leaf in self.sliced:
             if position[leaf] >= position[self.anchor]:
-                raise SkipSite("late operand", f"{leaf.name} ({leaf.target}), read row by row, is computed after the chain starts")
+                raise SkipSite(
+                    "late operand", f"{leaf.name} ({leaf.target}), read row by row, is computed after the chain starts"
+                )
         chunkers = [u for u in gather.wait.users] if gather.gathered is not gather.wait else []
         getitems = [g for c in chunkers for g in c.users]
         old = {gather.issue, gather.wait, *chunkers, *getitems, gather.gathered, *self.region, *self.scatter.old_nodes}
@@ -155,10 +159,8 @@ class ChainSite(PerPeerOnly):
         """The chain's all-gather and reduce-scatter as single sites, with their pattern names
         (one that is not a site of its own is left out: its nodes would stay as they are)."""
         sites: list[tuple[str, Site]] = [("matmul_reduce_scatter", self.scatter)]
-        try:
+        with contextlib.suppress(SkipSite):
             sites.insert(0, ("all_gather_matmul", AllGatherSite(self.m.gather, self.graph)))
-        except SkipSite:
-            pass
         return sites
 
     # ------------------------------------------------------------------ analysis
@@ -169,7 +171,7 @@ class ChainSite(PerPeerOnly):
         gathered = self.m.gather.gathered
         matmuls = self.scatter.matmuls
         below = {gathered}
-        for node in list(self.graph.nodes)[position[gathered] + 1:]:
+        for node in list(self.graph.nodes)[position[gathered] + 1 :]:
             if any(a in below for a in node.all_input_nodes):
                 below.add(node)
         if not all(mm in below for mm in matmuls):
@@ -206,7 +208,9 @@ class ChainSite(PerPeerOnly):
     def _rows(self, node: torch.fx.Node, blocks: int) -> Rows:
         rows = locate(list(val(node).shape), self.before, blocks)
         if rows is None:
-            raise SkipSite("unsupported layout", f"a {node.target} cuts through the blocks of {ways(self.n, blocks // self.n)}")
+            raise SkipSite(
+                "unsupported layout", f"a {node.target} cuts through the blocks of {ways(self.n, blocks // self.n)}"
+            )
         return rows
 
     def _inside(self, arg: Any) -> bool:
@@ -223,7 +227,9 @@ class ChainSite(PerPeerOnly):
             return
         at = self._rows(node, self.n).dim - (len(out) - len(shape))  # the blocks' dim, right-aligned
         if at >= 0 and shape[at] != 1:
-            raise SkipSite("not row-wise", f"{what} of a {node.target} is neither broadcast along the rows nor row by row")
+            raise SkipSite(
+                "not row-wise", f"{what} of a {node.target} is neither broadcast along the rows nor row by row"
+            )
 
     def _check(self, node: torch.fx.Node) -> None:
         """``node``'s operands fit block-by-block compute (``SkipSite`` otherwise)."""
@@ -305,8 +311,13 @@ class ChainSite(PerPeerOnly):
 
         def issue(step: int) -> list[torch.fx.Node]:
             return [
-                e.exchange(e.slice(gather.shard, d, p * size, (p + 1) * size), (rank - step) % n, (rank + step) % n,
-                           transfer_tag(tag, (step - 1) * pieces + p), gather.group_name)
+                e.exchange(
+                    e.slice(gather.shard, d, p * size, (p + 1) * size),
+                    (rank - step) % n,
+                    (rank + step) % n,
+                    transfer_tag(tag, (step - 1) * pieces + p),
+                    gather.group_name,
+                )
                 for p in range(pieces)
             ]
 
@@ -325,7 +336,9 @@ class ChainSite(PerPeerOnly):
                 b = peer * pieces + p
                 envs[b] = self._chain(e, rows, b, blocks)
                 tag_j = transfer_tag(tag, (n - 1 + step - 1) * pieces + p)
-                sent_now.append(e.exchange(self._partial(e, envs[b], blocks), peer, (rank - step) % n, tag_j, gather.group_name))
+                sent_now.append(
+                    e.exchange(self._partial(e, envs[b], blocks), peer, (rank - step) % n, tag_j, gather.group_name)
+                )
             sent.append(sent_now)
         sd = self.scatter.d
         total = e.cat([self._partial(e, envs[rank * pieces + p], blocks) for p in range(pieces)], sd)

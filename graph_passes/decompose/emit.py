@@ -97,9 +97,7 @@ class Emitter:
     def cat(self, parts: Sequence[torch.fx.Node], dim: int) -> torch.fx.Node:
         return parts[0] if len(parts) == 1 else self.call(aten.cat.default, list(parts), dim)
 
-    def exchange(
-        self, send: torch.fx.Node, to_peer: int, from_peer: int, tag: int, group_name: str
-    ) -> torch.fx.Node:
+    def exchange(self, send: torch.fx.Node, to_peer: int, from_peer: int, tag: int, group_name: str) -> torch.fx.Node:
         """Send ``send`` to ``to_peer`` and receive a tensor of its shape from ``from_peer``."""
         return self.call(exchange_op(), send, to_peer, from_peer, tag, group_name)
 

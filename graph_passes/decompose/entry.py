@@ -115,7 +115,8 @@ class _Decomposer:
                 size = _group_size(m, m.group_name)
                 if size is None:
                     self.ctx.explain(
-                        PASS, f"{label}: skipped: unknown group",
+                        PASS,
+                        f"{label}: skipped: unknown group",
                         f"{label} at {m.issue.name}: process group {m.group_name!r} unknown to torch.distributed",
                     )
                     continue
@@ -152,13 +153,17 @@ class _Decomposer:
         def variant_skipped(family: str, why: SkipSite) -> None:
             self.ctx.explain(PASS, f"{label}: {family} skipped: {why.code}", f"{name}: {why.detail}")
 
-        variants, original_s = selection.variants(site, group_name, TAG_BASE + index * TAG_STRIDE, strand, variant_skipped)
+        variants, original_s = selection.variants(
+            site, group_name, TAG_BASE + index * TAG_STRIDE, strand, variant_skipped
+        )
         if not variants:
             for rival, _ in rivals:
                 rival.discard()
             self.ctx.count(PASS, f"{label}: skipped: no variant applies")
             return
-        self.ctx.record(PASS, **{f"{name}_original_s": original_s}, **{f"{name}_{v.name}_s": v.predicted_s for v in variants})
+        self.ctx.record(
+            PASS, **{f"{name}_original_s": original_s}, **{f"{name}_{v.name}_s": v.predicted_s for v in variants}
+        )
         best = selection.choose(variants, original_s)
         why_not = "kept: no predicted gain"
         detail = f"{name}: the original predicts {original_s:.4g} s, the fastest variant {min(v.predicted_s for v in variants):.4g} s"
@@ -167,7 +172,9 @@ class _Decomposer:
             self.ctx.record(PASS, **{f"{name}_graph_chain_s": chain_s, f"{name}_graph_single_sites_s": sites_s})
             if sites_s <= chain_s:
                 best, why_not = None, "left to the single sites"
-                detail = f"{name}: the graph predicts {sites_s:.4g} s with the single sites, {chain_s:.4g} s with the chain"
+                detail = (
+                    f"{name}: the graph predicts {sites_s:.4g} s with the single sites, {chain_s:.4g} s with the chain"
+                )
         for rival, _ in rivals:
             rival.discard()
         discard_all_but(variants, best)

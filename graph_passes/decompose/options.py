@@ -17,7 +17,11 @@ PASS = "decompose"
 CHAIN = "all_gather_chain"
 #: The single-site patterns, in the order the pass tries them (after ``CHAIN`` when enabled).
 SINGLE_SITE_PATTERNS: tuple[str, ...] = (
-    "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_to_all_compute", "bmm_all_to_all"
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "matmul_all_reduce",
+    "all_to_all_compute",
+    "bmm_all_to_all",
 )
 Mode = Literal["auto", "per_peer", "chunked", "off"]
 MODES: tuple[str, ...] = ("auto", "per_peer", "chunked", "off")

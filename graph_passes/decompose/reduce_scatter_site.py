@@ -71,7 +71,9 @@ class ReduceScatterSite(ReplacesOutput):
         inside = {*self.matmuls, *region, m.issue}
         for node in [*self.matmuls, *region]:
             if any(u not in inside for u in node.users):
-                raise SkipSite("other consumers", f"{node.name}, the matmul output or a view of it, has other consumers")
+                raise SkipSite(
+                    "other consumers", f"{node.name}, the matmul output or a view of it, has other consumers"
+                )
         self.old_nodes = sorted([*self.matmuls, *region, m.issue, m.wait], key=position.__getitem__)
         # the tensor that is chunked along scatter_dim: the matmul output in its viewed shape
         source = as_node(m.issue.args[0])
@@ -82,7 +84,9 @@ class ReduceScatterSite(ReplacesOutput):
         self.shape = list(val(source).shape)
         self.d = m.scatter_dim % len(self.shape)
         if self.shape[self.d] % m.group_size:
-            raise SkipSite("indivisible", f"scatter dim {self.d} ({self.shape[self.d]}) not divisible by {m.group_size}")
+            raise SkipSite(
+                "indivisible", f"scatter dim {self.d} ({self.shape[self.d]}) not divisible by {m.group_size}"
+            )
         if self.d == len(self.shape) - 1:
             raise SkipSite("scatters columns", "scatters the matmul's output columns")
         for mm in self.matmuls:
@@ -116,7 +120,9 @@ class ReduceScatterSite(ReplacesOutput):
     def per_peer(self, e: Emitter, rank: int, tag: int, pieces: int = 1) -> Variant:
         m, n = self.m, self.m.group_size
         if self.shape[self.d] % (n * pieces):
-            raise SkipSite("indivisible", f"scatter dim {self.d} ({self.shape[self.d]}) not divisible by {ways(n, pieces)}")
+            raise SkipSite(
+                "indivisible", f"scatter dim {self.d} ({self.shape[self.d]}) not divisible by {ways(n, pieces)}"
+            )
         partial = lambda i, count: self._partial(e, i, count)  # noqa: E731
         total = reduce_per_peer(e, partial, self.d, rank, n, pieces, tag, m.group_name, m.reduce_op)
         return Variant(per_peer_name(pieces), e, [(m.wait, total)])
@@ -152,5 +158,3 @@ class ReduceScatterSite(ReplacesOutput):
             flights.append(e.call(c10d.reduce_scatter_tensor.default, y, m.reduce_op, n, m.group_name))
         outs = [e.call(c10d.wait_tensor.default, f) for f in flights]
         return Variant(f"chunked_{k}", e, [(m.wait, e.cat(outs, len(self.shape) - 1))])
-
-

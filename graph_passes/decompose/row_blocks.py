@@ -96,11 +96,18 @@ def reduce_per_peer(
     flights = []
     for s in range(1, n):
         peer = (rank + s) % n
-        flights.append([
-            e.exchange(partial(peer * pieces + p, n * pieces), peer, (rank - s) % n,
-                       transfer_tag(tag, (s - 1) * pieces + p), group_name)
-            for p in range(pieces)
-        ])
+        flights.append(
+            [
+                e.exchange(
+                    partial(peer * pieces + p, n * pieces),
+                    peer,
+                    (rank - s) % n,
+                    transfer_tag(tag, (s - 1) * pieces + p),
+                    group_name,
+                )
+                for p in range(pieces)
+            ]
+        )
     total = partial(rank, n)
     for step in flights:
         total = e.call(aten.add.Tensor, total, e.cat([e.wait_exchange(f) for f in step], dim))

@@ -95,7 +95,10 @@ class Selection:
         if mode in ("auto", "per_peer"):
             rank = resolve_group_rank(group_name)
             if rank is None:
-                skip("per_peer", SkipSite("unknown group", f"process group {group_name!r}: this rank's place in it is unknown"))
+                skip(
+                    "per_peer",
+                    SkipSite("unknown group", f"process group {group_name!r}: this rank's place in it is unknown"),
+                )
             else:
                 for pieces in (self.options.pieces,) if self.options.pieces else AUTO_PIECES:
                     build("per_peer", site.per_peer, rank, tag, pieces)

@@ -162,7 +162,9 @@ def node_positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def late_operands(node: Any, anchor: torch.fx.Node, position: dict[torch.fx.Node, int], out: list[torch.fx.Node]) -> None:
+def late_operands(
+    node: Any, anchor: torch.fx.Node, position: dict[torch.fx.Node, int], out: list[torch.fx.Node]
+) -> None:
     """Operands defined at or after ``anchor`` that the rewrite must move before its first node.
 
     Only free views (``t(weight)``) may move; anything else skips the site.
