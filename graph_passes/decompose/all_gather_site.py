@@ -57,7 +57,7 @@ from graph_passes.decompose.site import (
     late_operands,
     node_positions,
     per_peer_name,
-    transfer_tag,
+    send_shard_pieces,
 )
 from graph_passes.node_args import as_node
 
@@ -151,20 +151,10 @@ class AllGatherSite:
         m, n, d = self.m, self.m.group_size, self.d
         if self.shard_shape[d] % pieces:
             raise SkipSite("indivisible", f"shard dim {d} ({self.shard_shape[d]}) not divisible by {pieces} pieces")
-        size = self.shard_shape[d] // pieces
 
         def issue(s: int) -> list[torch.fx.Node]:
             """Step ``s``: the local shard, piece by piece, to rank r-s; rank r+s's pieces from it."""
-            return [
-                e.exchange(
-                    e.slice(m.shard, d, p * size, (p + 1) * size),
-                    (rank - s) % n,
-                    (rank + s) % n,
-                    transfer_tag(tag, (s - 1) * pieces + p),
-                    m.group_name,
-                )
-                for p in range(pieces)
-            ]
+            return send_shard_pieces(e, m.shard, d, pieces, s, rank, n, tag, m.group_name)
 
         # (rank, piece) -> (its rows of the gathered tensor, each matmul's output on them); the
         # outputs are assembled in gathered order (the local shard is piece 0 of its rank)

@@ -69,6 +69,7 @@ from graph_passes.decompose.site import (
     late_operands,
     node_positions,
     per_peer_name,
+    send_shard_pieces,
     transfer_tag,
     ways,
 )
@@ -310,16 +311,7 @@ class ChainSite(PerPeerOnly):
         envs: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {}  # block (rank * pieces + piece) -> env
 
         def issue(step: int) -> list[torch.fx.Node]:
-            return [
-                e.exchange(
-                    e.slice(gather.shard, d, p * size, (p + 1) * size),
-                    (rank - step) % n,
-                    (rank + step) % n,
-                    transfer_tag(tag, (step - 1) * pieces + p),
-                    gather.group_name,
-                )
-                for p in range(pieces)
-            ]
+            return send_shard_pieces(e, gather.shard, d, pieces, step, rank, n, tag, gather.group_name)
 
         flights = issue(1)
         for p in range(pieces):

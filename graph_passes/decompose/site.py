@@ -63,7 +63,7 @@ from typing import Any, Literal, Protocol
 import torch.fx
 
 from cost_model.op_kinds import kind_of
-from graph_passes.decompose.emit import Emitter
+from graph_passes.decompose.emit import Emitter, val
 
 TAG_BASE = 1 << 16
 TAG_STRIDE = 1 << 10
@@ -146,6 +146,24 @@ def transfer_tag(base: int, j: int) -> int:
     if not 0 <= j < TAG_STRIDE - 1:
         raise SkipSite("too many transfers", f"more than {TAG_STRIDE - 1} transfers in one site")
     return base + 1 + j
+
+
+def send_shard_pieces(
+    e: Emitter, shard: torch.fx.Node, dim: int, pieces: int, step: int, rank: int, n: int, tag: int, group_name: str
+) -> list[torch.fx.Node]:
+    """Step ``step`` of a per-peer all-gather: this rank's ``shard``, cut into ``pieces`` along
+    ``dim``, goes to rank r-step; rank r+step's pieces come back. One exchange per piece."""
+    size = val(shard).shape[dim] // pieces
+    return [
+        e.exchange(
+            e.slice(shard, dim, p * size, (p + 1) * size),
+            (rank - step) % n,
+            (rank + step) % n,
+            transfer_tag(tag, (step - 1) * pieces + p),
+            group_name,
+        )
+        for p in range(pieces)
+    ]
 
 
 def per_peer_name(pieces: int) -> str:
