@@ -258,23 +258,24 @@ def _check_number(name: str, value: Any, kind: type, *, minimum: float) -> None:
         raise ConfigError(f"dhelix option {name}={value!r}: must be >= {minimum}")
 
 
+def _comma_tuple(name: str, value: Any, item: type, expected: str) -> tuple[Any, ...]:
+    """A list or tuple as is, or ``"a, b"`` split on commas, each part converted by ``item``."""
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    if isinstance(value, str):
+        try:
+            return tuple(item(part.strip()) for part in value.split(",") if part.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"dhelix option {name}={value!r}: expected {expected}, or a list")
+
+
 def _coerce(name: str, value: Any) -> Any:
     """Turn strings from env vars (or loose user input) into the field's type."""
     if name == "disable_passes":
-        if isinstance(value, str):
-            return tuple(p.strip() for p in value.split(",") if p.strip())
-        if isinstance(value, (list, tuple)):
-            return tuple(value)
-        raise ConfigError(f"dhelix option disable_passes={value!r}: expected a list or 'a,b' string")
+        return _comma_tuple(name, value, str, "pass names like 'a,b'")
     if name == "interleave_defer_weight_grads":
-        if isinstance(value, str):
-            try:
-                return tuple(int(d.strip()) for d in value.split(",") if d.strip())
-            except ValueError:
-                raise ConfigError(f"dhelix option {name}={value!r}: expected integers like '1,2'") from None
-        if isinstance(value, (list, tuple)):
-            return tuple(value)
-        raise ConfigError(f"dhelix option {name}={value!r}: expected a list of integers")
+        return _comma_tuple(name, value, int, "integers like '1,2'")
     if name == "dump_dir" and value is not None:
         return os.fspath(value)
     if name == "profile_steps" and isinstance(value, str):
