@@ -82,7 +82,7 @@ def gather_floats(values: Sequence[float | None], group: Any) -> list[list[float
     return [[None if math.isnan(v) else float(v) for v in row] for row in rows]
 
 
-def check_same_signatures(sigs: Sequence[str], group: Any, what: str = "ProfiledEstimator.calibrate") -> None:
+def check_same_signatures(sigs: Sequence[str], group: Any) -> None:
     """Raise (never hang) when ranks are about to measure different signature lists."""
     if _agrees_alone(group):
         return
@@ -92,7 +92,7 @@ def check_same_signatures(sigs: Sequence[str], group: Any, what: str = "Profiled
     agreed = agree_max([h, -h, n, -n], group)
     if agreed[0] != -agreed[1] or agreed[2] != -agreed[3]:
         raise RuntimeError(
-            f"{what}: ranks are calibrating different graphs "
+            "ProfiledEstimator.calibrate: ranks are calibrating different graphs "
             f"(this rank has {len(sigs)} signatures); every rank must pass the same graph"
         )
 

@@ -116,7 +116,7 @@ def compile_partition(
 
 
 def _dumper(config: DHelixConfig, name: str) -> GraphDumper | None:
-    """The graph's dump writer with ``dump_dir`` (the only place the backend loads ``observe``)."""
+    """The graph's dump writer with ``dump_dir`` (loaded here, not at import: ``observe`` is only for dumps)."""
     if not config.dump_dir:
         return None
     from dhelix_compile.observe.dumps import GraphDumper
