@@ -23,6 +23,7 @@ import copy
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ from dhelix_compile import ops as _ops  # noqa: F401 - registers dhelix::exchang
 from dhelix_compile.codegen import generate, has_communication
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.consistency import check_rank_consistency
-from dhelix_compile.estimation import build_estimator
+from dhelix_compile.estimation import build_estimator, resolve_cost_model
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
 
@@ -80,14 +81,18 @@ def compile_partition(
     phase = _phase_of(inductor_kwargs)
     name = graph_name or _graph_name(phase)
     dumper = _dumper(config, name)
+    start = time.perf_counter()
+    estimator = _estimator(config, gm, example_inputs, name)
     ctx = PassContext(
         graph_name=name,
         phase=phase,
         example_inputs=example_inputs,
-        estimator=build_estimator(config, gm, example_inputs) if has_communication(gm) else None,
+        estimator=estimator,
         pass_options=pass_options(config),
         observer=dumper,
     )
+    if estimator is not None:  # building a profiled estimator measures the graph's ops and collectives
+        ctx.record("cost_model", calibration_s=time.perf_counter() - start)
     if dumper is not None:
         dumper.write_input(gm)
     try:
@@ -113,6 +118,22 @@ def compile_partition(
         on_scheduled(scheduled)
     plan = _measurement_plan(scheduled, name, dumper, config)  # before codegen: Inductor rewrites its graph
     return _profiled(generate(scheduled, example_inputs, config.codegen, inductor_kwargs), plan, dumper, config)
+
+
+def _estimator(
+    config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str
+) -> Estimator | None:
+    """The passes' estimator (none for a graph without communication).
+
+    Profiling measures the graph's collectives on the live group, so ranks that traced
+    different graphs would wait on each other's measurements: check their collective
+    sequences first, for the error that names the first difference.
+    """
+    if not has_communication(gm):
+        return None
+    if resolve_cost_model(config) == "profile":
+        check_rank_consistency(gm, name, config.consistency_timeout_s)
+    return build_estimator(config, gm, example_inputs)
 
 
 def _dumper(config: DHelixConfig, name: str) -> GraphDumper | None:

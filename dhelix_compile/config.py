@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 Codegen = Literal["inductor", "eager"]
 Fallback = Literal["inductor", "error"]
-CostModelKind = Literal["analytic", "profile"]
+CostModelKind = Literal["auto", "analytic", "profile"]
 DecomposeMode = Literal["off", "auto", "per_peer", "chunked"]
 
 
@@ -61,9 +61,13 @@ class DHelixConfig:
         env="DHELIX_DISABLE_PASSES",
     )
     cost_model: CostModelKind = _option(
-        "analytic",
-        "Where op and collective costs come from: 'analytic' (roofline + alpha-beta tables) or "
-        "'profile' (measured on the live device and process group, agreed across ranks, cached).",
+        "auto",
+        "Where op and collective costs come from: 'profile' (measured on the live device and "
+        "process group, agreed across ranks, compute ops cached on disk; the first compile of a "
+        "graph pays for it, see the README), 'analytic' (roofline + alpha-beta tables: no "
+        "measuring, but blind to the link actually in use), or 'auto' (profile when a real "
+        "process group of several ranks is live, since only then is there a link to measure; "
+        "analytic otherwise).",
         env="DHELIX_COST_MODEL",
     )
     device: str = _option(
@@ -93,11 +97,11 @@ class DHelixConfig:
         512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."
     )
     decompose: DecomposeMode = _option(
-        "off",
-        "Collective decomposition (all-gather->matmul, matmul->reduce-scatter, matmul->all-reduce, all-to-all<->bmm as per-peer P2P steps "
-        "or k chunks over partitioned matmuls): 'auto' rewrites a site when the cost model predicts "
-        "a gain, 'per_peer' / 'chunked' force that family wherever it applies, 'off' (the default "
-        "until the P2P path is checked on NCCL) leaves every site alone.",
+        "auto",
+        "Collective decomposition (all-gather->matmul, matmul->reduce-scatter, matmul->all-reduce, "
+        "all-to-all<->bmm as per-peer P2P steps or k chunks over partitioned matmuls): 'auto' (the "
+        "default) rewrites a site only where the cost model predicts the graph faster that way, "
+        "'per_peer' / 'chunked' force that family wherever it applies, 'off' leaves every site alone.",
         env="DHELIX_DECOMPOSE",
     )
     decompose_max_chunks: int = _option(4, "Largest number of chunks the chunked decomposition tries (>= 1).")

@@ -7,6 +7,9 @@ device "auto": the CUDA device's table entry (by name), else this CPU, measured 
 link "auto":   nvlink4 between GPUs, loopback between CPU processes.
 cost_model "profile": the analytic estimator as a base, calibrated on the live device and
                process group by cost_model.ProfiledEstimator (agreed across ranks, cached).
+cost_model "auto":   "profile" when a real process group of several ranks is live (there is a
+               link to measure, and the tables cannot know it: a rate-limited veth, a busy
+               NIC, NVLink or PCIe), "analytic" otherwise (one process, or the fake group).
 """
 
 from __future__ import annotations
@@ -83,6 +86,14 @@ def _device_from_json(data: dict[str, Any]) -> Device:
     return Device(peak_flops_per_s=peaks, **data)
 
 
+def resolve_cost_model(config: DHelixConfig) -> str:
+    """``config.cost_model`` with ``"auto"`` decided (see the module docstring)."""
+    if config.cost_model != "auto":
+        return config.cost_model
+    live = compat.real_process_group_initialized() and dist.get_world_size() > 1
+    return "profile" if live else "analytic"
+
+
 def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Estimator:
     """The estimator for one partition: analytic, or profiled (calibrated on ``gm`` now)."""
     cuda = _uses_cuda(example_inputs)
@@ -91,7 +102,7 @@ def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inpu
     base = AnalyticEstimator(
         resolve_device(config, example_inputs), link, world_size, comm_backend="nccl" if cuda else "gloo"
     )
-    if config.cost_model == "analytic":
+    if resolve_cost_model(config) == "analytic":
         return base
     profiled = ProfiledEstimator(base, Path(config.cache_dir).expanduser(), runner=compat.run_outside_compilation)
     report = compat.run_outside_compilation(lambda: profiled.calibrate(gm))

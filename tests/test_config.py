@@ -144,7 +144,7 @@ def test_every_pass_option_is_a_config_field() -> None:
         ("memory_budget_ratio", 1.5, "reorder", "memory_budget_ratio"),
         ("max_in_flight", 3, "reorder", "max_in_flight"),
         ("max_issue_distance", 64, "reorder", "max_issue_distance"),
-        ("decompose", "auto", "decompose", "mode"),
+        ("decompose", "off", "decompose", "mode"),
         ("decompose_max_chunks", 2, "decompose", "max_chunks"),
         ("decompose_pieces", 4, "decompose", "pieces"),
         ("decompose_min_gain_ratio", 0.1, "decompose", "min_gain_ratio"),

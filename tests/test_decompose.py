@@ -697,14 +697,15 @@ def test_exchange_leaves_no_stale_work_registration() -> None:
         assert seen == [float((rank + 1) % 2 + i) if j == 0 else 0.0 for i in range(3) for j in (0, 1)]
 
 
-def test_pass_runs_after_annotate_before_reorder_and_is_off_by_default() -> None:
+def test_pass_runs_after_annotate_before_reorder_and_the_backend_decides_per_site() -> None:
     from dhelix_compile.config import DHelixConfig
     from dhelix_compile.pass_options import pass_options
     from graph_passes.pipeline import pass_names
 
     names = pass_names()
     assert names.index("annotate") < names.index("decompose") < names.index("reorder")
-    assert pass_options(DHelixConfig())["decompose"] == DecomposeOptions() and DecomposeOptions().mode == "off"
+    assert DecomposeOptions().mode == "off"  # the pass alone does nothing unless asked
+    assert pass_options(DHelixConfig())["decompose"] == DecomposeOptions(mode="auto")  # the backend's default
     forced = pass_options(DHelixConfig.from_options({"decompose": "chunked", "decompose_max_chunks": 3}))["decompose"]
     assert forced == DecomposeOptions(mode="chunked", max_chunks=3)
     pieces = pass_options(DHelixConfig.from_options({"decompose": "per_peer", "decompose_pieces": 2}))["decompose"]

@@ -42,7 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
     from cost_model.rank_agreement import agree_max
     from dhelix_compile.bench.measure import time_interleaved
     from dhelix_compile.bench.steps import step_function
-    from dhelix_compile.bench.worker import model_config
+    from dhelix_compile.bench.workloads import model_config
     from dhelix_compile.testing.llama import Transformer, lm_loss
     from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
 
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (shared by ``dhelix demo`` and ``python -m dhelix_compile.bench.demo``)."""
-    from dhelix_compile.bench.worker import MODEL_SIZES
+    from dhelix_compile.bench.workloads import MODEL_SIZES
 
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="tiny", help="reference model size")
     parser.add_argument("--rate", default="300mbit", help="tc rate of the emulated link; 'none' for loopback")

@@ -7,7 +7,7 @@ Contract
       seconds this process spent in each step (all its threads: compute, gloo's transport,
       the kernel's socket work done on their behalf). Interleaving puts every variant under
       the same conditions (link, machine load) instead of measuring one after another.
-    - ``record_collectives(module, inputs, loss_fn)``: compiles ``module`` once through
+    - ``record_collectives(module, loss_of)``: compiles ``module`` once through
       AOTAutograd (eager codegen) and returns the collective issue nodes of its forward and
       backward graphs, in order; ``replay_collectives(nodes)`` issues exactly those
       collectives (same ops, shapes, dtypes, groups) back to back on the live process group and
@@ -74,9 +74,10 @@ def time_interleaved(
 
 
 def record_collectives(
-    module: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor]
+    module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor]
 ) -> list[torch.fx.Node]:
-    """Collective issue nodes of ``module``'s forward and backward graphs, in execution order."""
+    """Collective issue nodes of ``module``'s forward and backward graphs, in execution order
+    (``loss_of(compiled_module)``: one micro-batch's loss)."""
     recorded: list[torch.fx.Node] = []
 
     def inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
@@ -88,7 +89,8 @@ def record_collectives(
 
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend)
-    loss_fn(compiled(*inputs)).backward()
+    assert isinstance(compiled, torch.nn.Module), "torch.compile of a module is a module"
+    loss_of(compiled).backward()
     torch._dynamo.reset()
     return recorded
 

@@ -66,7 +66,7 @@ def peak_allocated_bytes(fn: Callable[[], Any], interval_s: float = 2e-4) -> int
 
 def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, variants: list[str]) -> dict[str, int]:
     from dhelix_compile.bench.steps import step_function
-    from dhelix_compile.bench.worker import model_config
+    from dhelix_compile.bench.workloads import model_config
     from dhelix_compile.testing.llama import Transformer, lm_loss
     from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
 

@@ -134,6 +134,18 @@ def _cpu_and_idle(step_s: float, cpu_samples: list[float] | None) -> dict[str, f
     return {"cpu_s_median": cpu, "idle_s": max(step_s - cpu, 0.0)}
 
 
+def _compile_times(link_run: dict[str, Any], name: str) -> dict[str, float | None]:
+    """The variant's first step on the link (compile + one step), and its seconds in dhelix's
+    passes and in profiling (the slowest rank's; None for runs that did not record them)."""
+    first = (link_run.get("first_step_s") or {}).get(name)
+    plan = (link_run.get("plan_s") or {}).get(name)
+    return {
+        "first_step_s": first,
+        "plan_s": plan[0] if plan else None,
+        "profile_s": plan[1] if plan else None,
+    }
+
+
 def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) -> dict[str, Any]:
     """The JSON summary of one benchmark (see the module docstring)."""
     t_comm = statistics.median(link_run["t_comm_s"])
@@ -153,6 +165,7 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
             "t_compute_s": own_compute,
             "hidden_share": hidden_share(median, own_compute, t_comm),
             **_cpu_and_idle(median, (link_run.get("cpu_s") or {}).get(name)),
+            **_compile_times(link_run, name),
         }
     comm_cpu = link_run.get("t_comm_cpu_s")
     ceiling = link_run.get("ceiling")
@@ -181,6 +194,16 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
     }
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _plan_cell(variant: dict[str, Any]) -> str:
+    if not variant.get("plan_s") and not variant.get("profile_s"):
+        return "-"
+    return f"{variant['plan_s']:.1f} + {variant['profile_s']:.1f}"
+
+
 def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
     """Share of the hideable communication a step hid: 1 = perfect overlap, 0 = none."""
     hideable = t_compute_s + t_comm_s - max(t_compute_s, t_comm_s)
@@ -205,31 +228,38 @@ def markdown(summary: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | step / limit "
-        "| hidden share | own T_compute (ms) | hidden share vs T_compute | CPU (ms) | idle (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | step / limit | step / ceiling "
+        "| hidden share | own T_compute (ms) | hidden share vs T_compute | CPU (ms) | idle (ms) "
+        "| first step (s) | passes + profiling (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    ceiling = summary.get("ceiling")
     for name, v in summary["variants"].items():
         speedup = f"{base / v['step_s_median']:.2f}x" if base else "-"
+        vs_ceiling = f"{v['step_s_median'] / ceiling['step_s_median']:.2f}" if ceiling else "-"
         own = v.get("t_compute_s", summary["t_compute_s"])
         common = hidden_share(v["step_s_median"], summary["t_compute_s"], summary["t_comm_s"])
         lines.append(
             f"| {name} | {format_ms(v['step_s_median'])} | {format_ms(v['step_s_min'])}-{format_ms(v['step_s_max'])} "
-            f"| {speedup} | {v['step_s_median'] / limit:.2f} | {v['hidden_share']:.0%} | {format_ms(own)} "
+            f"| {speedup} | {v['step_s_median'] / limit:.2f} | {vs_ceiling} | {v['hidden_share']:.0%} | {format_ms(own)} "
             f"| {common:.0%} "
-            f"| {format_ms(v.get('cpu_s_median'))} | {format_ms(v.get('idle_s'))} |"
+            f"| {format_ms(v.get('cpu_s_median'))} | {format_ms(v.get('idle_s'))} "
+            f"| {_seconds(v.get('first_step_s'))} | {_plan_cell(v)} |"
         )
-    ceiling = summary.get("ceiling")
     if ceiling:
+        speedup = f"{base / ceiling['step_s_median']:.2f}x" if base else ""
         lines.append(
-            f"| *ceiling* | {format_ms(ceiling['step_s_median'])} | | | {ceiling['step_s_median'] / limit:.2f} "
+            f"| *ceiling* | {format_ms(ceiling['step_s_median'])} | | {speedup} | {ceiling['step_s_median'] / limit:.2f} | 1.00 "
             f"| {ceiling['hidden_share']:.0%} | {format_ms(ceiling['t_compute_s'])} | | {format_ms(ceiling['cpu_s_median'])} "
-            f"| {format_ms(ceiling['idle_s'])} |"
+            f"| {format_ms(ceiling['idle_s'])} | | |"
         )
     lines += [
         "",
         "hidden share: against the variant's own T_compute; the next column against the top-level T_compute.",
         "CPU: the busiest rank's CPU time per step (all its threads); idle = step - CPU, the time it waited at least.",
+        "first step: the variant's first call on the link, which compiles every graph of the step (graph dumps "
+        "included: the bench writes them for the predictions); passes + profiling: dhelix's graph passes and, with "
+        "cost_model='profile' (the default on a live group), measuring the graphs' ops and collectives.",
     ]
     if ceiling:
         lines.append(
@@ -286,7 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _check(args: argparse.Namespace) -> str | None:
     """A message naming the bad option, or None."""
     from dhelix_compile.bench.steps import STEP_VARIANTS
-    from dhelix_compile.bench.worker import MODEL_NAMES
+    from dhelix_compile.bench.workloads import MODEL_NAMES
 
     if args.model not in MODEL_NAMES:
         return f"unknown model size {args.model!r}; choose from {', '.join(MODEL_NAMES)}"

@@ -12,18 +12,16 @@ Launched (by ``dhelix_compile.launch.ranks.launch_ranks``) with RANK / WORLD_SIZ
                      the same variants' step times are T_compute, the step without communication.
 
 A step is one forward and backward per micro-batch (``--microbatches``; gradients accumulate,
-helix merges consecutive micro-batches) of the TP+SP Llama-style reference model, or,
-for ``--model mlp_*``, of one TP+SP SwiGLU MLP block alone (all-gather -> w1, w3 -> w2 ->
-reduce-scatter; its input sequence-sharded and requiring grad, so the backward has the mirror
-pair), or, for ``--model moe_*``, of one expert-parallel MoE layer (``testing.moe``: router,
-all-to-all dispatch, each rank's SwiGLU experts as bmm, all-to-all combine).
-A step's time is the slowest rank's. Rank 0 writes the JSON; every rank exits 0 on success.
+helix merges consecutive micro-batches) of a workload (``bench.workloads``: the reference
+transformer, an MLP block, an MoE layer, a Hugging Face Llama). A step's time is the slowest
+rank's. Per variant the first step is timed apart (it compiles every graph: the compile time)
+and the dumps give the time spent in dhelix's passes and in profiling (``plan_s``).
+Rank 0 writes the JSON; every rank exits 0 on success.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -31,7 +29,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,34 +42,7 @@ from dhelix_compile.bench.measure import (
     time_interleaved,
 )
 from dhelix_compile.bench.steps import STEP_VARIANTS, step_function
-from dhelix_compile.testing.llama import FeedForward, ModelConfig, Transformer, lm_loss
-from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
-
-if TYPE_CHECKING:
-    from dhelix_compile.testing.moe import MoEConfig
-
-#: Model sizes by name: (dim, n_heads, n_layers, ffn_hidden, vocab, seq_len, batch)
-MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
-    "tiny": (64, 4, 2, 128, 128, 32, 2),
-    "small": (256, 8, 4, 768, 512, 128, 4),
-    "medium": (512, 8, 4, 1536, 1024, 256, 4),
-    "large": (1024, 16, 4, 2816, 2048, 256, 4),
-}
-
-#: MLP-block sizes by name: (dim, ffn_hidden, seq_len, batch)
-MLP_SIZES: dict[str, tuple[int, int, int, int]] = {
-    "mlp_small": (256, 768, 128, 4),
-    "mlp_medium": (512, 1536, 256, 4),
-    "mlp_large": (1024, 2816, 256, 4),
-}
-
-
-#: MoE-layer sizes by name: (dim, ffn_hidden, n_experts, top_k, tokens per rank)
-MOE_SIZES: dict[str, tuple[int, int, int, Literal[1, 2], int]] = {
-    "moe_small": (256, 512, 4, 2, 256),
-    "moe_medium": (512, 1024, 4, 2, 256),
-}
-MODEL_NAMES: tuple[str, ...] = (*MODEL_SIZES, *MLP_SIZES, *MOE_SIZES)
+from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,44 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--progress-file", default=None, help="rank 0 writes 'done total variant' here")
     return parser.parse_args(argv)
-
-
-def model_config(size: str) -> tuple[ModelConfig, int, int]:
-    dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[size]
-    return (
-        ModelConfig(dim=dim, n_heads=heads, n_layers=layers, ffn_hidden=ffn, vocab_size=vocab, max_seq_len=seq),
-        seq,
-        batch,
-    )
-
-
-class MLPBlock(torch.nn.Module):
-    """One SwiGLU MLP of the reference model, parallelized as in the TP+SP plan."""
-
-    def __init__(self, dim: int, ffn_hidden: int) -> None:
-        super().__init__()
-        self.feed_forward = FeedForward(ModelConfig(dim=dim, ffn_hidden=ffn_hidden))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(x)
-
-
-def parallelize_mlp(block: MLPBlock, mesh: Any) -> torch.nn.Module:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-    return parallelize_module(block, mesh, plan)
 
 
 def init_process_group(mode: str) -> tuple[int, int]:
@@ -166,6 +99,17 @@ def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | N
     return microbatches * (makespans["fwd"] + makespans["bwd"])
 
 
+def _plan_s(dump_dir: Path, rank: int) -> tuple[float, float]:
+    """``(passes, profiling)``: seconds this rank spent in dhelix's graph passes and in
+    measuring costs (``cost_model="profile"``), over every graph of a variant (from its dumps)."""
+    passes = profiling = 0.0
+    for summary in (dump_dir / f"rank{rank}").glob("*/summary.json"):
+        data = json.loads(summary.read_text())
+        passes += sum(data.get("pass_seconds", {}).values())
+        profiling += data.get("records", {}).get("cost_model", {}).get("calibration_s", 0.0)
+    return passes, profiling
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dhelix_bench_") as dump_root:
         return _run(args, Path(dump_root))
@@ -180,68 +124,12 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     if user_options.get("dump_dir"):  # keep the dumps: one folder per variant under the user's
         dump_root = Path(user_options.pop("dump_dir"))
     barrier = dist.barrier if args.mode == "link" else None
-    config: ModelConfig | MoEConfig  # reported with the results
-    if args.model in MLP_SIZES:
-        dim, ffn, seq, batch = MLP_SIZES[args.model]
-        config = ModelConfig(dim=dim, ffn_hidden=ffn)
-        # this rank's sequence shard (requiring grad, so the backward has the mirror pair) and a probe
-        microbatches: list[tuple[torch.Tensor, ...]] = [
-            (
-                torch.randn(batch, seq // world_size, dim, generator=gen).requires_grad_(),
-                torch.randn(batch, seq // world_size, dim, generator=gen),
-            )
-            for _ in range(args.microbatches)
-        ]
-
-        def make() -> torch.nn.Module:
-            torch.manual_seed(0)
-            return parallelize_mlp(MLPBlock(dim, ffn), mesh)
-
-        def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return (model(mb[0]) * mb[1]).sum()
-    elif args.model in MOE_SIZES:
-        from dhelix_compile.testing.moe import ExpertParallelMoE, MoEConfig, ReferenceMoE
-
-        dim, ffn, n_experts, top_k, seq = MOE_SIZES[args.model]
-        moe_config = MoEConfig(dim=dim, ffn_hidden=ffn, n_experts=n_experts, top_k=top_k)
-        config, batch = moe_config, 1
-        moe_config.validate(world_size)
-        # this rank's dispatch group of tokens and a probe
-        microbatches = [
-            (torch.randn(seq, dim, generator=gen), torch.randn(seq, dim, generator=gen))
-            for _ in range(args.microbatches)
-        ]
-
-        def make() -> torch.nn.Module:
-            return ExpertParallelMoE.from_reference(ReferenceMoE(moe_config))
-
-        def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return (model(mb[0]) * mb[1]).sum()
-    else:
-        config, seq, batch = model_config(args.model)
-        config.validate(world_size)
-        microbatches = [
-            (
-                torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-                torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-            )
-            for _ in range(args.microbatches)
-        ]
-        parallelize = parallelize_tp_sp if args.parallel == "tp_sp" else parallelize_tp
-
-        def make() -> torch.nn.Module:
-            return parallelize(Transformer(config), mesh)
-
-        def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return lm_loss(model(mb[0]), mb[1])
-
-    inputs, extra = microbatches[0][:1], microbatches[0][1]
-
-    def loss_of(out: torch.Tensor) -> torch.Tensor:  # one micro-batch's loss, for recording collectives
-        return lm_loss(out, extra) if args.model in MODEL_SIZES else (out * extra).sum()
+    workload = build_workload(args.model, args.parallel, mesh, world_size, args.microbatches, gen)
+    microbatches, make, loss_fn = workload.microbatches, workload.make, workload.loss_fn
 
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    first_step_s: dict[str, float] = {}
     for name in [v for v in args.variants.split(",") if v]:
         if name not in STEP_VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(STEP_VARIANTS)}")
@@ -255,10 +143,13 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         ok = True
         try:
             with _overlap_scheduler_on_cpu(name):
-                for _ in range(args.warmup):
+                for warm_up in range(max(args.warmup, 1)):
                     if barrier:
                         barrier()
+                    start = time.perf_counter()
                     step()
+                    if warm_up == 0:  # compiles every graph the step needs, then runs it once
+                        first_step_s[name] = time.perf_counter() - start
         except Exception:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             errors[name] = traceback.format_exc(limit=3)
             ok = False
@@ -274,20 +165,24 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "mode": args.mode,
         "model": args.model,
         "parallel": args.parallel,
-        "model_config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
-        "batch": batch,
-        "seq_len": seq,
+        "model_config": workload.config,
+        "batch": workload.batch,
+        "seq_len": workload.seq_len,
         "world_size": world_size,
         "microbatches": args.microbatches,
         "threads": args.threads,
         "repeats": repeats,
         "step_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.wall_s.items()},
         "cpu_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.cpu_s.items()},
+        "first_step_s": {name: agree_max([first_step_s[name]], dist.group.WORLD)[0] for name in steps},
+        "plan_s": {name: agree_max(list(_plan_s(dump_root / name, rank)), dist.group.WORLD) for name in steps},
         "errors": errors,
     }
     if args.mode == "link":
         # every micro-batch's collectives, back to back
-        replay = replay_collectives(record_collectives(make(), inputs, loss_of) * len(microbatches))
+        replay = replay_collectives(
+            record_collectives(make(), lambda model: loss_fn(model, microbatches[0])) * len(microbatches)
+        )
         timed: dict[str, Any] = {"comm": replay}
         if args.t_compute_s > 0:
             ceiling_compute, ceiling = ceiling_steps(

@@ -1,0 +1,199 @@
+"""The models a benchmark runs, by name: what to build, how to feed it, what its loss is.
+
+    reference transformer  ``tiny`` ... ``large``: the Llama-style reference model
+                           (``testing.llama``), TP+SP or TP (``--parallel``)
+    MLP block              ``mlp_*``: one TP+SP SwiGLU MLP (all-gather -> w1, w3 -> w2 ->
+                           reduce-scatter), its input sequence-sharded and requiring grad, so
+                           the backward has the mirror pair
+    MoE layer              ``moe_*``: one expert-parallel MoE layer (``testing.moe``: router,
+                           all-to-all dispatch, each rank's experts as bmm, all-to-all combine)
+    Hugging Face Llama     ``hf_llama_*``: ``transformers.LlamaForCausalLM`` built from a
+                           config (random weights, nothing downloaded; the ``hf`` extra) with
+                           PyTorch's ``parallelize_module`` TP plan, or TP + sequence
+                           parallelism (``--parallel``; ``testing.hf_llama``)
+
+Every workload is built from one seed on every rank; each rank gets its own micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from dhelix_compile.testing.llama import FeedForward, ModelConfig, Transformer, lm_loss
+from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
+
+Microbatch = Any
+LossFn = Callable[[torch.nn.Module, Microbatch], torch.Tensor]
+
+#: Reference-transformer sizes by name: (dim, n_heads, n_layers, ffn_hidden, vocab, seq_len, batch)
+MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "tiny": (64, 4, 2, 128, 128, 32, 2),
+    "small": (256, 8, 4, 768, 512, 128, 4),
+    "medium": (512, 8, 4, 1536, 1024, 256, 4),
+    "large": (1024, 16, 4, 2816, 2048, 256, 4),
+}
+
+#: MLP-block sizes by name: (dim, ffn_hidden, seq_len, batch)
+MLP_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "mlp_small": (256, 768, 128, 4),
+    "mlp_medium": (512, 1536, 256, 4),
+    "mlp_large": (1024, 2816, 256, 4),
+}
+
+#: MoE-layer sizes by name: (dim, ffn_hidden, n_experts, top_k, tokens per rank)
+MOE_SIZES: dict[str, tuple[int, int, int, Literal[1, 2], int]] = {
+    "moe_small": (256, 512, 4, 2, 256),
+    "moe_medium": (512, 1024, 4, 2, 256),
+}
+
+#: Hugging Face Llama workloads: bench name -> ``testing.hf_llama`` size
+HF_LLAMA_SIZES: dict[str, str] = {"hf_llama_tiny": "tiny", "hf_llama": "bench"}
+
+MODEL_NAMES: tuple[str, ...] = (*MODEL_SIZES, *MLP_SIZES, *MOE_SIZES, *HF_LLAMA_SIZES)
+
+
+@dataclasses.dataclass
+class Workload:
+    """One benchmark model: ``make()`` builds it (same weights on every call and rank),
+    ``loss_fn(model, mb)`` is one micro-batch's loss, ``microbatches`` this rank's data."""
+
+    make: Callable[[], torch.nn.Module]
+    loss_fn: LossFn
+    microbatches: list[Microbatch]
+    config: dict[str, str]
+    batch: int
+    seq_len: int
+
+
+def build_workload(
+    name: str, parallel: str, mesh: Any, world_size: int, microbatches: int, gen: torch.Generator
+) -> Workload:
+    """The workload ``name`` (``MODEL_NAMES``) on ``mesh``, with ``microbatches`` micro-batches."""
+    if name in MLP_SIZES:
+        return _mlp(name, mesh, world_size, microbatches, gen)
+    if name in MOE_SIZES:
+        return _moe(name, world_size, microbatches, gen)
+    if name in HF_LLAMA_SIZES:
+        return _hf_llama(name, parallel, mesh, microbatches, gen)
+    if name in MODEL_SIZES:
+        return _transformer(name, parallel, mesh, world_size, microbatches, gen)
+    raise ValueError(f"unknown benchmark model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+
+
+def _as_strings(config: Any) -> dict[str, str]:
+    return {k: str(v) for k, v in dataclasses.asdict(config).items()}
+
+
+def _probe_loss(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return (model(mb[0]) * mb[1]).sum()
+
+
+def model_config(size: str) -> tuple[ModelConfig, int, int]:
+    """The reference transformer of ``size`` (``MODEL_SIZES``), its sequence length and batch."""
+    dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[size]
+    config = ModelConfig(dim=dim, n_heads=heads, n_layers=layers, ffn_hidden=ffn, vocab_size=vocab, max_seq_len=seq)
+    return config, seq, batch
+
+
+def _transformer(
+    name: str, parallel: str, mesh: Any, world_size: int, microbatches: int, gen: torch.Generator
+) -> Workload:
+    config, seq, batch = model_config(name)
+    config.validate(world_size)
+    vocab = config.vocab_size
+    parallelize = parallelize_tp_sp if parallel == "tp_sp" else parallelize_tp
+
+    def make() -> torch.nn.Module:
+        return parallelize(Transformer(config), mesh)
+
+    def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return lm_loss(model(mb[0]), mb[1])
+
+    data = [tuple(torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(2)) for _ in range(microbatches)]
+    return Workload(make, loss_fn, data, _as_strings(config), batch, seq)
+
+
+class MLPBlock(torch.nn.Module):
+    """One SwiGLU MLP of the reference model, parallelized as in the TP+SP plan."""
+
+    def __init__(self, dim: int, ffn_hidden: int) -> None:
+        super().__init__()
+        self.feed_forward = FeedForward(ModelConfig(dim=dim, ffn_hidden=ffn_hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(x)
+
+
+def parallelize_mlp(block: MLPBlock, mesh: Any) -> torch.nn.Module:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    return parallelize_module(block, mesh, plan)
+
+
+def _mlp(name: str, mesh: Any, world_size: int, microbatches: int, gen: torch.Generator) -> Workload:
+    dim, ffn, seq, batch = MLP_SIZES[name]
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return parallelize_mlp(MLPBlock(dim, ffn), mesh)
+
+    # this rank's sequence shard (requiring grad, so the backward has the mirror pair) and a probe
+    data = [
+        (
+            torch.randn(batch, seq // world_size, dim, generator=gen).requires_grad_(),
+            torch.randn(batch, seq // world_size, dim, generator=gen),
+        )
+        for _ in range(microbatches)
+    ]
+    return Workload(make, _probe_loss, data, _as_strings(ModelConfig(dim=dim, ffn_hidden=ffn)), batch, seq)
+
+
+def _moe(name: str, world_size: int, microbatches: int, gen: torch.Generator) -> Workload:
+    from dhelix_compile.testing.moe import ExpertParallelMoE, MoEConfig, ReferenceMoE
+
+    dim, ffn, n_experts, top_k, seq = MOE_SIZES[name]
+    config = MoEConfig(dim=dim, ffn_hidden=ffn, n_experts=n_experts, top_k=top_k)
+    config.validate(world_size)
+
+    def make() -> torch.nn.Module:
+        return ExpertParallelMoE.from_reference(ReferenceMoE(config))
+
+    # this rank's dispatch group of tokens and a probe
+    data = [(torch.randn(seq, dim, generator=gen), torch.randn(seq, dim, generator=gen)) for _ in range(microbatches)]
+    return Workload(make, _probe_loss, data, _as_strings(config), 1, seq)
+
+
+def _hf_llama(name: str, parallel: str, mesh: Any, microbatches: int, gen: torch.Generator) -> Workload:
+    from dhelix_compile.testing import hf_llama
+
+    size = HF_LLAMA_SIZES[name]
+
+    def make() -> torch.nn.Module:
+        return hf_llama.parallelize_hf_llama(hf_llama.build_hf_llama(size), mesh, sequence_parallel=parallel == "tp_sp")
+
+    data = hf_llama.hf_llama_batches(size, microbatches, gen)
+    config = hf_llama.HF_LLAMA_SIZES[size]
+    return Workload(
+        make,
+        hf_llama.hf_llama_loss,
+        data,
+        {k: str(v) for k, v in config.items()},
+        int(data[0]["input_ids"].shape[0]),
+        int(data[0]["input_ids"].shape[1]),
+    )
