@@ -27,3 +27,34 @@ def test_helix_variants_pass_user_options_and_their_own(name: str, monkeypatch: 
 def test_unknown_variant_is_named() -> None:
     with pytest.raises(ValueError, match="unknown benchmark variant 'nope'"):
         step_function("nope", torch.nn.Linear(2, 2), lambda m, mb: m(mb).sum())
+
+
+def test_variant_names_carry_their_own_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dhelix_compile.bench.steps import parse_variants, split_variant
+
+    spec = "inductor, helix[cost_model=analytic,decompose=off],dhelix[decompose_pieces=0]"
+    assert parse_variants(spec) == [
+        "inductor",
+        "helix[cost_model=analytic,decompose=off]",
+        "dhelix[decompose_pieces=0]",
+    ]
+    assert split_variant("helix[cost_model=analytic,decompose=off]") == (
+        "helix",
+        {"cost_model": "analytic", "decompose": "off"},
+    )
+    assert split_variant("dhelix[decompose_pieces=0,decompose_chains=true]") == (
+        "dhelix",
+        {"decompose_pieces": 0, "decompose_chains": True},
+    )
+    seen: dict = {}
+    monkeypatch.setattr(dhelix_compile, "helix", lambda model, loss_fn, **options: seen.update(options))
+    step_function("helix_decompose[decompose_pieces=2]", torch.nn.Linear(2, 2), lambda m, mb: m(mb).sum(), {"a": 1})
+    assert seen == {"a": 1, "decompose": "per_peer", "decompose_pieces": 2}
+
+
+@pytest.mark.parametrize("bad", ["helix[decompose]", "nope[decompose=off]", "helix[=off]", "helix[a=1"])
+def test_bad_variant_names_are_named(bad: str) -> None:
+    from dhelix_compile.bench.steps import split_variant
+
+    with pytest.raises(ValueError, match="variant"):
+        split_variant(bad)

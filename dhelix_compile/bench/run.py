@@ -293,7 +293,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variants",
         default=",".join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT),
-        help=f"comma-separated, from {', '.join(STEP_VARIANTS)}",
+        help=f"comma-separated, from {', '.join(STEP_VARIANTS)}; each may carry dhelix options of its own in "
+        "brackets: helix[cost_model=analytic,decompose=off]",
     )
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of the link; 'none' for plain loopback")
     parser.add_argument("--ranks", type=int, default=2, help="ranks (a rate-limited link joins exactly 2)")
@@ -315,14 +316,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _check(args: argparse.Namespace) -> str | None:
     """A message naming the bad option, or None."""
-    from dhelix_compile.bench.steps import STEP_VARIANTS
+    from dhelix_compile.bench.steps import parse_variants, split_variant
     from dhelix_compile.bench.workloads import MODEL_NAMES
 
     if args.model not in MODEL_NAMES:
         return f"unknown model size {args.model!r}; choose from {', '.join(MODEL_NAMES)}"
-    unknown = [v for v in args.variants.split(",") if v and v not in STEP_VARIANTS]
-    if unknown:
-        return f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(STEP_VARIANTS)}"
+    try:
+        for variant in parse_variants(args.variants):
+            split_variant(variant)
+    except ValueError as exc:
+        return str(exc)
     if args.ranks < 1 or args.microbatches < 1 or args.repeats < 1:
         return "--ranks, --microbatches and --repeats must be >= 1"
     if args.rate.lower() != "none" and args.ranks != 2:

@@ -5,10 +5,17 @@ Every variant accumulates gradients over the micro-batches; the single-strand va
 whole list to ``dhelix_compile.helix`` (micro-batch i+1's forward merged with micro-batch i's
 backward, ordered by the Strand Interleaving DP, Inductor codegen); ``helix_decompose`` is
 helix with the decompose pass forced to per-peer steps (as ``dhelix_decompose``).
+
+A variant name may carry dhelix options of its own in brackets, so one run can compare option
+sets a user could type: ``helix[cost_model=analytic,decompose=off]`` is ``helix`` with those
+two options on top of the run's ``--dhelix-options`` (``parse_variants`` splits a list of
+them; values are read as JSON where they parse, else as strings).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,10 +32,49 @@ Microbatch = Any
 LossFn = Callable[[torch.nn.Module, Microbatch], torch.Tensor]
 
 
+_VARIANT = re.compile(r"^(?P<base>[a-z_]+)(?:\[(?P<options>[^\[\]]*)\])?$")
+
+
+def parse_variants(spec: str) -> list[str]:
+    """``"a,b[x=1,y=2],c"`` -> ``["a", "b[x=1,y=2]", "c"]``: commas inside brackets stay."""
+    names, depth, current = [], 0, ""
+    for char in spec:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            names.append(current.strip())
+            current = ""
+        else:
+            current += char
+    names.append(current.strip())
+    return [n for n in names if n]
+
+
+def split_variant(name: str) -> tuple[str, dict[str, Any]]:
+    """``"helix[decompose=off]"`` -> ``("helix", {"decompose": "off"})``; ValueError names a bad one."""
+    match = _VARIANT.match(name)
+    if match is None or match["base"] not in STEP_VARIANTS:
+        raise ValueError(
+            f"unknown benchmark variant {name!r}; choose from {', '.join(STEP_VARIANTS)}, "
+            "each optionally with options in brackets, e.g. helix[decompose=off]"
+        )
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (match["options"] or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"benchmark variant {name!r}: expected key=value options, got {item!r}")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value.strip()
+    return match["base"], options
+
+
 def step_function(
     name: str, module: torch.nn.Module, loss_fn: LossFn, dhelix_options: Mapping[str, Any] | None = None
 ) -> Callable[[list[Microbatch]], None]:
     """One training step of variant ``name`` over a list of micro-batches (gradients accumulate)."""
+    name, own = split_variant(name)
+    dhelix_options = {**dict(dhelix_options or {}), **own}
     if name in HELIX_VARIANTS:
         import dhelix_compile
 
@@ -38,8 +84,6 @@ def step_function(
             helix_step(microbatches)
 
         return run_helix
-    if name not in VARIANTS:
-        raise ValueError(f"unknown benchmark variant {name!r}; choose from {', '.join(STEP_VARIANTS)}")
     compiled = compile_variant(name, module, dhelix_options)
 
     def run_loop(microbatches: list[Microbatch]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -41,7 +42,7 @@ from dhelix_compile.bench.measure import (
     replay_collectives,
     time_interleaved,
 )
-from dhelix_compile.bench.steps import STEP_VARIANTS, step_function
+from dhelix_compile.bench.steps import parse_variants, step_function
 from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
 
 
@@ -99,6 +100,11 @@ def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | N
     return microbatches * (makespans["fwd"] + makespans["bwd"])
 
 
+def _folder(variant: str) -> str:
+    """The variant's dump folder name: ``helix[decompose=off]`` -> ``helix-decompose=off``."""
+    return re.sub(r"[^A-Za-z0-9_=.-]+", "-", variant).strip("-")
+
+
 def _plan_s(dump_dir: Path, rank: int) -> tuple[float, float]:
     """``(passes, profiling)``: seconds this rank spent in dhelix's graph passes and in
     measuring costs (``cost_model="profile"``), over every graph of a variant (from its dumps)."""
@@ -130,11 +136,9 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
     first_step_s: dict[str, float] = {}
-    for name in [v for v in args.variants.split(",") if v]:
-        if name not in STEP_VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(STEP_VARIANTS)}")
+    for name in parse_variants(args.variants):
         module = make()
-        run_step = step_function(name, module, loss_fn, {**user_options, "dump_dir": str(dump_root / name)})
+        run_step = step_function(name, module, loss_fn, {**user_options, "dump_dir": str(dump_root / _folder(name))})
 
         def step(module: torch.nn.Module = module, run_step: Any = run_step) -> None:
             module.zero_grad(set_to_none=True)
@@ -175,7 +179,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "step_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.wall_s.items()},
         "cpu_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.cpu_s.items()},
         "first_step_s": {name: agree_max([first_step_s[name]], dist.group.WORLD)[0] for name in steps},
-        "plan_s": {name: agree_max(list(_plan_s(dump_root / name, rank)), dist.group.WORLD) for name in steps},
+        "plan_s": {name: agree_max(list(_plan_s(dump_root / _folder(name), rank)), dist.group.WORLD) for name in steps},
         "errors": errors,
     }
     if args.mode == "link":
@@ -201,7 +205,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
                 "cpu_s": agree_max(comm_times.cpu_s["ceiling"], dist.group.WORLD),
             }
         predicted = {
-            name: _predicted_step_s(dump_root / name, rank, args.microbatches)
+            name: _predicted_step_s(dump_root / _folder(name), rank, args.microbatches)
             for name in steps
             if name.startswith(("dhelix", "helix"))
         }
