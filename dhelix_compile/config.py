@@ -105,6 +105,13 @@ class DHelixConfig:
         env="DHELIX_DECOMPOSE",
     )
     decompose_max_chunks: int = _option(4, "Largest number of chunks the chunked decomposition tries (>= 1).")
+    decompose_auto_chunked: bool = _option(
+        False,
+        "decompose='auto' also tries k chunked collectives per site. Off by default: each chunk is a "
+        "whole collective call whose CPU and latency the per-site prediction misses; on the TP+SP "
+        "reference model auto picked chunks for a few percent predicted and ran about 12% slower "
+        "than per-peer steps (BENCHMARKS.md).",
+    )
     decompose_pieces: int = _option(
         1,
         "How many pieces each per-peer transfer is split into, so that the compute on one piece "
@@ -198,6 +205,10 @@ class DHelixConfig:
         _check_number("decompose_pieces", self.decompose_pieces, int, minimum=0)
         if self.decompose_pieces > 16:
             raise ConfigError(f"dhelix option decompose_pieces={self.decompose_pieces!r}: must be <= 16")
+        if not isinstance(self.decompose_auto_chunked, bool):
+            raise ConfigError(
+                f"dhelix option decompose_auto_chunked={self.decompose_auto_chunked!r}: expected True or False"
+            )
         if not isinstance(self.decompose_chains, bool):
             raise ConfigError(f"dhelix option decompose_chains={self.decompose_chains!r}: expected True or False")
         _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)

@@ -31,6 +31,7 @@ FIELDS: dict[str, tuple[type, dict[str, str]]] = {
         {
             "mode": "decompose",
             "max_chunks": "decompose_max_chunks",
+            "auto_chunked": "decompose_auto_chunked",
             "pieces": "decompose_pieces",
             "min_gain_ratio": "decompose_min_gain_ratio",
         },

@@ -146,6 +146,7 @@ def test_every_pass_option_is_a_config_field() -> None:
         ("max_issue_distance", 64, "reorder", "max_issue_distance"),
         ("decompose", "off", "decompose", "mode"),
         ("decompose_max_chunks", 2, "decompose", "max_chunks"),
+        ("decompose_auto_chunked", True, "decompose", "auto_chunked"),
         ("decompose_pieces", 4, "decompose", "pieces"),
         ("decompose_min_gain_ratio", 0.1, "decompose", "min_gain_ratio"),
         ("interleave_memory_budget_ratio", 1.4, "interleave", "memory_budget_ratio"),

@@ -366,7 +366,7 @@ def test_all_reduce_chunked_keeps_k_row_blocks_in_flight_and_per_peer_scatters_t
 def test_all_reduce_with_rows_that_do_not_split_is_left_alone_with_reasons() -> None:
     gm = _traced(_row_ar, (1, 3, 8), (6, 8))  # 3 rows: neither 2 ranks nor 2 chunks divide them
     before = str(gm.graph)
-    ctx = _run(gm, mode="auto", max_chunks=2)
+    ctx = _run(gm, mode="auto", max_chunks=2, auto_chunked=True)
     stats = ctx.stats["decompose"]
     assert stats["matmul_all_reduce: per_peer skipped: indivisible"] == 1
     assert stats["matmul_all_reduce: chunked skipped: indivisible"] == 1
@@ -386,6 +386,15 @@ def test_auto_rewrites_only_with_a_predicted_gain_and_records_predictions() -> N
     ctx = _run(gm, FREE_LINK, mode="auto")
     assert ctx.stats["decompose"]["all_gather_matmul: kept: no predicted gain"] == 1
     assert [n.format_node() for n in gm.graph.nodes] == before
+
+
+def test_auto_tries_chunked_variants_only_when_asked() -> None:
+    gm = _traced(_sp_in, (2, 4, 8), (6, 8), (6, 8))
+    ctx = _run(gm, mode="auto")
+    assert not any("chunked" in key for key in ctx.records["decompose"])
+    gm = _traced(_sp_in, (2, 4, 8), (6, 8), (6, 8))
+    ctx = _run(gm, mode="auto", auto_chunked=True, max_chunks=2)
+    assert "all_gather_matmul0_chunked_2_s" in ctx.records["decompose"]
 
 
 def test_uneven_shapes_and_off_mode_leave_the_graph_alone_with_reasons() -> None:

@@ -1,20 +1,23 @@
-"""``dhelix demo``: train the TP+SP reference model with ``helix`` on two ranks, beside eager and Inductor.
+"""``dhelix demo``: train the TP+SP reference model with ``helix`` on two ranks, beside eager, Inductor and the ceiling.
 
-    dhelix demo [--model tiny] [--rate 300mbit] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
+    dhelix demo [--model small] [--rate 1400mbit] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
 
 The parent launches two gloo ranks (``dhelix_compile.launch.ranks.launch_ranks``): inside two network
 namespaces joined by a rate-limited veth link when run as root with ``ip`` and ``tc``, on
-loopback otherwise (the output says which, and why). Each rank
+loopback otherwise (the output says which, and why).
 
-1. builds the TP+SP Llama-style reference model three times from one seed: the eager model,
-   the Inductor one and the helix one, each with its own SGD optimizer;
-2. trains the eager and the helix model ``--steps`` steps on the same micro-batches and records
-   each step's mean loss (helix's graphs dumped under ``--dump-dir``);
-3. times a few more steps of eager, Inductor (both looping over the micro-batches) and helix,
-   interleaved, every step started together on both ranks.
+1. Training: each rank builds the TP+SP Llama-style reference model twice from one seed, the
+   eager model and the helix one (``dhelix_compile.helix`` with its default options), each with
+   its own SGD optimizer, trains both ``--steps`` steps on the same micro-batches and records
+   each step's mean loss (helix's graphs dumped under ``--dump-dir``). Rank 0 writes the losses
+   as JSON for the parent.
+2. Speed: ``dhelix bench`` (``bench.run.measure``) with the variants eager, Inductor and helix
+   (defaults): ``T_compute`` on the fake process group, then every variant interleaved on the
+   same link, ``T_comm`` and the *ceiling* (the step's own collectives hidden under synthetic
+   compute of the step's compute time: the most this machine allows).
 
-The parent prints the losses side by side, the step-time table and where the dumps and their
-report are. Rank 0 writes its results as JSON for the parent.
+The parent prints the losses side by side, the step-time table with the ceiling row, and where
+the dumps and their report are.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -39,9 +41,6 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from cost_model.rank_agreement import agree_max
-    from dhelix_compile.bench.measure import time_interleaved
-    from dhelix_compile.bench.steps import step_function
     from dhelix_compile.bench.workloads import model_config
     from dhelix_compile.testing.llama import Transformer, lm_loss
     from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
@@ -68,10 +67,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     import dhelix_compile
 
-    models = {name: parallelize_tp_sp(Transformer(config), mesh) for name in DEMO_VARIANTS}
+    models = {name: parallelize_tp_sp(Transformer(config), mesh) for name in ("eager", "helix")}
     helix_step = dhelix_compile.helix(models["helix"], loss_fn, dump_dir=args.dump_dir)
-    steps = {name: step_function(name, models[name], loss_fn) for name in ("eager", "inductor")}
-    steps["helix"] = helix_step
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.05) for name, model in models.items()}
 
     def train(name: str, microbatches: list[Any]) -> float:
@@ -96,53 +93,72 @@ def _worker(args: argparse.Namespace) -> None:
             losses[name].append(train(name, microbatches))
     train_s = time.perf_counter() - start
 
-    timed = batches()
-    for name in DEMO_VARIANTS:  # compile (Inductor) and warm up outside the timing
-        steps[name](timed)
-    timed_steps = {name: (lambda step=steps[name]: step(timed)) for name in DEMO_VARIANTS}
-    times = time_interleaved(timed_steps, args.repeats, dist.barrier).wall_s
-    slowest = {name: agree_max(times[name], dist.group.WORLD) for name in DEMO_VARIANTS}
     if rank == 0:
         result = {
             "model": args.model,
             "microbatches": args.microbatches,
             "losses": losses,
             "train_s": train_s,
-            "step_s": slowest,
         }
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _print_results(result: dict[str, Any], link: str, dump_dir: Path) -> None:
-    print(f"link: {link}")
+def _print_results(losses: dict[str, Any], summary: dict[str, Any], dump_dir: Path) -> None:
+    print(f"link: {summary['link']}")
     print(
-        f"model: TP+SP reference transformer '{result['model']}', 2 ranks, {result['microbatches']} micro-batches per step"
+        f"model: TP+SP reference transformer '{summary['model']}', 2 ranks, "
+        f"{summary['microbatches']} micro-batches per step"
     )
     print()
     print("| step | eager loss | helix loss | difference |")
     print("|---:|---:|---:|---:|")
-    for step, (eager, helix) in enumerate(zip(result["losses"]["eager"], result["losses"]["helix"]), start=1):
+    for step, (eager, helix) in enumerate(zip(losses["eager"], losses["helix"]), start=1):
         print(f"| {step} | {eager:.6f} | {helix:.6f} | {abs(helix - eager):.1e} |")
     print()
-    medians = {name: statistics.median(samples) for name, samples in result["step_s"].items()}
-    base = medians["inductor"]
-    print("| variant | step median (ms) | min-max (ms) | speedup vs Inductor |")
-    print("|---|---:|---:|---:|")
-    for name, samples in result["step_s"].items():
-        print(
-            f"| {name} | {format_ms(medians[name])} | {format_ms(min(samples))}-{format_ms(max(samples))} "
-            f"| {base / medians[name]:.2f}x |"
-        )
+    t_compute, t_comm = summary["t_compute_s"], summary["t_comm_s"]
+    print(
+        f"T_compute {format_ms(t_compute)} ms (Inductor, no communication), T_comm {format_ms(t_comm)} ms "
+        f"(the step's collectives alone), perfect overlap max(T_compute, T_comm) = {format_ms(max(t_compute, t_comm))} ms"
+    )
     print()
+    rows = {name: v["step_s_median"] for name, v in summary["variants"].items()}
+    if summary.get("ceiling"):
+        rows["ceiling"] = summary["ceiling"]["step_s_median"]
+    base, ceiling = rows.get("inductor"), rows.get("ceiling")
+    print("| variant | step median (ms) | speedup vs Inductor | step / ceiling |")
+    print("|---|---:|---:|---:|")
+    for name, step_s in rows.items():
+        speedup = f"{base / step_s:.2f}x" if base else "-"
+        vs_ceiling = f"{step_s / ceiling:.2f}" if ceiling else "-"
+        print(f"| {'*ceiling*' if name == 'ceiling' else name} | {format_ms(step_s)} | {speedup} | {vs_ceiling} |")
+    print()
+    print(
+        "ceiling: the step's own collectives, each in flight under its share of T_compute of synthetic matmuls "
+        "-- the most this machine can hide (its 2 cores also carry the transfers)."
+    )
     print(f"helix's graphs, schedules and timelines: {dump_dir}/rank0/*_merged/index.html")
     print(f"summary table: python -m dhelix_compile report {dump_dir}")
-    print("the full side-by-side benchmark (every variant, T_compute, T_comm, limit): dhelix bench --help")
+    print("every variant, CPU and idle time, compile times: dhelix bench --help")
+
+
+def _bench_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The benchmark's options for the demo's speed table: its variants, model, link and micro-batches."""
+    from dhelix_compile.bench.run import parse_args
+
+    return parse_args(
+        [
+            *("--model", args.model, "--rate", args.rate, "--microbatches", str(args.microbatches)),
+            *("--variants", ",".join(DEMO_VARIANTS), "--repeats", str(args.repeats), "--warmup", "1"),
+            *("--timeout-s", str(args.timeout_s)),
+        ]
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """The parent: launch the two ranks, print what they measured."""
+    from dhelix_compile.bench.run import measure
     from dhelix_compile.launch.ranks import LinkSpec, launch_ranks
 
     dump_dir = Path(args.dump_dir).resolve()
@@ -167,19 +183,20 @@ def run(args: argparse.Namespace) -> int:
             "--dump-dir",
             str(dump_dir),
         ]
-        print(f"dhelix demo: launching 2 ranks (link rate {args.rate}) ...", flush=True)
+        print(f"[1/3] training eager and helix side by side (link rate {args.rate}) ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
             launched = launch_ranks(argv, 2, LinkSpec(rate=rate), timeout_s=args.timeout_s)
+            if any(launched.returncodes) or not out.exists():
+                for r, err in enumerate(launched.stderr):
+                    print(f"--- rank {r} (exit {launched.returncodes[r]}) ---\n{err[-3000:]}", file=sys.stderr)
+                return 1
+            losses = json.loads(out.read_text())["losses"]
+            summary = measure(_bench_args(args), total_stages=3)
         except ValueError as exc:  # a rate tc rejects, ...
             print(f"dhelix demo: {exc}", file=sys.stderr)
             return 2
-        if any(launched.returncodes) or not out.exists():
-            for r, err in enumerate(launched.stderr):
-                print(f"--- rank {r} (exit {launched.returncodes[r]}) ---\n{err[-3000:]}", file=sys.stderr)
-            return 1
-        result = json.loads(out.read_text())
-    _print_results(result, launched.link, dump_dir)
+    _print_results(losses, summary, dump_dir)
     print(f"(took {time.perf_counter() - started:.0f} s)")
     return 0
 

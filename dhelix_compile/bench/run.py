@@ -337,30 +337,42 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def measure(args: argparse.Namespace, total_stages: int = 2) -> dict[str, Any]:
+    """Both launches and their summary (``args`` as ``parse_args`` gives them, already checked).
+
+    Raises ValueError for a link rate ``tc`` rejects, RuntimeError when the workers fail.
+    ``total_stages``: the stages the caller's progress lines count; these two are the last.
+    """
+    rate = None if args.rate.lower() == "none" else args.rate
+    first, stages = total_stages - 1, total_stages
+    with tempfile.TemporaryDirectory(prefix="dhelix_bench_") as tmp:
+        print(
+            f"[{first}/{stages}] T_compute: {args.variants} on the fake process group ...", file=sys.stderr, flush=True
+        )
+        compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
+        print(
+            f"[{first + 1}/{stages}] on the link (rate {args.rate}): every variant interleaved, then T_comm "
+            "and the ceiling ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        link_run, launched = _launch(
+            Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args, ["--t-compute-s", repr(_t_compute(compute_run))]
+        )
+    return summarize(link_run, compute_run, launched.link)
+
+
 def run(args: argparse.Namespace) -> int:
     """Both modes, the summary, the table; returns the exit code."""
     problem = _check(args)
     if problem:
         print(f"dhelix bench: {problem}", file=sys.stderr)
         return 2
-    rate = None if args.rate.lower() == "none" else args.rate
-    with tempfile.TemporaryDirectory(prefix="dhelix_bench_") as tmp:
-        try:
-            print(f"[1/2] T_compute: {args.variants} on the fake process group ...", file=sys.stderr, flush=True)
-            compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
-            print(
-                f"[2/2] on the link (rate {args.rate}): every variant interleaved, then T_comm ...",
-                file=sys.stderr,
-                flush=True,
-            )
-            t_compute = _t_compute(compute_run)
-            link_run, launched = _launch(
-                Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args, ["--t-compute-s", repr(t_compute)]
-            )
-        except ValueError as exc:  # a rate tc rejects
-            print(f"dhelix bench: {exc}", file=sys.stderr)
-            return 2
-    summary = summarize(link_run, compute_run, launched.link)
+    try:
+        summary = measure(args)
+    except ValueError as exc:  # a rate tc rejects
+        print(f"dhelix bench: {exc}", file=sys.stderr)
+        return 2
     print(markdown(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")

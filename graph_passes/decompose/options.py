@@ -38,10 +38,16 @@ class DecomposeOptions:
     """Knobs of the decompose pass (``pass_options()["decompose"]``)."""
 
     mode: Mode = "off"
-    """``"auto"``: per site, the cheapest of per-peer and chunked(k), only if the cost model
-    predicts a gain; ``"per_peer"`` / ``"chunked"``: that family wherever it applies, gain or
-    not (tests, benchmarks); ``"off"`` (default until the P2P path is checked on NCCL): the pass
-    does nothing."""
+    """``"auto"``: per site, the cheapest per-peer variant (and chunked(k) with ``auto_chunked``),
+    only if the cost model predicts a gain; ``"per_peer"`` / ``"chunked"``: that family wherever
+    it applies, gain or not (tests, benchmarks); ``"off"`` (the pass's own default; the backend's
+    is ``"auto"``): the pass does nothing."""
+    auto_chunked: bool = False
+    """``"auto"`` also tries chunked(k). Off by default: k smaller collectives cost more than
+    the site model sees (each is a whole collective call, with its CPU and latency, that the
+    step pays where the site alone does not), and on the TP+SP reference model ``auto`` with
+    chunked variants picked chunked(4) for a few percent predicted and measured about 12%
+    slower than per-peer (BENCHMARKS.md)."""
     max_chunks: int = 4
     """Largest k tried by the chunked variant (k = 2..max_chunks that divide the shape)."""
     pieces: int = 1

@@ -15,7 +15,7 @@ Variants per mode::
 
     per_peer   per_peer(pieces) for pieces = options.pieces, or each of AUTO_PIECES when it is 0
     chunked    chunked(k) for k = 2 .. max_chunks
-    auto       both families
+    auto       per_peer, and chunked too with ``options.auto_chunked``
 
 Choice::
 
@@ -102,7 +102,7 @@ class Selection:
             else:
                 for pieces in (self.options.pieces,) if self.options.pieces else AUTO_PIECES:
                     build("per_peer", site.per_peer, rank, tag, pieces)
-        if mode in ("auto", "chunked"):
+        if mode == "chunked" or (mode == "auto" and self.options.auto_chunked):
             for k in range(2, self.options.max_chunks + 1):
                 build("chunked", site.chunked, k)
         if not variants:
