@@ -74,7 +74,7 @@ def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
         "--rate",
         "none",
         "--variants",
-        "eager,dhelix_eager",
+        "eager,dhelix_eager[decompose=off]",
         "--repeats",
         "3",
         "--warmup",
@@ -88,10 +88,33 @@ def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
     ]
     assert main(argv) == 0
     summary = json.loads(out.read_text())
-    assert set(summary["variants"]) == {"eager", "dhelix_eager"} and not summary["errors"]
+    assert set(summary["variants"]) == {"eager", "dhelix_eager[decompose=off]"} and not summary["errors"]
     assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0
     assert summary["t_comm_cpu_s"] > 0
     ceiling = summary["ceiling"]  # the step's collectives under synthetic compute of about T_compute
     assert ceiling["step_s_median"] > 0 and ceiling["t_compute_s"] > 0 and ceiling["cpu_s_median"] > 0
     for v in summary["variants"].values():  # a step's CPU time is measured beside its wall time
         assert v["cpu_s_median"] > 0 and v["idle_s"] == pytest.approx(max(v["step_s_median"] - v["cpu_s_median"], 0.0))
+        assert v["first_step_s"] > 0  # the compiling first step, timed apart
+    dhelix = summary["variants"]["dhelix_eager[decompose=off]"]
+    assert dhelix["plan_s"] > 0 and dhelix["profile_s"] > 0  # on a live 2-rank group the default profiles
+    assert summary["variants"]["eager"]["plan_s"] == 0  # no dhelix graph: no passes
+
+
+def test_the_demo_prints_losses_and_speed_beside_the_ceiling(capsys, tmp_path) -> None:
+    from dhelix_compile.bench.demo import _print_results
+
+    summary = {
+        "link": "veth 300mbit",
+        "model": "tiny",
+        "microbatches": 4,
+        "t_compute_s": 0.100,
+        "t_comm_s": 0.090,
+        "variants": {"eager": _variant(0.300, 0.150), "inductor": _variant(0.200, 0.100), "helix": _variant(0.130, 0.1)},
+        "ceiling": {"step_s_median": 0.125},
+    }
+    _print_results({"eager": [2.5, 2.4], "helix": [2.5, 2.4000001]}, summary, tmp_path)
+    out = capsys.readouterr().out
+    assert "| 2 | 2.400000 | 2.400000 | 1.0e-07 |" in out
+    assert "| helix | 130.0 | 1.54x | 1.04 |" in out
+    assert "| *ceiling* | 125.0 | 1.60x | 1.00 |" in out

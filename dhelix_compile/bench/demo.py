@@ -1,13 +1,17 @@
-"""``dhelix demo``: train the TP+SP reference model with ``helix`` on two ranks, beside eager, Inductor and the ceiling.
+"""``dhelix demo``: train a TP+SP workload with ``helix`` on two ranks, beside eager, Inductor and the ceiling.
 
-    dhelix demo [--model small] [--rate 1400mbit] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
+    dhelix demo [--model mlp_medium] [--rate 1gbit] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
 
 The parent launches two gloo ranks (``dhelix_compile.launch.ranks.launch_ranks``): inside two network
 namespaces joined by a rate-limited veth link when run as root with ``ip`` and ``tc``, on
 loopback otherwise (the output says which, and why).
 
-1. Training: each rank builds the TP+SP Llama-style reference model twice from one seed, the
-   eager model and the helix one (``dhelix_compile.helix`` with its default options), each with
+The workload is one of ``dhelix bench``'s (``bench.workloads``; by default a sequence-parallel
+SwiGLU MLP block, where this machine's ceiling allows about 1.4x over Inductor; ``--model small``
+for the reference transformer, whose gloo collectives leave a ceiling near Inductor).
+
+1. Training: each rank builds the workload's model twice from one seed, the eager model and
+   the helix one (``dhelix_compile.helix`` with its default options), each with
    its own SGD optimizer, trains both ``--steps`` steps on the same micro-batches and records
    each step's mean loss (helix's graphs dumped under ``--dump-dir``). Rank 0 writes the losses
    as JSON for the parent.
@@ -35,39 +39,31 @@ from cost_model.units import format_ms
 
 #: Step-time variants of the demo, in table order.
 DEMO_VARIANTS = ("eager", "inductor", "helix")
+#: What the demo's default workloads are, for its output.
+WHAT = {
+    "mlp_medium": "a SwiGLU MLP block, dim 512, hidden 1536, 4 x 256 tokens, sequence-parallel input",
+    "small": "the Llama-style reference transformer, dim 256, 4 layers",
+}
 
 
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from dhelix_compile.bench.workloads import model_config
-    from dhelix_compile.testing.llama import Transformer, lm_loss
-    from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
+    import dhelix_compile
+    from dhelix_compile.bench.workloads import build_workload
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    config, seq, batch = model_config(args.model)
-    config.validate(world_size)
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     gen = torch.Generator().manual_seed(1234)
 
-    def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [
-            (
-                torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-                torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-            )
-            for _ in range(args.microbatches)
-        ]
+    def workload() -> Any:  # the same model every call; fresh micro-batches from ``gen``
+        return build_workload(args.model, "tp_sp", mesh, world_size, args.microbatches, gen)
 
-    def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return lm_loss(model(mb[0]), mb[1])
-
-    import dhelix_compile
-
-    models = {name: parallelize_tp_sp(Transformer(config), mesh) for name in ("eager", "helix")}
+    loss_fn = workload().loss_fn
+    models = {name: workload().make() for name in ("eager", "helix")}
     helix_step = dhelix_compile.helix(models["helix"], loss_fn, dump_dir=args.dump_dir)
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.05) for name, model in models.items()}
 
@@ -87,7 +83,7 @@ def _worker(args: argparse.Namespace) -> None:
     losses: dict[str, list[float]] = {"eager": [], "helix": []}
     start = time.perf_counter()
     for _ in range(args.steps):
-        microbatches = batches()
+        microbatches = workload().microbatches
         for name in losses:
             dist.barrier()
             losses[name].append(train(name, microbatches))
@@ -108,7 +104,7 @@ def _worker(args: argparse.Namespace) -> None:
 def _print_results(losses: dict[str, Any], summary: dict[str, Any], dump_dir: Path) -> None:
     print(f"link: {summary['link']}")
     print(
-        f"model: TP+SP reference transformer '{summary['model']}', 2 ranks, "
+        f"model: '{summary['model']}' ({WHAT.get(summary['model'], 'see dhelix bench --help')}), TP+SP, 2 ranks, "
         f"{summary['microbatches']} micro-batches per step"
     )
     print()
@@ -203,10 +199,15 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (shared by ``dhelix demo`` and ``python -m dhelix_compile.bench.demo``)."""
-    from dhelix_compile.bench.workloads import MODEL_SIZES
+    from dhelix_compile.bench.workloads import MODEL_NAMES
 
-    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="tiny", help="reference model size")
-    parser.add_argument("--rate", default="300mbit", help="tc rate of the emulated link; 'none' for loopback")
+    parser.add_argument("--model", choices=MODEL_NAMES, default="mlp_medium", help="workload (as dhelix bench's)")
+    parser.add_argument(
+        "--rate",
+        default="1gbit",
+        help="tc rate of the emulated link ('none' for loopback); the default puts "
+        "mlp_medium's communication near its compute",
+    )
     parser.add_argument("--steps", type=int, default=3, help="training steps compared with eager")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant")

@@ -88,8 +88,9 @@ def _as_strings(config: Any) -> dict[str, str]:
     return {k: str(v) for k, v in dataclasses.asdict(config).items()}
 
 
-def _probe_loss(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return (model(mb[0]) * mb[1]).sum()
+def _regression_loss(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean squared error against the micro-batch's random target: a loss that training lowers."""
+    return (model(mb[0]) - mb[1]).square().mean()
 
 
 def model_config(size: str) -> tuple[ModelConfig, int, int]:
@@ -153,7 +154,7 @@ def _mlp(name: str, mesh: Any, world_size: int, microbatches: int, gen: torch.Ge
         torch.manual_seed(0)
         return parallelize_mlp(MLPBlock(dim, ffn), mesh)
 
-    # this rank's sequence shard (requiring grad, so the backward has the mirror pair) and a probe
+    # this rank's sequence shard (requiring grad, so the backward has the mirror pair) and a target
     data = [
         (
             torch.randn(batch, seq // world_size, dim, generator=gen).requires_grad_(),
@@ -161,7 +162,7 @@ def _mlp(name: str, mesh: Any, world_size: int, microbatches: int, gen: torch.Ge
         )
         for _ in range(microbatches)
     ]
-    return Workload(make, _probe_loss, data, _as_strings(ModelConfig(dim=dim, ffn_hidden=ffn)), batch, seq)
+    return Workload(make, _regression_loss, data, _as_strings(ModelConfig(dim=dim, ffn_hidden=ffn)), batch, seq)
 
 
 def _moe(name: str, world_size: int, microbatches: int, gen: torch.Generator) -> Workload:
@@ -174,9 +175,9 @@ def _moe(name: str, world_size: int, microbatches: int, gen: torch.Generator) ->
     def make() -> torch.nn.Module:
         return ExpertParallelMoE.from_reference(ReferenceMoE(config))
 
-    # this rank's dispatch group of tokens and a probe
+    # this rank's dispatch group of tokens and a target
     data = [(torch.randn(seq, dim, generator=gen), torch.randn(seq, dim, generator=gen)) for _ in range(microbatches)]
-    return Workload(make, _probe_loss, data, _as_strings(config), 1, seq)
+    return Workload(make, _regression_loss, data, _as_strings(config), 1, seq)
 
 
 def _hf_llama(name: str, parallel: str, mesh: Any, microbatches: int, gen: torch.Generator) -> Workload:
