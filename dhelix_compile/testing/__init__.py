@@ -6,6 +6,8 @@
 * ``tensor_parallel``    ``parallelize_tp`` / ``parallelize_tp_sp``: DTensor plans.
 * ``sequence_parallel``  ``FunctionalSPTransformer``: Megatron-SP with functional collectives.
 * ``moe``                ``ReferenceMoE``, ``ExpertParallelMoE`` (static-split all-to-all).
+* ``hf_llama``           a Hugging Face ``LlamaForCausalLM`` from a config (the ``hf`` extra),
+                         parallelized with PyTorch's TP or TP+SP plan.
 * ``sharding``           map local shards and gradients to slices of the reference's.
 * ``checks``             rank-side checks of each parallel model (eager, compiled) vs reference.
 * ``compare``            single-process numerics of a compiled model against eager.
