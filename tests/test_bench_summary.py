@@ -110,7 +110,11 @@ def test_the_demo_prints_losses_and_speed_beside_the_ceiling(capsys, tmp_path) -
         "microbatches": 4,
         "t_compute_s": 0.100,
         "t_comm_s": 0.090,
-        "variants": {"eager": _variant(0.300, 0.150), "inductor": _variant(0.200, 0.100), "helix": _variant(0.130, 0.1)},
+        "variants": {
+            "eager": _variant(0.300, 0.150),
+            "inductor": _variant(0.200, 0.100),
+            "helix": _variant(0.130, 0.1),
+        },
         "ceiling": {"step_s_median": 0.125},
     }
     _print_results({"eager": [2.5, 2.4], "helix": [2.5, 2.4000001]}, summary, tmp_path)
