@@ -162,6 +162,23 @@ def inductor_config_patch(patches: dict[str, Any]) -> Iterator[None]:
         yield
 
 
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "exception", "warning_once", "info_once")
+
+
+@contextlib.contextmanager
+def logging_calls_ignored_by_dynamo() -> Iterator[None]:
+    """Dynamo skips ``logging.Logger`` calls (instead of failing a ``fullgraph`` capture on them):
+    models log -- Hugging Face's ``logger.warning_once`` among others -- and a log line is no
+    reason to refuse a model. ``torch._dynamo.config.ignore_logging_functions``."""
+    import logging
+
+    import torch._dynamo.config as dynamo_config
+
+    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
+    with dynamo_config.patch(ignore_logging_functions=dynamo_config.ignore_logging_functions | methods):
+        yield
+
+
 def current_compile_id() -> str | None:
     """Dynamo's id of the frame being compiled, e.g. ``"0/1"``; ``None`` outside Dynamo."""
     context = torch._guards.CompileContext.try_get()

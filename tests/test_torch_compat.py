@@ -78,3 +78,23 @@ def test_compile_id_outside_dynamo_is_none() -> None:
 
 def test_entry_point_backend_is_listed() -> None:
     assert "dhelix" in compat.list_dynamo_backends()
+
+
+def test_logging_calls_do_not_break_a_fullgraph_capture() -> None:
+    import logging
+
+    import torch
+
+    from dhelix_compile import _torch_compat as compat
+
+    logger = logging.getLogger("dhelix.test.model")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        logger.warning("a model's log line")
+        return x * 2
+
+    torch._dynamo.reset()
+    with compat.logging_calls_ignored_by_dynamo():
+        out = torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(2))
+    assert out.tolist() == [2.0, 2.0]
+    assert logging.Logger.warning not in torch._dynamo.config.ignore_logging_functions  # restored after

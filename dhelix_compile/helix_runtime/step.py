@@ -110,7 +110,8 @@ class HelixStep:
 
     def _forward(self, item: Any) -> torch.Tensor:
         try:
-            loss = self._compiled(item)
+            with compat.logging_calls_ignored_by_dynamo():  # a model's log line is no graph break
+                loss = self._compiled(item)
         except Exception as exc:
             helix_error = _find_helix_error(exc)
             if helix_error is not None:
