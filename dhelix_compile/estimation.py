@@ -94,6 +94,24 @@ def resolve_cost_model(config: DHelixConfig) -> str:
     return "profile" if live else "analytic"
 
 
+#: One profiled estimator per (cache folder, device, link, world, backend, default group) in this
+#: process: what one compile measured -- collectives, the link scale P2P transfers are priced
+#: by, segment pairs -- serves the next. A helix merged graph built from decomposed strands
+#: holds P2P exchanges and no collective left to measure: with an estimator of its own, its
+#: transfers were priced by the analytic table's link (loopback on CPU), nearly free.
+_PROFILED: dict[tuple[Any, ...], ProfiledEstimator] = {}
+
+
+def _profiled_estimator(config: DHelixConfig, base: AnalyticEstimator, link: str) -> ProfiledEstimator:
+    group = dist.group.WORLD if dist.is_initialized() else None
+    key = (config.cache_dir, base.device.name, link, base.world_size, base.comm_backend, id(group))
+    if key not in _PROFILED:
+        _PROFILED[key] = ProfiledEstimator(
+            base, Path(config.cache_dir).expanduser(), runner=compat.run_outside_compilation
+        )
+    return _PROFILED[key]
+
+
 def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Estimator:
     """The estimator for one partition: analytic, or profiled (calibrated on ``gm`` now)."""
     cuda = _uses_cuda(example_inputs)
@@ -104,7 +122,7 @@ def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inpu
     )
     if resolve_cost_model(config) == "analytic":
         return base
-    profiled = ProfiledEstimator(base, Path(config.cache_dir).expanduser(), runner=compat.run_outside_compilation)
+    profiled = _profiled_estimator(config, base, link)
     report = compat.run_outside_compilation(lambda: profiled.calibrate(gm))
     log.info("cost model calibrated: %s", report)
     return profiled

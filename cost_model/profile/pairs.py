@@ -16,14 +16,19 @@ Contract
 * ``fwd`` / ``bwd``: each strand's segments as node lists; keys ``(i, j)`` use ``None`` for "no
   segment of that strand" (a segment run alone).
 * A segment's *signature* is the tuple of ``profiled.signature`` of its compute and collective
-  nodes. Segments with a node that cannot be measured (P2P, no live group, a fake group) get
-  no entry: the caller keeps its formula for them.
+  nodes, and of ``signatures.p2p_signature`` of its P2P transfers (the decompose pass's
+  ``dhelix::exchange``: peers and tags left out, so every rank names its own transfer of a
+  per-peer step alike). Segments with a node that cannot be measured (no live group, a fake
+  group) get no entry: the caller keeps its formula for them. P2P transfers are measured
+  here, in pairs, because the formula's perfect overlap is furthest from the truth for them:
+  several smaller transfers, each with its own CPU work, under the other strand's compute.
 * Pairs are deduplicated by signature (a transformer's layers repeat: a 32-layer model has a
   handful of distinct pairs), measured in first-appearance order, which every rank shares
   because every rank plans the same graph (checked: a mismatch raises, never hangs).
 * One measurement of ``(F, B)``: after a barrier, run B's nodes then F's in order -- compute
-  nodes on random inputs of their shapes, collective issues asynchronously -- and wait for
-  every collective at the end; the median of ``profiled.repeats`` runs after
+  nodes on random inputs of their shapes, collective and P2P issues asynchronously (every rank
+  runs the same segments in the same order, so each exchange meets its peer's) -- and wait
+  for every transfer at the end; the median of ``profiled.repeats`` runs after
   ``profiled.warmup``, agreed across ranks by ``all_reduce(MAX)``.
 * More distinct pairs than ``max_pairs``: nothing is measured (``{}``).
 * Results are memoized in ``profiled.pair_measurements`` for later compiles in the same
@@ -42,10 +47,12 @@ import sympy
 import torch
 import torch.fx
 
+from cost_model.comm_nodes import bound_args, resolve_process_group
 from cost_model.nodes import call_target
 from cost_model.op_kinds import kind_of
-from cost_model.profile.running import device_of_nodes, median_run_s
-from cost_model.rank_agreement import agree_max, check_same_signatures
+from cost_model.profile.running import device_of_nodes, median_run_s, real_args
+from cost_model.profile.signatures import p2p_signature
+from cost_model.rank_agreement import agree_max, backend_name, check_same_signatures
 from cost_model.strand_plan import Pair
 from cost_model.symbolic import size_hints
 
@@ -74,13 +81,23 @@ class PairProfiler(Protocol):
     def agreement_group(self) -> Any: ...
 
 
+def _live_group_of_p2p(node: torch.fx.Node) -> Any:
+    """The live process group a P2P transfer runs on; None for an unknown or fake group."""
+    group = resolve_process_group(bound_args(node).get("group_name"))
+    return None if group is None or backend_name(group) == "fake" else group
+
+
 def segment_signature(profiled: PairProfiler, nodes: Segment) -> SegmentSignature | None:
     """The measured ops of a segment, or None if one of them cannot be measured."""
     parts: list[str] = []
     for node in nodes:
         kind = kind_of(node)
         if kind == "p2p":
-            return None
+            group = _live_group_of_p2p(node)
+            if group is None:
+                return None
+            parts.append(p2p_signature(node, group))
+            continue
         if kind not in ("compute", "collective"):
             continue
         reason = profiled.skip_reason(node)
@@ -148,6 +165,10 @@ def _measure_pair(profiled: PairProfiler, fwd: Segment, bwd: Segment) -> float:
     try:
         for node in (*bwd, *fwd):
             kind = kind_of(node)
+            if kind == "p2p":  # its own arguments name the group and peers: run as the graph would
+                hints = size_hints([node, *node.all_input_nodes])
+                calls.append((node, *real_args(node, hints), True))
+                continue
             if kind not in ("compute", "collective") or profiled.skip_reason(node) == "free":
                 continue
             hints = size_hints([node, *node.all_input_nodes])
@@ -159,9 +180,9 @@ def _measure_pair(profiled: PairProfiler, fwd: Segment, bwd: Segment) -> float:
 
     def run() -> None:
         in_flight: list[torch.Tensor] = []
-        for node, args, kwargs, is_collective in calls:
+        for node, args, kwargs, is_transfer in calls:
             out = call_target(node)(*args, **kwargs)
-            if is_collective:
+            if is_transfer:
                 in_flight.extend(out if isinstance(out, (list, tuple)) else (out,))
         for t in in_flight:
             c10d.wait_tensor(t)

@@ -77,6 +77,16 @@ def tensor_signature(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> str:
     return f"T({list(shape)},{list(stride)},{dtype})"
 
 
+def p2p_signature(node: torch.fx.Node, group: Any) -> str:
+    """The signature of a P2P transfer node (``dhelix::exchange``) on the live group ``group``.
+
+    Its peers and tag are left out (written as their type): they differ from rank to rank
+    while the transfer's shapes, and so its time, do not -- every rank names its own transfer
+    of a per-peer step alike.
+    """
+    return f"p2p:{compute_signature(node)}|backend={backend_name(group)}"
+
+
 def _arg_sig(value: Any, hints: dict[sympy.Symbol, int]) -> str:
     if isinstance(value, torch.fx.Node):
         val = value.meta.get("val")
