@@ -127,25 +127,7 @@ def test_all_gather_per_peer_computes_local_shard_first_then_each_peer() -> None
     ctx = _run(gm, world=4, rank=1, mode="per_peer")
     assert ctx.stats["decompose"]["all_gather_matmul: per_peer"] == 1
     # step s: send own shard to r-s, receive r+s's shard; the next exchange is issued before compute
-    assert _ops(gm) == [
-        "p2p",
-        "mm",
-        "mm",
-        "wait",
-        "wait",
-        "p2p",
-        "mm",
-        "mm",
-        "wait",
-        "wait",
-        "p2p",
-        "mm",
-        "mm",
-        "wait",
-        "wait",
-        "mm",
-        "mm",
-    ]
+    assert _ops(gm) == ["p2p", "mm", "mm", "wait", "wait"] * 3 + ["mm", "mm"]
     assert _p2p_peers(gm) == [[0, 2], [3, 3], [2, 0]]
     tags = [n.args[3] for n in gm.graph.nodes if n.target == P2P_EXCHANGE]
     assert len(set(tags)) == 3
@@ -168,30 +150,8 @@ def test_all_gather_in_pieces_computes_each_piece_while_the_next_is_in_flight() 
     piece = ["wait", "wait", "mm", "mm"]
     # step s: both pieces issued together; the local shard in one piece (two matmuls, not four);
     # step s+1 issued after step s's last piece arrived
-    assert _ops(gm) == (
-        [
-            "p2p",
-            "p2p",
-            "mm",
-            "mm",
-            *piece,
-            "wait",
-            "wait",
-            "p2p",
-            "p2p",
-            "mm",
-            "mm",
-            *piece,
-            "wait",
-            "wait",
-            "p2p",
-            "p2p",
-            "mm",
-            "mm",
-            *piece,
-            *piece,
-        ]
-    )
+    step = ["p2p", "p2p", "mm", "mm", *piece]
+    assert _ops(gm) == [*step, "wait", "wait", *step, "wait", "wait", *step, *piece]
     assert _p2p_peers(gm) == [[0, 2]] * 2 + [[3, 3]] * 2 + [[2, 0]] * 2
     sends = [n.args[0] for n in gm.graph.nodes if n.target == P2P_EXCHANGE]
     assert [(n.args[1], n.args[2], n.args[3]) for n in sends[:2]] == [(1, 0, 2), (1, 2, 4)]  # halves along dim 1
