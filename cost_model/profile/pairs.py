@@ -165,15 +165,14 @@ def _measure_pair(profiled: PairProfiler, fwd: Segment, bwd: Segment) -> float:
     try:
         for node in (*bwd, *fwd):
             kind = kind_of(node)
-            if kind == "p2p":  # its own arguments name the group and peers: run as the graph would
-                hints = size_hints([node, *node.all_input_nodes])
-                calls.append((node, *real_args(node, hints), True))
-                continue
-            if kind not in ("compute", "collective") or profiled.skip_reason(node) == "free":
+            if kind not in ("compute", "collective", "p2p") or profiled.skip_reason(node) == "free":
                 continue
             hints = size_hints([node, *node.all_input_nodes])
-            args, kwargs = profiled.real_args(node, hints, kind == "collective")
-            calls.append((node, args, kwargs, kind == "collective"))
+            if kind == "p2p":  # its own arguments name the group and peers: run as the graph would
+                args, kwargs = real_args(node, hints)
+            else:
+                args, kwargs = profiled.real_args(node, hints, kind == "collective")
+            calls.append((node, args, kwargs, kind != "compute"))
     except Exception:  # noqa: BLE001 - an op that cannot get inputs: not measurable
         return math.nan
     device = device_of_nodes([c[0] for c in calls])

@@ -42,7 +42,7 @@ from dhelix_compile.bench.measure import (
     replay_collectives,
     time_interleaved,
 )
-from dhelix_compile.bench.steps import parse_variants, step_function
+from dhelix_compile.bench.steps import parse_variants, split_variant, step_function
 from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
 
 
@@ -242,7 +242,7 @@ class _overlap_scheduler_on_cpu:
     """Inductor's overlap scheduler needs GPU specs; give it this CPU's measured numbers."""
 
     def __init__(self, variant: str) -> None:
-        self.active = variant == "inductor_overlap"
+        self.active = split_variant(variant)[0] == "inductor_overlap"
         self._context: Any = None
 
     def __enter__(self) -> None:
