@@ -69,30 +69,23 @@ def compile_partition(
     *,
     config: DHelixConfig,
     graph_name: str | None = None,
-    on_scheduled: Callable[[torch.fx.GraphModule], None] | None = None,
+    on_scheduled: Callable[[torch.fx.GraphModule, PassContext], None] | None = None,
+    records: dict[str, dict[str, float]] | None = None,
     **inductor_kwargs: Any,
 ) -> Callable[..., Any]:
     """Run the pass pipeline on one partition and generate its code (see the module docstring).
 
     ``graph_name`` overrides the name derived from Dynamo's compile id and the phase (helix's
-    merged graphs); ``on_scheduled`` is called with the scheduled graph before codegen (not
-    when the pipeline fell back to plain Inductor).
+    merged graphs); ``on_scheduled`` is called with the scheduled graph and the passes' context
+    before codegen (not when the pipeline fell back to plain Inductor); ``records`` are numbers
+    the caller decided by (``ctx.records``, in the summary beside the passes').
     """
     phase = _phase_of(inductor_kwargs)
     name = graph_name or _graph_name(phase)
     dumper = _dumper(config, name)
-    start = time.perf_counter()
-    estimator = _estimator(config, gm, example_inputs, name)
-    ctx = PassContext(
-        graph_name=name,
-        phase=phase,
-        example_inputs=example_inputs,
-        estimator=estimator,
-        pass_options=pass_options(config),
-        observer=dumper,
-    )
-    if estimator is not None:  # building a profiled estimator measures the graph's ops and collectives
-        ctx.record("cost_model", calibration_s=time.perf_counter() - start)
+    ctx = _pass_context(gm, example_inputs, config, name, phase, dumper)
+    for group, values in (records or {}).items():
+        ctx.record(group, **values)
     if dumper is not None:
         dumper.write_input(gm)
     try:
@@ -115,9 +108,49 @@ def compile_partition(
         )
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
     if on_scheduled is not None:
-        on_scheduled(scheduled)
+        on_scheduled(scheduled, ctx)
     plan = _measurement_plan(scheduled, name, dumper, config)  # before codegen: Inductor rewrites its graph
     return _profiled(generate(scheduled, example_inputs, config.codegen, inductor_kwargs), plan, dumper, config)
+
+
+def plan_partition(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    config: DHelixConfig,
+    graph_name: str,
+    phase: Phase,
+) -> tuple[torch.fx.GraphModule, PassContext]:
+    """The pass pipeline on a copy of ``gm`` without codegen or dumps: the scheduled graph and
+    what the passes predicted, for a caller that weighs candidate graphs before compiling one.
+    Raises :class:`PassError` when a pass fails."""
+    ctx = _pass_context(gm, example_inputs, config, graph_name, phase, None)
+    scheduled = run_pipeline(copy_graph_module(gm), ctx, disabled=config.disable_passes)
+    return scheduled, ctx
+
+
+def _pass_context(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: DHelixConfig,
+    name: str,
+    phase: Phase,
+    dumper: GraphDumper | None,
+) -> PassContext:
+    """What the passes get for ``gm``: its estimator (measured first, when profiled) and options."""
+    start = time.perf_counter()
+    estimator = _estimator(config, gm, example_inputs, name)
+    ctx = PassContext(
+        graph_name=name,
+        phase=phase,
+        example_inputs=example_inputs,
+        estimator=estimator,
+        pass_options=pass_options(config),
+        observer=dumper,
+    )
+    if estimator is not None:  # building a profiled estimator measures the graph's ops and collectives
+        ctx.record("cost_model", calibration_s=time.perf_counter() - start)
+    return ctx
 
 
 def _estimator(

@@ -136,3 +136,49 @@ def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path, dec
     # every rank planned from the same (agreed) numbers: the same plan and prediction
     assert records[0]["dp_predicted_s"] == records[1]["dp_predicted_s"]
     assert records[0]["predicted_makespan_s"] == records[1]["predicted_makespan_s"]
+
+
+def _helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str) -> dict:
+    """The TP+SP model priced as H100s on a 100 MB/s link: decomposing each strand alone pays,
+    and merging the strands undecomposed predicts shorter still (the HF Llama TP case, analytic)."""
+    from cost_model.hardware import Link, register_link
+    from dhelix_compile.testing.helix_checks import check_helix
+
+    register_link(Link("test_slow_link", 1e8, 1e-7, "a test link"), overwrite=True)
+    return check_helix(
+        rank,
+        world_size,
+        "tp_sp",
+        2,
+        "float32",
+        codegen="eager",
+        fallback="error",
+        cost_model="analytic",
+        device="h100_sxm",
+        link="test_slow_link",
+        decompose="auto",
+        dump_dir=dump_dir,
+    )
+
+
+def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path) -> None:
+    """Decomposition decided for F and B alone is weighed again in the merged graph: M is planned
+    from the decomposed and from the undecomposed strands, and the lower prediction is compiled
+    (helix still equals the eager loop)."""
+    run_on_ranks(_helix_on_a_slow_link, 2, str(tmp_path), timeout_s=400)
+    for rank in range(2):
+        summaries = {
+            path.parent.name.rsplit("_", 1)[-1]: json.loads(path.read_text())
+            for path in (tmp_path / f"rank{rank}").glob("*/summary.json")
+        }
+        rewritten = [summaries[p]["records"]["decompose"]["sites_rewritten"] for p in ("fwd", "bwd")]
+        assert sum(rewritten) > 0, "the strands were not decomposed: this test would show nothing"
+        merged = summaries["merged"]
+        candidates = merged["records"]["merge"]
+        decomposed_s, undecomposed_s = candidates["decomposed_strands_s"], candidates["undecomposed_strands_s"]
+        assert 0 < min(decomposed_s, undecomposed_s) < float("inf"), candidates
+        assert ("exchange" in merged["comm_order"]) == (decomposed_s <= undecomposed_s), (
+            candidates,
+            merged["comm_order"],
+        )
+        assert merged["records"]["interleave"]["predicted_makespan_s"] == min(decomposed_s, undecomposed_s)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -43,13 +44,20 @@ import torch.fx
 
 from cost_model.op_kinds import op_name
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.capture import compile_partition
+from dhelix_compile.capture import compile_partition, plan_partition
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.pass_options import pass_options
+from graph_passes import PassContext, PassError
 from graph_passes.merge_strands import MergedStrands, merge_strands
 
 log = logging.getLogger("dhelix.helix")
 
 BoxedCallable = Callable[[list[Any]], Any]
+
+
+#: ``ctx.records`` group of a merged graph whose strands were decomposed: the predicted makespans
+#: of M from the decomposed strands and from the undecomposed ones (the lower was compiled).
+MERGE_RECORDS = "merge"
 
 
 class HelixError(RuntimeError):
@@ -94,6 +102,8 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
 @dataclasses.dataclass
 class _Strand:
     gm: torch.fx.GraphModule  # as scheduled for running alone
+    raw: torch.fx.GraphModule  # the partition as AOTAutograd gave it
+    decomposed: bool  # the decompose pass rewrote sites of ``gm`` by its own cost-model choice
     example_inputs: Sequence[Any]
     inductor_kwargs: dict[str, Any]
     compiled: BoxedCallable
@@ -111,16 +121,73 @@ class StrandPair:
         self.merged_compiled: BoxedCallable | None = None
 
     def compile_merged(self, name: str) -> None:
-        """Merge the scheduled F and B, run the passes on M, compile it (at B's compile)."""
+        """Merge the scheduled F and B, run the passes on M, compile it (at B's compile).
+
+        Decomposition was decided for F and B each running alone. When ``decompose="auto"``
+        rewrote a site of either, M is also planned from the undecomposed strands (decompose
+        off), and the merged graph with the lower predicted makespan is compiled: in a merged
+        graph the other strand's compute may hide a whole collective, and the per-peer steps
+        then only add their overheads (HF Llama with PyTorch's TP plan measured 999 ms
+        decomposed against 922 ms undecomposed).
+        """
         assert self.forward is not None and self.backward is not None
-        static = self.forward.inductor_kwargs.get("static_input_idxs") or ()
-        merged = merge_strands(self.forward.gm, self.backward.gm, shared_fwd_inputs=static)
-        example_inputs = merged.merged_args(list(self.forward.example_inputs), list(self.backward.example_inputs))
-        kwargs = dict(self.forward.inductor_kwargs)
+        config = self.config
+        merged = self._merge(self.forward.gm, self.backward.gm)
+        records: dict[str, dict[str, float]] = {}
+        if self._undecomposed_rival_applies():
+            rival = self._merge(self.forward.raw, self.backward.raw)
+            rival_config = config.patch(disable_passes=(*config.disable_passes, "decompose"))
+            decomposed_s = self._predicted_makespan_s(merged, config, name)
+            undecomposed_s = self._predicted_makespan_s(rival, rival_config, name)
+            records[MERGE_RECORDS] = {
+                "decomposed_strands_s": decomposed_s,
+                "undecomposed_strands_s": undecomposed_s,
+            }
+            if undecomposed_s < decomposed_s:
+                log.info(
+                    "%s: the undecomposed strands predict a shorter merged graph (%.4g s < %.4g s); compiling that one",
+                    name,
+                    undecomposed_s,
+                    decomposed_s,
+                )
+                merged, config = rival, rival_config
         self.merged_compiled = compile_partition(
-            merged.gm, example_inputs, config=self.config, graph_name=name, **kwargs
+            merged.gm,
+            self._example_inputs(merged),
+            config=config,
+            graph_name=name,
+            records=records,
+            **self.forward.inductor_kwargs,
         )
         self.merged = merged
+
+    def _merge(self, fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule) -> MergedStrands:
+        assert self.forward is not None
+        return merge_strands(fwd, bwd, shared_fwd_inputs=self.forward.inductor_kwargs.get("static_input_idxs") or ())
+
+    def _example_inputs(self, merged: MergedStrands) -> list[Any]:
+        assert self.forward is not None and self.backward is not None
+        return merged.merged_args(list(self.forward.example_inputs), list(self.backward.example_inputs))
+
+    def _undecomposed_rival_applies(self) -> bool:
+        assert self.forward is not None and self.backward is not None
+        options = pass_options(self.config)["decompose"]
+        return (
+            options.mode == "auto"
+            and "decompose" not in self.config.disable_passes
+            and (self.forward.decomposed or self.backward.decomposed)
+        )
+
+    def _predicted_makespan_s(self, merged: MergedStrands, config: DHelixConfig, name: str) -> float:
+        """The interleave pass's predicted makespan of ``merged`` (infinite when it predicted none)."""
+        try:
+            _, ctx = plan_partition(
+                merged.gm, self._example_inputs(merged), config=config, graph_name=name, phase="fwd"
+            )
+        except PassError as exc:
+            log.warning("%s: planning a merged candidate failed (%s)", name, exc)
+            return math.inf
+        return ctx.records.get("interleave", {}).get("predicted_makespan_s", math.inf)
 
 
 class _PendingBackward:
@@ -318,9 +385,14 @@ def compile_strand_partition(
                 "micro-batch i's backward, and helix does not reproduce eager's RNG stream. Set dropout "
                 "to 0 (or use model.eval() for the dropout layers)."
             )
-    scheduled: list[torch.fx.GraphModule] = []
-    compiled = compile_partition(gm, example_inputs, config=config, on_scheduled=scheduled.append, **inductor_kwargs)
-    strand = _Strand(scheduled[0] if scheduled else gm, example_inputs, dict(inductor_kwargs), compiled)
+    scheduled: list[tuple[torch.fx.GraphModule, PassContext]] = []
+    compiled = compile_partition(
+        gm, example_inputs, config=config, on_scheduled=lambda g, ctx: scheduled.append((g, ctx)), **inductor_kwargs
+    )
+    decomposed = bool(scheduled) and scheduled[0][1].records.get("decompose", {}).get("sites_rewritten", 0) > 0
+    strand = _Strand(
+        scheduled[0][0] if scheduled else gm, gm, decomposed, example_inputs, dict(inductor_kwargs), compiled
+    )
     if not inductor_kwargs.get("is_backward"):
         pair.forward = strand
         return strand_forward(pair)

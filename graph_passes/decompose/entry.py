@@ -40,8 +40,8 @@ is in ``ctx.notes["decompose"][code]``)::
     not matched: <finder code>            a collective no pattern matched (``collective_matches``)
 
 ``ctx.records["decompose"]``: ``<site>_original_s``, ``<site>_<variant>_s``, ``<site>_chosen_s``,
-``<site>_graph_chain_s`` / ``<site>_graph_single_sites_s`` (chains) and ``predicted_saved_s``;
-``<site>`` is the pattern and the site's index (``all_gather_matmul0``).
+``<site>_graph_chain_s`` / ``<site>_graph_single_sites_s`` (chains), ``predicted_saved_s`` and
+``sites_rewritten``; ``<site>`` is the pattern and the site's index (``all_gather_matmul0``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class _Decomposer:
         self.selection = Selection(ctx, options, self.graph, fake_mode)
         self.sites = 0
         self.saved_s = 0.0
-        self.rewrote = False
+        self.rewritten = 0  # sites committed to a variant
 
     def run(self) -> None:
         skipped: Counter[str] = Counter()
@@ -123,7 +123,7 @@ class _Decomposer:
                 self._site(label, functools.partial(make, m, size), m.group_name, size, m.issue)
         for code, n in sorted(skipped.items()):
             self.ctx.count(PASS, f"not matched: {code}", n)
-        self.ctx.record(PASS, predicted_saved_s=self.saved_s)
+        self.ctx.record(PASS, predicted_saved_s=self.saved_s, sites_rewritten=float(self.rewritten))
 
     def _site(
         self, label: str, make: Callable[[], Site], group_name: str, group_size: int, issue: torch.fx.Node
@@ -182,7 +182,7 @@ class _Decomposer:
             self.ctx.explain(PASS, f"{label}: {why_not}", detail)
             return
         site.commit(best)
-        self.rewrote = True
+        self.rewritten += 1
         if not math.isnan(original_s):
             self.saved_s += original_s - best.predicted_s
         self.ctx.count(PASS, f"{label}: {best.name}")
@@ -199,6 +199,6 @@ def decompose_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
         return gm
     decomposer = _Decomposer(gm, ctx, options)
     decomposer.run()
-    if decomposer.rewrote:  # new nodes (and new comm ids): annotate again, counting into a scratch context
+    if decomposer.rewritten:  # new nodes (and new comm ids): annotate again, counting into a scratch context
         annotate_pass(gm, PassContext(ctx.graph_name, ctx.phase, ctx.example_inputs, strand=ctx.strand))
     return gm
