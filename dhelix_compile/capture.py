@@ -71,6 +71,7 @@ def compile_partition(
     graph_name: str | None = None,
     on_scheduled: Callable[[torch.fx.GraphModule, PassContext], None] | None = None,
     records: dict[str, dict[str, float]] | None = None,
+    planned: tuple[torch.fx.GraphModule, PassContext] | None = None,
     **inductor_kwargs: Any,
 ) -> Callable[..., Any]:
     """Run the pass pipeline on one partition and generate its code (see the module docstring).
@@ -78,18 +79,25 @@ def compile_partition(
     ``graph_name`` overrides the name derived from Dynamo's compile id and the phase (helix's
     merged graphs); ``on_scheduled`` is called with the scheduled graph and the passes' context
     before codegen (not when the pipeline fell back to plain Inductor); ``records`` are numbers
-    the caller decided by (``ctx.records``, in the summary beside the passes').
+    the caller decided by (``ctx.records``, in the summary beside the passes'). ``planned`` is
+    :func:`plan_partition`'s result for ``gm`` under ``config``: it is compiled as is unless
+    dumps are asked for (they record every pass, so the pipeline runs again).
     """
     phase = _phase_of(inductor_kwargs)
     name = graph_name or _graph_name(phase)
     dumper = _dumper(config, name)
-    ctx = _pass_context(gm, example_inputs, config, name, phase, dumper)
+    ctx = planned[1] if planned is not None and dumper is None else None
+    if ctx is None:
+        ctx = _pass_context(gm, example_inputs, config, name, phase, dumper)
     for group, values in (records or {}).items():
         ctx.record(group, **values)
     if dumper is not None:
         dumper.write_input(gm)
     try:
-        scheduled = run_pipeline(copy_graph_module(gm), ctx, disabled=config.disable_passes)
+        if planned is not None and ctx is planned[1]:
+            scheduled = planned[0]
+        else:
+            scheduled = run_pipeline(copy_graph_module(gm), ctx, disabled=config.disable_passes)
     except PassError as exc:
         if config.fallback == "error":
             raise

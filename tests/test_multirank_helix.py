@@ -138,7 +138,7 @@ def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path, dec
     assert records[0]["predicted_makespan_s"] == records[1]["predicted_makespan_s"]
 
 
-def _helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str) -> dict:
+def _helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str | None) -> dict:
     """The TP+SP model priced as H100s on a 100 MB/s link: decomposing each strand alone pays,
     and merging the strands undecomposed predicts shorter still (the HF Llama TP case, analytic)."""
     from cost_model.hardware import Link, register_link
@@ -161,11 +161,14 @@ def _helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str) -> dict:
     )
 
 
-def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dumps", [True, False], ids=["dumps", "no-dumps"])
+def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path, dumps: bool) -> None:
     """Decomposition decided for F and B alone is weighed again in the merged graph: M is planned
     from the decomposed and from the undecomposed strands, and the lower prediction is compiled
-    (helix still equals the eager loop)."""
-    run_on_ranks(_helix_on_a_slow_link, 2, str(tmp_path), timeout_s=400)
+    (helix still equals the eager loop). Without dumps the chosen plan is compiled as planned."""
+    run_on_ranks(_helix_on_a_slow_link, 2, str(tmp_path) if dumps else None, timeout_s=400)
+    if not dumps:
+        return  # check_helix compared losses and gradients with the eager loop
     for rank in range(2):
         summaries = {
             path.parent.name.rsplit("_", 1)[-1]: json.loads(path.read_text())

@@ -134,15 +134,17 @@ class StrandPair:
         config = self.config
         merged = self._merge(self.forward.gm, self.backward.gm)
         records: dict[str, dict[str, float]] = {}
+        planned = None
         if self._undecomposed_rival_applies():
             rival = self._merge(self.forward.raw, self.backward.raw)
             rival_config = config.patch(disable_passes=(*config.disable_passes, "decompose"))
-            decomposed_s = self._predicted_makespan_s(merged, config, name)
-            undecomposed_s = self._predicted_makespan_s(rival, rival_config, name)
+            decomposed, decomposed_s = self._plan(merged, config, name)
+            undecomposed, undecomposed_s = self._plan(rival, rival_config, name)
             records[MERGE_RECORDS] = {
                 "decomposed_strands_s": decomposed_s,
                 "undecomposed_strands_s": undecomposed_s,
             }
+            planned = decomposed
             if undecomposed_s < decomposed_s:
                 log.info(
                     "%s: the undecomposed strands predict a shorter merged graph (%.4g s < %.4g s); compiling that one",
@@ -150,13 +152,14 @@ class StrandPair:
                     undecomposed_s,
                     decomposed_s,
                 )
-                merged, config = rival, rival_config
+                merged, config, planned = rival, rival_config, undecomposed
         self.merged_compiled = compile_partition(
             merged.gm,
             self._example_inputs(merged),
             config=config,
             graph_name=name,
             records=records,
+            planned=planned,
             **self.forward.inductor_kwargs,
         )
         self.merged = merged
@@ -178,16 +181,20 @@ class StrandPair:
             and (self.forward.decomposed or self.backward.decomposed)
         )
 
-    def _predicted_makespan_s(self, merged: MergedStrands, config: DHelixConfig, name: str) -> float:
-        """The interleave pass's predicted makespan of ``merged`` (infinite when it predicted none)."""
+    def _plan(
+        self, merged: MergedStrands, config: DHelixConfig, name: str
+    ) -> tuple[tuple[torch.fx.GraphModule, PassContext] | None, float]:
+        """``merged`` through the passes, and the interleave pass's predicted makespan (infinite
+        when it predicted none, or the passes failed: compiling then plans again, and fails or
+        falls back as configured)."""
         try:
-            _, ctx = plan_partition(
+            planned = plan_partition(
                 merged.gm, self._example_inputs(merged), config=config, graph_name=name, phase="fwd"
             )
         except PassError as exc:
             log.warning("%s: planning a merged candidate failed (%s)", name, exc)
-            return math.inf
-        return ctx.records.get("interleave", {}).get("predicted_makespan_s", math.inf)
+            return None, math.inf
+        return planned, planned[1].records.get("interleave", {}).get("predicted_makespan_s", math.inf)
 
 
 class _PendingBackward:
