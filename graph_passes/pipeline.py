@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch.fx
 
 from graph_passes.annotate import annotate_pass
+from graph_passes.combine_all_reduces import combine_all_reduces_pass
 from graph_passes.context import PassContext
 from graph_passes.decompose import decompose_pass
 from graph_passes.interleave import interleave_pass
@@ -61,6 +62,11 @@ class UnknownPassError(ValueError):
 
 #: The pipeline, in order. Add a pass by inserting a ``GraphPass`` at the right position.
 PASSES: tuple[GraphPass, ...] = (
+    GraphPass(
+        "combine_all_reduces",
+        combine_all_reduces_pass,
+        "all-reduces whose results are only summed -> one all-reduce of the summed partials",
+    ),
     GraphPass("annotate", annotate_pass, "tag every node with meta['dhelix'] (kind, phase, strand)"),
     GraphPass("decompose", decompose_pass, "all-gather/reduce-scatter next to matmuls -> per-peer or chunked steps"),
     GraphPass("interleave", interleave_pass, "order a merged helix graph's two strands by the DHelix DP"),
