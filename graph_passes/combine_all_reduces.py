@@ -61,6 +61,7 @@ import torch.fx
 from graph_passes._torch_compat import fake_mode_of
 from graph_passes.context import PassContext
 from graph_passes.decompose.emit import Emitter
+from graph_passes.decompose.site import node_positions
 from graph_passes.node_args import as_node
 
 aten = torch.ops.aten
@@ -158,10 +159,9 @@ def _tree(root: torch.fx.Node, root_val: torch.Tensor) -> tuple[list[torch.fx.No
     return adds, leaves
 
 
-def _is_root(node: torch.fx.Node) -> bool:
-    """A plain add that is not an inner node of a larger tree."""
-    root_val = _val(node)
-    if root_val is None or not _is_plain_add(node, root_val):
+def _is_root(node: torch.fx.Node, root_val: torch.Tensor) -> bool:
+    """A plain add (of ``root_val``, its value) that is not an inner node of a larger tree."""
+    if not _is_plain_add(node, root_val):
         return False
     users = list(node.users)
     return not (len(users) == 1 and _is_plain_add(users[0], root_val))
@@ -175,10 +175,9 @@ def find_summed_all_reduces(graph: torch.fx.Graph, skipped: Counter[str] | None 
     """
     matches: list[SummedAllReduces] = []
     for root in graph.nodes:
-        if not _is_root(root):
-            continue
         root_val = _val(root)
-        assert root_val is not None
+        if root_val is None or not _is_root(root, root_val):
+            continue
         adds, leaves = _tree(root, root_val)
         by_key: dict[tuple[str, str], list[SummedAllReduce]] = {}
         alone: list[str] = []
@@ -209,7 +208,7 @@ class _Combiner:
 
     def __init__(self, graph: torch.fx.Graph, match: SummedAllReduces) -> None:
         self.graph, self.match = graph, match
-        self.positions = {node: i for i, node in enumerate(graph.nodes)}
+        self.positions = node_positions(graph)
         root_meta = match.root.meta.get("dhelix", {})
         self.meta = {k: root_meta[k] for k in ("phase", "strand") if k in root_meta}
         self.fake_mode = fake_mode_of([_val(match.root)])
