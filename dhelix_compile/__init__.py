@@ -5,6 +5,7 @@
     model = torch.compile(model, backend=dhelix_compile.backend(codegen="eager"))
     step = dhelix_compile.helix(model, loss_fn)                          # strand interleaving
     losses = step(microbatches)
+    schedule = dhelix_compile.helix_pipeline(schedule)                   # torch pipelining, merged F+B
 
 The backend entry points import Inductor and AOTAutograd; they load on first use, so that
 ``import dhelix_compile.testing`` (every spawned test rank does it) stays cheap.
@@ -19,7 +20,7 @@ from dhelix_compile.config import ConfigError, DHelixConfig
 
 logging.getLogger("dhelix").addHandler(logging.NullHandler())
 
-__all__ = ["ConfigError", "DHelixConfig", "HelixError", "backend", "dhelix_backend", "helix"]
+__all__ = ["ConfigError", "DHelixConfig", "HelixError", "backend", "dhelix_backend", "helix", "helix_pipeline"]
 __version__ = "0.1.0"
 
 
@@ -32,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from dhelix_compile.helix_runtime import step
 
         return getattr(step, name)
+    if name == "helix_pipeline":
+        from dhelix_compile.pipeline_runtime import schedule
+
+        return schedule.helix_pipeline
     raise AttributeError(f"module 'dhelix_compile' has no attribute {name!r}")

@@ -67,6 +67,30 @@ def compile_with_aot_autograd(
     return compiled
 
 
+def into_one_fake_mode(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+    """Example inputs of ``gm`` as fake tensors of one fresh fake mode, and every node's
+    ``meta["val"]`` propagated again in it.
+
+    A graph merged from partitions of two Dynamo compiles (a pipeline's F of one stage and B of
+    another) holds values of two fake modes; the passes' fake ops and Inductor need one. Shapes
+    are static (helix compiles with ``dynamic=False``).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode()
+
+    def fake(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        with mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+    inputs = [fake(x) for x in example_inputs]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    return inputs
+
+
 def mark_boxed(fn: _F) -> _F:
     """Mark ``fn`` as boxed (takes the argument list), as ``make_boxed_func`` does, without wrapping it."""
     fn._boxed_call = True  # type: ignore[attr-defined]  # AOTAutograd's private marker, in no torch type
@@ -301,3 +325,180 @@ def _as_group_name(name: str) -> GroupName:
 def register_work(tensor: torch.Tensor, work: Any) -> None:
     """Make ``_c10d_functional.wait_tensor(tensor)`` wait for ``work`` (how functional collectives complete)."""
     torch._C._distributed_c10d._register_work(tensor, work)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed.pipelining: the schedules' runtime (helix_pipeline)
+#
+# ``_PipelineScheduleRuntime`` runs a per-rank list of ``_Action``s; a compute-only order is
+# lowered to sends and receives by ``_prepare_schedule_with_comms``. ``register_custom_function``
+# replaces one computation type's step, but the default steps live in a closure of
+# ``_step_microbatches`` that a custom function cannot call: :class:`PipelineSteps` does what
+# that closure does for FORWARD and FULL_BACKWARD (wait for the received input, run the stage,
+# compute the loss, hand tensors to a neighbouring stage on the same rank), in two halves for
+# the backward so that helix_pipeline can run it on its backward thread.
+# ---------------------------------------------------------------------------------------------
+
+#: (kind, stage, micro-batch, sub-actions) of a compute action; kind is "F", "B", "I", "W" or
+#: "OVERLAP_F_B" (then stage and micro-batch are None and the sub-actions are given).
+PipelineActionFields = tuple[str, int | None, int | None, tuple[Any, ...] | None]
+
+
+def _pipelining_schedules() -> Any:
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
+
+def is_runtime_schedule(schedule: object) -> bool:
+    """Whether ``schedule`` runs a per-rank action list (``_PipelineScheduleRuntime``)."""
+    return isinstance(schedule, _pipelining_schedules()._PipelineScheduleRuntime)
+
+
+def pipeline_action_fields(action: Any) -> PipelineActionFields:
+    """The fields of a torch pipeline action (see :data:`PipelineActionFields`)."""
+    kind = action.computation_type.value
+    if action.sub_actions is not None:
+        return kind, None, None, tuple(action.sub_actions)
+    return kind, action.stage_index, action.microbatch_index, None
+
+
+def pipeline_action(kind: str, stage: int, microbatch: int) -> Any:
+    """A torch compute action (``"F"``, ``"B"``, ``"I"``, ``"W"``) of ``stage`` on ``microbatch``."""
+    schedules = _pipelining_schedules()
+    return schedules._Action(stage, schedules._ComputationType(kind), microbatch)
+
+
+def pipeline_overlap_action(forward: Any, backward: Any) -> Any:
+    """An ``OVERLAP_F_B`` action of a forward and a backward action (DualPipeV's form)."""
+    schedules = _pipelining_schedules()
+    return schedules._Action(-1, schedules.OVERLAP_F_B, None, (forward, backward))
+
+
+def pipeline_compute_order(schedule: Any) -> dict[int, list[Any]]:
+    """A runtime schedule's compute-only order, every rank (empty slots dropped)."""
+    return {rank: [a for a in actions if a is not None] for rank, actions in schedule.pipeline_order.items()}
+
+
+def set_pipeline_compute_order(schedule: Any, order: dict[int, list[Any]]) -> None:
+    """Make a runtime schedule run ``order`` (compute-only; sends and receives are added by torch)."""
+    schedule.pipeline_order = order
+    schedule._prepare_schedule_with_comms(order)
+
+
+def single_stage_runtime(schedule: Any) -> Any:
+    """A ``_PipelineScheduleRuntime`` over the one stage of a single-stage schedule (Schedule1F1B),
+    with its micro-batch count, loss, chunking and gradient scaling."""
+    return _pipelining_schedules()._PipelineScheduleRuntime(
+        stages=[schedule._stage],
+        n_microbatches=schedule._n_microbatches,
+        loss_fn=schedule._loss_fn,
+        args_chunk_spec=schedule._args_chunk_spec,
+        kwargs_chunk_spec=schedule._kwargs_chunk_spec,
+        output_merge_spec=schedule._output_merge_spec,
+        scale_grads=schedule.scale_grads,
+    )
+
+
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The stages a schedule runs on this rank."""
+    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
+
+
+def schedule_microbatches(schedule: Any) -> int:
+    return int(schedule._n_microbatches)
+
+
+def schedule_num_stages(schedule: Any) -> int:
+    return int(schedule._num_stages)
+
+
+class PipelineSteps:
+    """FORWARD and FULL_BACKWARD of a ``_PipelineScheduleRuntime``, as its own loop runs them.
+
+    ``install`` registers ``forward(action, ctx)``, ``backward(action, ctx)`` and
+    ``overlap(action, ctx)`` as the schedule's custom functions, and records the
+    ``return_outputs`` / ``loss_kwargs`` of each ``step`` (the custom functions' context
+    does not carry them).
+    """
+
+    def __init__(self, schedule: Any) -> None:
+        self.schedule = schedule
+        self.return_outputs = True
+        self.loss_kwargs: dict[str, Any] | None = None
+
+    def install(
+        self, forward: Callable[..., None], backward: Callable[..., None], overlap: Callable[..., None]
+    ) -> None:
+        schedules = _pipelining_schedules()
+        schedule = self.schedule
+        schedule.register_custom_function(schedules.FORWARD, forward)
+        schedule.register_custom_function(schedules.FULL_BACKWARD, backward)
+        schedule.register_custom_function(schedules.OVERLAP_F_B, overlap)
+        step_microbatches = schedule._step_microbatches
+
+        def recording(
+            arg_mbs: Any = None,
+            kwarg_mbs: Any = None,
+            target_mbs: Any = None,
+            losses: Any = None,
+            return_outputs: bool = True,
+            loss_kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            self.return_outputs, self.loss_kwargs = return_outputs, loss_kwargs
+            return step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+
+        schedule._step_microbatches = recording
+
+    def _stages(self) -> dict[int, Any]:
+        return {stage.stage_index: stage for stage in self.schedule._stages}
+
+    def forward(self, action: Any, ctx: Any) -> None:
+        """Wait for the stage's input, run its forward, compute the loss on the last stage."""
+        schedules = _pipelining_schedules()
+        stages = self._stages()
+        index, mb = action.stage_index, action.microbatch_index
+        stage = stages[index]
+        self.schedule._assert_unsharded(stage)
+        if not stage.is_first and index - 1 not in stages:
+            works = self.schedule.fwd_recv_ops.pop((index, mb), None)
+            if works is None:
+                raise RuntimeError(f"helix_pipeline: {action} runs before its input was received")
+            schedules._wait_batch_p2p(works)
+        output = stage.forward_one_chunk(
+            mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=self.return_outputs
+        )
+        self.schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb, self.loss_kwargs)
+        if index + 1 in stages:
+            stages[index + 1].set_local_fwd_input(output, mb)
+
+    def backward(self, action: Any) -> Callable[[], None]:
+        """Wait for the stage's output gradient; return the backward itself, to run anywhere."""
+        schedules = _pipelining_schedules()
+        stages = self._stages()
+        index, mb = action.stage_index, action.microbatch_index
+        stage = stages[index]
+        self.schedule._assert_unsharded(stage)
+        if not stage.is_last and index + 1 not in stages:
+            works = self.schedule.bwd_recv_ops.pop((index, mb), None)
+            if works is None:
+                raise RuntimeError(f"helix_pipeline: {action} runs before its output gradient was received")
+            schedules._wait_batch_p2p(works)
+        loss = self.schedule._maybe_get_loss(stage, mb)
+        self.schedule.backward_counter[index] += 1
+        last_backward = self.schedule.backward_counter[index] == self.schedule._n_microbatches
+        previous = stages.get(index - 1)
+
+        def run() -> None:
+            stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
+            if previous is not None:
+                previous.set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+        return run
+
+
+def compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is, or was made, a ``torch.compile``d module (``torch.compile(m)`` or ``m.compile()``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None

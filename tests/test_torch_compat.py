@@ -98,3 +98,40 @@ def test_logging_calls_do_not_break_a_fullgraph_capture() -> None:
         out = torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(2))
     assert out.tolist() == [2.0, 2.0]
     assert logging.Logger.warning not in torch._dynamo.config.ignore_logging_functions  # restored after
+
+
+def test_into_one_fake_mode_puts_every_value_of_a_graph_in_one_fake_mode() -> None:
+    """A graph whose inputs come from two fake modes (two Dynamo compiles) gets one mode."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    graph.output(graph.call_function(torch.ops.aten.mm.default, (a, b)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with FakeTensorMode():
+        x = torch.empty(2, 3)
+    with FakeTensorMode():
+        y = torch.empty(3, 4)
+    inputs = compat.into_one_fake_mode(gm, [x, y])
+    mode = detect_fake_mode(tuple(inputs))
+    assert mode is not None
+    vals = [n.meta["val"] for n in gm.graph.nodes if "val" in n.meta]
+    assert len(vals) == 4 and all(v.fake_mode is mode for v in vals)  # 2 inputs, mm, output
+    assert vals[-1].shape == (2, 4)
+
+
+def test_pipeline_actions_round_trip_through_torchs_action_type() -> None:
+    forward = compat.pipeline_action("F", 0, 3)
+    backward = compat.pipeline_action("B", 1, 2)
+    assert compat.pipeline_action_fields(forward) == ("F", 0, 3, None)
+    assert str(backward) == "1B2"
+    kind, stage, mb, subs = compat.pipeline_action_fields(compat.pipeline_overlap_action(forward, backward))
+    assert (kind, stage, mb, subs) == ("OVERLAP_F_B", None, None, (forward, backward))
+
+
+def test_compiled_module_sees_both_ways_of_compiling() -> None:
+    plain, method, wrapped = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    method.compile()
+    assert not compat.compiled_module(plain)
+    assert compat.compiled_module(method) and compat.compiled_module(torch.compile(wrapped))

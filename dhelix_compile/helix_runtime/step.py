@@ -26,7 +26,6 @@ Contract
 
 from __future__ import annotations
 
-import functools
 import itertools
 import types
 import weakref
@@ -42,8 +41,9 @@ from dhelix_compile.helix_runtime.strands import (
     BackwardThread,
     HelixError,
     StrandExchange,
-    StrandPair,
-    compile_strand_partition,
+    find_helix_error,
+    run_beside,
+    strand_backend,
 )
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -74,7 +74,9 @@ class HelixStep:
         self._exchange = StrandExchange()
         self._backward_thread = BackwardThread()
         weakref.finalize(self, self._backward_thread.close)
-        self._compiled = torch.compile(_with_own_code(self._loss), backend=self._backend, fullgraph=True, dynamic=False)
+        self._compiled = torch.compile(
+            _with_own_code(self._loss), backend=strand_backend(config, self._exchange), fullgraph=True, dynamic=False
+        )
 
     def __call__(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
         items = self._check(microbatches)
@@ -89,11 +91,6 @@ class HelixStep:
         return losses
 
     # ------------------------------------------------------------------ compile
-
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        pair = StrandPair(self.config, self._exchange)
-        inner = functools.partial(compile_strand_partition, config=self.config, pair=pair)
-        return compat.compile_with_aot_autograd(gm, example_inputs, inner)
 
     def _loss(self, item: Any) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -113,7 +110,7 @@ class HelixStep:
             with compat.logging_calls_ignored_by_dynamo():  # a model's log line is no graph break
                 loss = self._compiled(item)
         except Exception as exc:
-            helix_error = _find_helix_error(exc)
+            helix_error = find_helix_error(exc)
             if helix_error is not None:
                 raise helix_error from None
             raise
@@ -126,17 +123,7 @@ class HelixStep:
 
     def _forward_beside_backward(self, item: Any, previous: torch.Tensor) -> torch.Tensor:
         """Run ``previous.backward()`` merged with the forward of ``item`` (see ``strands``)."""
-        self._exchange.expect_forward()
-        job = self._backward_thread.submit(previous)
-        try:
-            self._exchange.wait_posted(job)
-            loss = self._forward(item)
-        finally:
-            self._exchange.release()
-            job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return loss
+        return run_beside(self._exchange, self._backward_thread, previous.backward, lambda: self._forward(item))
 
     def _check(self, microbatches: Sequence[Any]) -> list[Any]:
         if isinstance(microbatches, (torch.Tensor, Mapping)) or not isinstance(microbatches, Sequence):
@@ -171,15 +158,3 @@ def _with_own_code(method: Callable[[Any], torch.Tensor]) -> Callable[[Any], tor
     code = function.__code__.replace(co_name=f"helix_loss_{next(_step_ids)}")
     fresh = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
     return types.MethodType(fresh, method.__self__)
-
-
-def _find_helix_error(exc: BaseException) -> HelixError | None:
-    """The HelixError a compile raised, looking through Dynamo's wrapping of backend errors."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, HelixError):
-            return current
-        seen.add(id(current))
-        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
-    return None

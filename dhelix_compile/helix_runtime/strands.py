@@ -2,8 +2,11 @@
 
 ``helix`` compiles one function, ``loss(micro-batch)``, with a dhelix backend whose partition
 compiler (:func:`compile_strand_partition`) keeps, per Dynamo graph, a :class:`StrandPair`: the
-scheduled forward F, the scheduled backward B, and the merged graph M = F ⊕ B
-(``graph_passes.merge_strands`` + the ``interleave`` pass), compiled when B is.
+scheduled forward F and the scheduled backward B. The merged graph M = F ⊕ B
+(``graph_passes.merge_strands`` + the ``interleave`` pass) is compiled the first time a forward
+meets a parked backward, and kept by the forward's pair per backward pair: F and B of one graph
+(``helix``: micro-batch i+1 and i of one model), or, when the exchange merges across graphs
+(``helix_pipeline``), F of one stage module and B of another.
 
 AOTAutograd calls F from the forward of each micro-batch and B from ``loss.backward()``. The
 runner (``dhelix_compile.helix_runtime.step``) makes the two meet::
@@ -23,7 +26,7 @@ runner (``dhelix_compile.helix_runtime.step``) makes the two meet::
     loss_n.backward()         -> B alone (no forward follows)
 
 Nothing is left waiting: a parked backward that no forward takes (a recompile to another
-graph, an error) runs B alone in the main thread while the backward thread stays parked, so
+graph, an error, a merged graph that failed to compile) runs B alone in the main thread while the backward thread stays parked, so
 the strands never run concurrently; an error in M reaches both threads. The
 backward of micro-batch i always runs before the forward of i+1 returns, so gradients
 accumulate in micro-batch order, exactly as in the eager loop.
@@ -32,12 +35,13 @@ accumulate in micro-batch order, exactly as in the eager loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx
@@ -53,6 +57,7 @@ from graph_passes.merge_strands import MergedStrands, merge_strands
 log = logging.getLogger("dhelix.helix")
 
 BoxedCallable = Callable[[list[Any]], Any]
+_T = TypeVar("_T")
 
 
 #: ``ctx.records`` group of a merged graph whose strands were decomposed: the predicted makespans
@@ -101,6 +106,7 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
 
 @dataclasses.dataclass
 class _Strand:
+    name: str  # the partition's graph name (Dynamo's compile id), for the merged graphs' names
     gm: torch.fx.GraphModule  # as scheduled for running alone
     raw: torch.fx.GraphModule  # the partition as AOTAutograd gave it
     decomposed: bool  # the decompose pass rewrote sites of ``gm`` by its own cost-model choice
@@ -109,92 +115,133 @@ class _Strand:
     compiled: BoxedCallable
 
 
+@dataclasses.dataclass(frozen=True)
+class _Merged:
+    """A compiled merged graph and how to call it."""
+
+    strands: MergedStrands
+    compiled: BoxedCallable
+
+
 class StrandPair:
-    """F, B and the merged M of one Dynamo graph (see the module docstring)."""
+    """F and B of one Dynamo graph, and the merged graphs its F was compiled into (see the module
+    docstring)."""
 
     def __init__(self, config: DHelixConfig, exchange: StrandExchange) -> None:
         self.config = config
         self.exchange = exchange
         self.forward: _Strand | None = None
         self.backward: _Strand | None = None
-        self.merged: MergedStrands | None = None
-        self.merged_compiled: BoxedCallable | None = None
+        #: per backward pair: the merged graph of this F and its B; None: run them one after the other
+        self._merged: dict[StrandPair, _Merged | None] = {}
 
-    def compile_merged(self, name: str) -> None:
-        """Merge the scheduled F and B, run the passes on M, compile it (at B's compile).
+    def merged_with(self, backward: StrandPair) -> _Merged | None:
+        """M = this pair's F ⊕ ``backward``'s B, compiled at the first call (None: they cannot merge).
 
-        Decomposition was decided for F and B each running alone. When ``decompose="auto"``
-        rewrote a site of either, M is also planned from the undecomposed strands (decompose
-        off), and the merged graph with the lower predicted makespan is compiled: in a merged
-        graph the other strand's compute may hide a whole collective, and the per-peer steps
-        then only add their overheads (HF Llama with PyTorch's TP plan measured 999 ms
-        decomposed against 922 ms undecomposed).
+        Raises what compiling raised when ``config.fallback == "error"``; otherwise a failure is
+        logged, and the two run one after the other from then on.
         """
-        assert self.forward is not None and self.backward is not None
-        config = self.config
-        merged = self._merge(self.forward.gm, self.backward.gm)
-        records: dict[str, dict[str, float]] = {}
-        planned = None
-        if self._undecomposed_rival_applies():
-            rival = self._merge(self.forward.raw, self.backward.raw)
-            rival_config = config.patch(disable_passes=(*config.disable_passes, "decompose"))
-            decomposed, decomposed_s = self._plan(merged, config, name)
-            undecomposed, undecomposed_s = self._plan(rival, rival_config, name)
-            records[MERGE_RECORDS] = {
-                "decomposed_strands_s": decomposed_s,
-                "undecomposed_strands_s": undecomposed_s,
-            }
-            planned = decomposed
-            if undecomposed_s < decomposed_s:
-                log.info(
-                    "%s: the undecomposed strands predict a shorter merged graph (%.4g s < %.4g s); compiling that one",
-                    name,
-                    undecomposed_s,
-                    decomposed_s,
+        if backward in self._merged:
+            return self._merged[backward]
+        merged: _Merged | None = None
+        mergeable = backward is self or self.exchange.merge_across_graphs
+        if mergeable and self.forward is not None and backward.backward is not None:
+            try:
+                merged = _compile_merged(
+                    self.forward,
+                    backward.backward,
+                    self.config,
+                    same_graph=backward is self,
+                    share_parameters=backward is self and not self.exchange.merge_across_graphs,
                 )
-                merged, config, planned = rival, rival_config, undecomposed
-        self.merged_compiled = compile_partition(
-            merged.gm,
-            self._example_inputs(merged),
-            config=config,
-            graph_name=name,
-            records=records,
-            planned=planned,
-            **self.forward.inductor_kwargs,
-        )
-        self.merged = merged
+            except Exception as exc:
+                if self.config.fallback == "error":
+                    raise
+                log.warning("helix: merging a forward and a backward failed (%s); they run one after the other", exc)
+        self._merged[backward] = merged
+        return merged
 
-    def _merge(self, fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule) -> MergedStrands:
-        assert self.forward is not None
-        return merge_strands(fwd, bwd, shared_fwd_inputs=self.forward.inductor_kwargs.get("static_input_idxs") or ())
 
-    def _example_inputs(self, merged: MergedStrands) -> list[Any]:
-        assert self.forward is not None and self.backward is not None
-        return merged.merged_args(list(self.forward.example_inputs), list(self.backward.example_inputs))
+def _compile_merged(
+    forward: _Strand, backward: _Strand, config: DHelixConfig, *, same_graph: bool, share_parameters: bool
+) -> _Merged:
+    """Merge the scheduled F and B, run the passes on M, compile it.
 
-    def _undecomposed_rival_applies(self) -> bool:
-        assert self.forward is not None and self.backward is not None
-        options = pass_options(self.config)["decompose"]
-        return (
-            options.mode == "auto"
-            and "decompose" not in self.config.disable_passes
-            and (self.forward.decomposed or self.backward.decomposed)
-        )
+    ``same_graph``: F and B are the two halves of one Dynamo graph (it names M).
+    ``share_parameters``: they also run on the same parameters and buffers, which M then reads
+    once (``helix``: one model). Not in a pipeline: Dynamo lifts a module's parameters to
+    graph inputs, so one graph serves every stage module of the same structure (DualPipeV's
+    middle chunks), and F of one stage may meet B of another through the same graph.
 
-    def _plan(
-        self, merged: MergedStrands, config: DHelixConfig, name: str
-    ) -> tuple[tuple[torch.fx.GraphModule, PassContext] | None, float]:
-        """``merged`` through the passes, and the interleave pass's predicted makespan (infinite
-        when it predicted none, or the passes failed: compiling then plans again, and fails or
-        falls back as configured)."""
-        try:
-            planned = plan_partition(
-                merged.gm, self._example_inputs(merged), config=config, graph_name=name, phase="fwd"
+    Decomposition was decided for F and B each running alone. When ``decompose="auto"``
+    rewrote a site of either, M is also planned from the undecomposed strands (decompose
+    off), and the merged graph with the lower predicted makespan is compiled: in a merged
+    graph the other strand's compute may hide a whole collective, and the per-peer steps
+    then only add their overheads (HF Llama with PyTorch's TP plan measured 999 ms
+    decomposed against 922 ms undecomposed).
+    """
+    name = f"{forward.name}_merged" if same_graph else f"{forward.name}_with_{backward.name}_merged"
+    shared = (forward.inductor_kwargs.get("static_input_idxs") or ()) if share_parameters else ()
+
+    def merge(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule) -> MergedStrands:
+        return merge_strands(fwd, bwd, shared_fwd_inputs=shared)
+
+    def example_inputs(merged: MergedStrands) -> list[Any]:
+        inputs = merged.merged_args(list(forward.example_inputs), list(backward.example_inputs))
+        # F and B of two Dynamo compiles hold values of two fake modes: one for the passes and Inductor
+        return inputs if same_graph else compat.into_one_fake_mode(merged.gm, inputs)
+
+    merged = merge(forward.gm, backward.gm)
+    records: dict[str, dict[str, float]] = {}
+    planned = None
+    if _undecomposed_rival_applies(config, forward, backward):
+        rival = merge(forward.raw, backward.raw)
+        rival_config = config.patch(disable_passes=(*config.disable_passes, "decompose"))
+        decomposed, decomposed_s = _plan(merged.gm, example_inputs(merged), config, name)
+        undecomposed, undecomposed_s = _plan(rival.gm, example_inputs(rival), rival_config, name)
+        records[MERGE_RECORDS] = {"decomposed_strands_s": decomposed_s, "undecomposed_strands_s": undecomposed_s}
+        planned = decomposed
+        if undecomposed_s < decomposed_s:
+            log.info(
+                "%s: the undecomposed strands predict a shorter merged graph (%.4g s < %.4g s); compiling that one",
+                name,
+                undecomposed_s,
+                decomposed_s,
             )
-        except PassError as exc:
-            log.warning("%s: planning a merged candidate failed (%s)", name, exc)
-            return None, math.inf
-        return planned, planned[1].records.get("interleave", {}).get("predicted_makespan_s", math.inf)
+            merged, config, planned = rival, rival_config, undecomposed
+    compiled = compile_partition(
+        merged.gm,
+        example_inputs(merged),
+        config=config,
+        graph_name=name,
+        records=records,
+        planned=planned,
+        **forward.inductor_kwargs,
+    )
+    return _Merged(merged, compiled)
+
+
+def _undecomposed_rival_applies(config: DHelixConfig, forward: _Strand, backward: _Strand) -> bool:
+    options = pass_options(config)["decompose"]
+    return (
+        options.mode == "auto"
+        and "decompose" not in config.disable_passes
+        and (forward.decomposed or backward.decomposed)
+    )
+
+
+def _plan(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], config: DHelixConfig, name: str
+) -> tuple[tuple[torch.fx.GraphModule, PassContext] | None, float]:
+    """``gm`` through the passes, and the interleave pass's predicted makespan (infinite when it
+    predicted none, or the passes failed: compiling then plans again, and fails or falls back as
+    configured)."""
+    try:
+        planned = plan_partition(gm, example_inputs, config=config, graph_name=name, phase="fwd")
+    except PassError as exc:
+        log.warning("%s: planning a merged candidate failed (%s)", name, exc)
+        return None, math.inf
+    return planned, planned[1].records.get("interleave", {}).get("predicted_makespan_s", math.inf)
 
 
 class _PendingBackward:
@@ -227,9 +274,15 @@ class _PendingBackward:
 
 
 class StrandExchange:
-    """Where the backward thread parks its call and the next forward picks it up."""
+    """Where the backward thread parks its call and the next forward picks it up.
 
-    def __init__(self) -> None:
+    ``merge_across_graphs``: a forward merges with a parked backward of another Dynamo graph
+    (another stage module of a pipeline); otherwise only with its own graph's, and a backward
+    of another graph (micro-batches of another shape) runs before the forward instead.
+    """
+
+    def __init__(self, *, merge_across_graphs: bool = False) -> None:
+        self.merge_across_graphs = merge_across_graphs
         self._lock = threading.Condition()
         self._expecting = False
         self._pending: _PendingBackward | None = None
@@ -274,16 +327,16 @@ class StrandExchange:
 
 
 class BackwardJob:
-    """One ``loss.backward()`` submitted to a :class:`BackwardThread`."""
+    """One backward (``loss.backward()``, a pipeline stage's backward) submitted to a :class:`BackwardThread`."""
 
-    def __init__(self, loss: torch.Tensor) -> None:
-        self.loss: torch.Tensor | None = loss
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run: Callable[[], None] | None = run
         self.done = threading.Event()
         self.error: BaseException | None = None
 
 
 class BackwardThread:
-    """The one long-lived thread that runs a helix step's ``loss.backward()`` calls.
+    """The one long-lived thread that runs a helix step's backward calls.
 
     A fresh thread per micro-batch measured about 10 ms slower per call on the TP+SP model:
     thread-local state (DTensor's sharding-propagation caches among it) starts cold in every
@@ -294,14 +347,14 @@ class BackwardThread:
         self._jobs: queue.SimpleQueue[BackwardJob | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, loss: torch.Tensor) -> BackwardJob:
-        """Start ``loss.backward()`` on the thread; the job's ``done`` is set when it returns."""
+    def submit(self, run: Callable[[], None]) -> BackwardJob:
+        """Start ``run()`` on the thread; the job's ``done`` is set when it returns."""
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
                 target=self._serve, args=(self._jobs,), name="dhelix-helix-backward", daemon=True
             )
             self._thread.start()
-        job = BackwardJob(loss)
+        job = BackwardJob(run)
         self._jobs.put(job)
         return job
 
@@ -313,13 +366,33 @@ class BackwardThread:
     def _serve(jobs: queue.SimpleQueue[BackwardJob | None]) -> None:
         while (job := jobs.get()) is not None:
             try:
-                assert job.loss is not None
-                job.loss.backward()
+                assert job.run is not None
+                job.run()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the submitting thread
                 job.error = exc
             finally:
-                job.loss = None
+                job.run = None  # drop what the backward holds (a loss and its graph) now
                 job.done.set()
+
+
+def run_beside(
+    exchange: StrandExchange, thread: BackwardThread, backward: Callable[[], None], forward: Callable[[], _T]
+) -> _T:
+    """``backward()`` on ``thread`` and ``forward()`` here, met in a merged graph (module docstring).
+
+    Returns ``forward()``'s result once both have returned; an error of either is raised here.
+    """
+    exchange.expect_forward()
+    job = thread.submit(backward)
+    try:
+        exchange.wait_posted(job)
+        result = forward()
+    finally:
+        exchange.release()
+        job.done.wait()
+    if job.error is not None:
+        raise job.error
+    return result
 
 
 def strand_forward(pair: StrandPair) -> BoxedCallable:
@@ -330,11 +403,15 @@ def strand_forward(pair: StrandPair) -> BoxedCallable:
         pending = pair.exchange.take()
         if pending is None:
             return pair.forward.compiled(args)
-        if pending.pair is not pair or pair.merged_compiled is None or pair.merged is None:
-            # another graph's backward (micro-batches of another shape): one after the other
-            pending.run_here()
+        try:
+            found = pair.merged_with(pending.pair)
+        except BaseException as exc:
+            pending.finish(error=exc)
+            raise
+        if found is None:
+            pending.run_here()  # one after the other
             return pair.forward.compiled(args)
-        merged = pair.merged
+        merged = found.strands
         merged_args = merged.merged_args(args, pending.args)
         # Hand over ownership: AOTAutograd's frames still hold these two lists; emptying them
         # leaves M's argument list the only reference, so the generated code frees each saved
@@ -342,7 +419,7 @@ def strand_forward(pair: StrandPair) -> BoxedCallable:
         args.clear()
         pending.args.clear()
         try:
-            outputs = pair.merged_compiled(merged_args)
+            outputs = found.compiled(merged_args)
         except BaseException as exc:
             pending.finish(error=exc)
             raise
@@ -377,7 +454,8 @@ def compile_strand_partition(
     pair: StrandPair,
     **inductor_kwargs: Any,
 ) -> BoxedCallable:
-    """The partition compiler of a helix graph: F and B as usual, plus M when B is compiled."""
+    """The partition compiler of a helix graph: F and B as usual, wrapped to meet (the merged
+    graphs are compiled when they first meet)."""
     if inductor_kwargs.get("is_inference"):
         raise HelixError(
             "helix needs a loss that requires grad: no parameter of the model requires grad, or the "
@@ -397,22 +475,43 @@ def compile_strand_partition(
         gm, example_inputs, config=config, on_scheduled=lambda g, ctx: scheduled.append((g, ctx)), **inductor_kwargs
     )
     decomposed = bool(scheduled) and scheduled[0][1].records.get("decompose", {}).get("sites_rewritten", 0) > 0
+    compile_id = compat.current_compile_id()
     strand = _Strand(
-        scheduled[0][0] if scheduled else gm, gm, decomposed, example_inputs, dict(inductor_kwargs), compiled
+        compile_id.replace("/", "_") if compile_id else f"graph{id(pair):x}",
+        scheduled[0][0] if scheduled else gm,
+        gm,
+        decomposed,
+        example_inputs,
+        dict(inductor_kwargs),
+        compiled,
     )
     if not inductor_kwargs.get("is_backward"):
         pair.forward = strand
         return strand_forward(pair)
     pair.backward = strand
-    try:
-        pair.compile_merged(_merged_name())
-    except Exception as exc:
-        if config.fallback == "error":
-            raise
-        log.warning("helix: merging forward and backward failed (%s); they will run one after the other", exc)
     return strand_backward(pair)
 
 
-def _merged_name() -> str:
-    compile_id = compat.current_compile_id()
-    return f"{compile_id.replace('/', '_')}_merged" if compile_id else "merged"
+def strand_backend(
+    config: DHelixConfig, exchange: StrandExchange
+) -> Callable[[torch.fx.GraphModule, Sequence[Any]], Any]:
+    """A ``torch.compile`` backend whose graphs get a :class:`StrandPair` each, meeting through ``exchange``."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        pair = StrandPair(config, exchange)
+        inner = functools.partial(compile_strand_partition, config=config, pair=pair)
+        return compat.compile_with_aot_autograd(gm, example_inputs, inner)
+
+    return backend
+
+
+def find_helix_error(exc: BaseException) -> HelixError | None:
+    """The HelixError a compile raised, looking through Dynamo's wrapping of backend errors."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, HelixError):
+            return current
+        seen.add(id(current))
+        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
+    return None

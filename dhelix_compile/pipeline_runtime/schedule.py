@@ -1,0 +1,207 @@
+"""``helix_pipeline``: torch's pipeline schedules with each rank's forward and backward merged.
+
+    stages = [PipelineStage(chunk_a, r, 2 * pp, device, group=pp_group),
+              PipelineStage(chunk_b, 2 * pp - 1 - r, 2 * pp, device, group=pp_group)]
+    schedule = ScheduleDualPipeV(stages, n_microbatches=8, loss_fn=loss_fn)
+    schedule = dhelix_compile.helix_pipeline(schedule, **options)   # options as for the backend
+    schedule.step(x, target=y)                                       # unchanged
+    optimizer.step()
+
+What runs
+    Every stage module is compiled by dhelix (``module.compile(...)``: the module object stays
+    the one the stage holds, and later calls to it run compiled too). The schedule's compute
+    steps run on torch's own runtime (``_PipelineScheduleRuntime``: its sends, receives,
+    gradient scaling and loss bookkeeping), with three steps replaced:
+
+    ==============  ===========================================================================
+    forward         the stage's compiled forward F
+    full backward   the stage's compiled backward B (input and weight gradients in one graph)
+    overlap         F of one stage and micro-batch and B of another as one merged graph,
+                    ordered by the interleave pass (``helix_runtime.strands``): one strand's
+                    collectives (TP, SP, EP inside the stage) run under the other's compute
+    ==============  ===========================================================================
+
+Which schedules pair what (``pairing`` has the rules)
+    ``ScheduleDualPipeV``         its own ``OVERLAP_F_B`` steps (F of one chunk with B of the
+                                  other: the folded pipeline, both ranks merge in the steady state)
+    ``Schedule1F1B``              each steady-state F with the B that follows it on the rank: every
+                                  stage but the last (whose F and B are of one micro-batch)
+    ``ScheduleInterleaved1F1B``   each F followed by a B of another micro-batch on the rank,
+                                  when the pipeline still completes with the two merged
+    A schedule's split backwards (``I`` then ``W``: zero-bubble steps of DualPipeV) run as one
+    full backward at the ``I`` step: a compiled stage computes both gradients in one graph.
+
+Refused with :class:`~dhelix_compile.helix_runtime.strands.HelixError`: another schedule type
+(the message names the supported ones), a stage module already compiled, a stage module with
+dropout in training mode (random ops found only when compiling fail the first step the same
+way), and ``cost_model="profile"``: profiling agrees its measurements across all ranks, and the
+ranks of a pipeline compile different stage graphs at different times; ``"auto"`` means the
+analytic model here.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.compiler import resolve_config
+from dhelix_compile.config import DHelixConfig
+from dhelix_compile.helix_runtime.strands import (
+    BackwardThread,
+    HelixError,
+    StrandExchange,
+    find_helix_error,
+    run_beside,
+    strand_backend,
+)
+from dhelix_compile.pipeline_runtime.pairing import (
+    Compute,
+    Order,
+    Overlap,
+    Step,
+    as_full_backwards,
+    one_f_one_b,
+    pair_forwards_with_backwards,
+)
+
+__all__ = ["SUPPORTED_SCHEDULES", "helix_pipeline"]
+
+#: The torch schedules helix_pipeline runs, by class name.
+SUPPORTED_SCHEDULES = ("ScheduleDualPipeV", "Schedule1F1B", "ScheduleInterleaved1F1B")
+
+
+def helix_pipeline(schedule: Any, **options: Any) -> Any:
+    """``schedule`` with its compute steps run by dhelix; see the module docstring.
+
+    Returns the schedule itself when it is one of torch's runtime schedules (DualPipeV,
+    Interleaved1F1B), and a drop-in runtime schedule over the same stage for ``Schedule1F1B``.
+    """
+    kind = type(schedule).__name__
+    if kind not in SUPPORTED_SCHEDULES or type(schedule).__module__ != "torch.distributed.pipelining.schedules":
+        raise HelixError(
+            f"helix_pipeline runs {', '.join(SUPPORTED_SCHEDULES)} from torch.distributed.pipelining; got {kind}"
+        )
+    config = _pipeline_config(resolve_config(options))
+    stages = compat.schedule_stages(schedule)
+    for stage in stages:
+        _check_stage_module(stage.submod, stage.stage_index)
+    runtime = schedule if compat.is_runtime_schedule(schedule) else compat.single_stage_runtime(schedule)
+    compat.set_pipeline_compute_order(runtime, _to_torch(helix_order(schedule)))
+    _HelixStages(runtime, stages, config)
+    return runtime
+
+
+def helix_order(schedule: Any) -> Order:
+    """The compute order helix_pipeline runs for ``schedule`` (every rank): torch's order with
+    full backwards, and its forwards paired with backwards (module docstring)."""
+    num_stages = compat.schedule_num_stages(schedule)
+    if compat.is_runtime_schedule(schedule):
+        order = {
+            rank: [_from_torch(a) for a in actions] for rank, actions in compat.pipeline_compute_order(schedule).items()
+        }
+    else:
+        order = one_f_one_b(num_stages, compat.schedule_microbatches(schedule))
+    order = as_full_backwards(order)
+    if any(isinstance(step, Overlap) for steps in order.values() for step in steps):
+        return order  # the schedule chose its overlaps (DualPipeV)
+    return pair_forwards_with_backwards(order, num_stages)
+
+
+def _pipeline_config(config: DHelixConfig) -> DHelixConfig:
+    if config.cost_model == "profile":
+        raise HelixError(
+            "helix_pipeline plans with the analytic cost model: cost_model='profile' agrees its measurements "
+            "across all ranks, and the ranks of a pipeline compile different stage graphs at different times"
+        )
+    return config.patch(cost_model="analytic") if config.cost_model == "auto" else config
+
+
+def _check_stage_module(module: torch.nn.Module, stage_index: int) -> None:
+    for name, sub in module.named_modules():
+        if compat.compiled_module(sub):
+            raise HelixError(
+                f"stage {stage_index}'s module {name or '(root)'} is already compiled (torch.compile); "
+                "helix_pipeline compiles the stage modules itself: pass the uncompiled modules"
+            )
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training and sub.p > 0:
+            raise HelixError(
+                f"stage {stage_index}'s module {name} is dropout with p={sub.p} in training mode: helix_pipeline "
+                "runs one micro-batch's forward together with another's backward and does not reproduce eager's "
+                "RNG stream. Set p=0 or call .eval() on the dropout layers."
+            )
+
+
+class _HelixStages:
+    """The stage modules compiled with one strand exchange, and the schedule's compute steps."""
+
+    def __init__(self, runtime: Any, stages: list[Any], config: DHelixConfig) -> None:
+        self.exchange = StrandExchange(merge_across_graphs=True)
+        self.thread = BackwardThread()
+        weakref.finalize(runtime, self.thread.close)
+        self.steps = compat.PipelineSteps(runtime)
+        backend = strand_backend(config, self.exchange)
+        for stage in stages:
+            stage.submod.compile(backend=backend, fullgraph=True, dynamic=False)
+        self.steps.install(self.forward, self.backward, self.overlap)
+        runtime.step = _raising_helix_errors(runtime.step)
+
+    def forward(self, action: Any, ctx: Any) -> None:
+        with compat.logging_calls_ignored_by_dynamo():  # a model's log line is no graph break
+            self.steps.forward(action, ctx)
+
+    def backward(self, action: Any, ctx: Any) -> None:
+        self.steps.backward(action)()
+
+    def overlap(self, action: Any, ctx: Any) -> None:
+        _, _, _, subs = compat.pipeline_action_fields(action)
+        assert subs is not None, "an overlap holds a forward and a backward"
+        forward, backward = subs
+        run_backward = self.steps.backward(backward)  # its output gradient is here before F starts
+        run_beside(self.exchange, self.thread, run_backward, lambda: self.forward(forward, ctx))
+
+
+def _raising_helix_errors(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` raising the HelixError a stage's compile raised, not Dynamo's wrapping of it."""
+
+    @functools.wraps(step)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        except Exception as exc:
+            helix_error = find_helix_error(exc)
+            if helix_error is not None and helix_error is not exc:
+                raise helix_error from None
+            raise
+
+    return run
+
+
+def _from_torch(action: Any) -> Step:
+    kind, stage, microbatch, subs = compat.pipeline_action_fields(action)
+    if subs is not None:
+        forward, backward = (_from_torch(a) for a in subs)
+        assert isinstance(forward, Compute) and isinstance(backward, Compute)
+        return Overlap(forward, backward)
+    if kind not in ("F", "B", "I", "W") or stage is None or microbatch is None:
+        raise HelixError(f"helix_pipeline: unexpected step {action} in the schedule's compute order")
+    return Compute(kind, stage, microbatch)  # type: ignore[arg-type]  # kind checked above
+
+
+def _to_torch(order: Order) -> dict[int, list[Any]]:
+    def action(step: Compute) -> Any:
+        return compat.pipeline_action(step.kind, step.stage, step.microbatch)
+
+    return {
+        rank: [
+            compat.pipeline_overlap_action(action(s.forward), action(s.backward))
+            if isinstance(s, Overlap)
+            else action(s)
+            for s in steps
+        ]
+        for rank, steps in order.items()
+    }

@@ -1,0 +1,229 @@
+"""Pipeline-parallel checks: the reference transformer cut into stage chunks, torch's schedule run
+eagerly against the same schedule through ``helix_pipeline``.
+
+Contract
+--------
+* ``TransformerChunk(model, first, last, layers)``: the embedding (first chunk only), a run of
+  blocks, and the final norm and head (last chunk only) of a :class:`~dhelix_compile.testing.llama.Transformer`,
+  sharing nothing with it (deep copies). ``chunks(model, n)`` cuts a model into ``n`` such chunks,
+  the blocks spread as evenly as possible.
+* ``stage_layout(kind, pp)``: the stage indices rank ``r`` holds under a schedule: one stage
+  (``Schedule1F1B``), two looped (``ScheduleInterleaved1F1B``: ``r`` and ``r + pp``) or two folded
+  (``ScheduleDualPipeV``: ``r`` and ``2 pp - 1 - r``).
+* ``check_pipeline(rank, world_size, kind, n_microbatches, **options)`` runs on a process group
+  of ``world_size`` ranks (all pipeline ranks, PP = world size): the same seeded model and
+  batch, torch's schedule eager and ``helix_pipeline(schedule, **options)``, two steps each
+  (gradients accumulate across steps as torch leaves them), and returns a list of mismatches
+  (empty when the losses of the last stage and every parameter gradient agree) and the
+  compile counts.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
+
+ScheduleKind = Literal["1f1b", "interleaved_1f1b", "dualpipev"]
+
+__all__ = ["ScheduleKind", "TransformerChunk", "check_pipeline", "chunks", "stage_layout"]
+
+
+class TransformerChunk(nn.Module):
+    """A contiguous piece of the reference transformer (see the module docstring)."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, model: Transformer, *, first: bool, last: bool, layers: range) -> None:
+        super().__init__()
+        self.tok_embeddings = copy.deepcopy(model.tok_embeddings) if first else None
+        self.layers = nn.ModuleList(copy.deepcopy(model.layers[i]) for i in layers)
+        self.norm = copy.deepcopy(model.norm) if last else None
+        self.output = copy.deepcopy(model.output) if last else None
+        self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        seqlen = h.shape[1]
+        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        if self.norm is not None and self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+def chunks(model: Transformer, n: int) -> list[TransformerChunk]:
+    """``model`` cut into ``n`` chunks of consecutive blocks (the first also embeds, the last also projects)."""
+    n_layers = len(model.layers)
+    if not 1 <= n <= n_layers:
+        raise ValueError(f"cannot cut {n_layers} blocks into {n} chunks")
+    bounds = [round(k * n_layers / n) for k in range(n + 1)]
+    return [
+        TransformerChunk(model, first=k == 0, last=k == n - 1, layers=range(bounds[k], bounds[k + 1])) for k in range(n)
+    ]
+
+
+def stage_layout(kind: ScheduleKind, pp: int, rank: int) -> list[int]:
+    """The stage indices rank ``rank`` holds (see the module docstring)."""
+    if kind == "1f1b":
+        return [rank]
+    if kind == "interleaved_1f1b":
+        return [rank, rank + pp]
+    return [rank, 2 * pp - 1 - rank]
+
+
+def _schedule(kind: ScheduleKind, stages: list[Any], n_microbatches: int, loss_fn: Any) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+
+    if kind == "1f1b":
+        return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn)
+    if kind == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn)
+    return ScheduleDualPipeV(stages, n_microbatches, loss_fn=loss_fn)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return lm_loss(logits, targets)
+
+
+def _run(
+    kind: ScheduleKind,
+    rank: int,
+    pp: int,
+    n_microbatches: int,
+    config: ModelConfig,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    helix_options: dict[str, Any] | None,
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
+    from torch.distributed.pipelining import PipelineStage
+
+    layout = stage_layout(kind, pp, rank)
+    num_stages = pp * len(layout)
+    pieces = chunks(Transformer(config), num_stages)
+    modules = {index: pieces[index] for index in layout}
+    stages = [PipelineStage(modules[i], i, num_stages, torch.device("cpu")) for i in layout]
+    schedule = _schedule(kind, stages, n_microbatches, _loss)
+    if helix_options is not None:
+        from dhelix_compile import helix_pipeline
+
+        schedule = helix_pipeline(schedule, **helix_options)
+    holds_first, holds_last = 0 in layout, num_stages - 1 in layout
+    losses: list[torch.Tensor] = []
+    for tokens, targets in batches:
+        step_losses: list[torch.Tensor] = []
+        args = (tokens,) if holds_first else ()
+        schedule.step(*args, target=targets if holds_last else None, losses=step_losses if holds_last else None)
+        losses.extend(loss.detach() for loss in step_losses)
+    grads = {
+        f"stage{index}.{name}": None if p.grad is None else p.grad.detach().clone()
+        for index, module in modules.items()
+        for name, p in module.named_parameters()
+    }
+    return losses, grads
+
+
+def check_pipeline(
+    rank: int,
+    world_size: int,
+    kind: ScheduleKind,
+    n_microbatches: int,
+    *,
+    steps: int = 2,
+    batch: int = 8,
+    seq_len: int = 8,
+    n_layers: int = 4,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+    **options: Any,
+) -> list[str]:
+    """Mismatches between torch's schedule eager and through helix_pipeline (module docstring)."""
+    config = ModelConfig(n_layers=n_layers, max_seq_len=seq_len)
+    gen = torch.Generator().manual_seed(1234)
+    batches = [
+        (
+            torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen),
+            torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+    want_losses, want_grads = _run(kind, rank, world_size, n_microbatches, config, batches, None)
+    got_losses, got_grads = _run(kind, rank, world_size, n_microbatches, config, batches, options)
+    problems: list[str] = []
+    if len(got_losses) != len(want_losses):
+        problems.append(f"rank {rank}: {len(got_losses)} losses, eager has {len(want_losses)}")
+    for k, (got, want) in enumerate(zip(got_losses, want_losses, strict=False)):
+        if not torch.allclose(got, want, rtol=rtol, atol=atol):
+            problems.append(f"rank {rank}: loss {k}: {got.item():.6g} vs eager {want.item():.6g}")
+    for name, want_grad in want_grads.items():
+        got_grad = got_grads[name]
+        if got_grad is None or want_grad is None:
+            if (got_grad is None) != (want_grad is None):
+                problems.append(f"rank {rank}: {name}: grad {'missing' if got_grad is None else 'unexpected'}")
+        elif not torch.allclose(got_grad, want_grad, rtol=rtol, atol=atol):
+            problems.append(f"rank {rank}: {name}: max |diff| {(got_grad - want_grad).abs().max().item():.3g}")
+    return problems
+
+
+def check_pipelines(
+    rank: int, world_size: int, kinds: list[ScheduleKind], n_microbatches: int, **options: Any
+) -> dict[str, list[str]]:
+    """:func:`check_pipeline` for several schedules in one process group (one spawn)."""
+    return {kind: check_pipeline(rank, world_size, kind, n_microbatches, **options) for kind in kinds}
+
+
+class _DropoutChunk(nn.Module):
+    """A stage module that draws random numbers without a dropout module (found at compile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.proj(x), p=0.5, training=True)
+
+
+def helix_pipeline_errors(rank: int, world_size: int) -> dict[str, str]:
+    """What ``helix_pipeline`` says to bad input, one process group of ``world_size`` = 1 ranks:
+    case -> the error's type and message ("no error" when none was raised)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from dhelix_compile import helix_pipeline
+
+    def stage(module: nn.Module) -> Any:
+        return PipelineStage(module, 0, 1, torch.device("cpu"))
+
+    def linear() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8))
+
+    def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean()
+
+    compiled = linear()
+    compiled.compile()
+    dropout = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1))
+    cases: dict[str, Any] = {
+        "gpipe": lambda: helix_pipeline(ScheduleGPipe(stage(linear()), 2, loss_fn=mse)),
+        "not a schedule": lambda: helix_pipeline(linear()),
+        "compiled stage": lambda: helix_pipeline(Schedule1F1B(stage(compiled), 2, loss_fn=mse)),
+        "dropout module": lambda: helix_pipeline(Schedule1F1B(stage(dropout), 2, loss_fn=mse)),
+        "profile": lambda: helix_pipeline(Schedule1F1B(stage(linear()), 2, loss_fn=mse), cost_model="profile"),
+        "unknown option": lambda: helix_pipeline(Schedule1F1B(stage(linear()), 2, loss_fn=mse), no_such_option=1),
+        "random op": lambda: helix_pipeline(Schedule1F1B(stage(_DropoutChunk()), 2, loss_fn=mse), codegen="eager").step(
+            torch.randn(4, 8), target=torch.randn(4, 8)
+        ),
+    }
+    said: dict[str, str] = {}
+    for name, run in cases.items():
+        try:
+            run()
+            said[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+            said[name] = f"{type(exc).__name__}: {exc}"
+    return said

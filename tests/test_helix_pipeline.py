@@ -1,0 +1,55 @@
+"""``helix_pipeline`` on real gloo process groups: torch's schedules run through dhelix equal the
+same schedules run eagerly (losses of the last stage, every parameter gradient, two steps), and
+bad input gets a HelixError that names the problem.
+
+The reference transformer is cut into stage chunks (``dhelix_compile.testing.pipeline``): one
+stage per rank for Schedule1F1B, two per rank for ScheduleInterleaved1F1B (looped) and
+ScheduleDualPipeV (folded, its OVERLAP_F_B steps merged).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dhelix_compile.pipeline_runtime.schedule import SUPPORTED_SCHEDULES
+from dhelix_compile.testing.multirank import run_on_ranks
+from dhelix_compile.testing.pipeline import check_pipelines, helix_pipeline_errors
+
+pytestmark = pytest.mark.multirank
+
+
+def _assert_no_problems(results: list[dict[str, list[str]]]) -> None:
+    problems = [p for per_kind in results for kind, found in per_kind.items() for p in (f"{kind}: {x}" for x in found)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_supported_schedule_equals_its_eager_run_on_two_ranks() -> None:
+    results = run_on_ranks(
+        check_pipelines,
+        2,
+        ["1f1b", "interleaved_1f1b", "dualpipev"],
+        4,
+        codegen="eager",
+        fallback="error",
+        timeout_s=300,
+    )
+    _assert_no_problems(results)
+
+
+@pytest.mark.inductor
+def test_dualpipev_through_inductor_equals_its_eager_run() -> None:
+    """The folded schedule's merged graphs (F of one chunk with B of the other) through Inductor's
+    C++ code; rank 1's two middle chunks share one Dynamo graph (their parameters are graph inputs)."""
+    _assert_no_problems(run_on_ranks(check_pipelines, 2, ["dualpipev"], 4, fallback="error", timeout_s=300))
+
+
+def test_bad_input_gets_a_helix_error_that_names_the_problem() -> None:
+    (said,) = run_on_ranks(helix_pipeline_errors, 1, timeout_s=200)
+    assert said["gpipe"].startswith("HelixError") and "ScheduleGPipe" in said["gpipe"]
+    assert all(name in said["gpipe"] for name in SUPPORTED_SCHEDULES)
+    assert said["not a schedule"].startswith("HelixError") and "Sequential" in said["not a schedule"]
+    assert said["compiled stage"].startswith("HelixError") and "already compiled" in said["compiled stage"]
+    assert said["dropout module"].startswith("HelixError") and "dropout" in said["dropout module"]
+    assert said["profile"].startswith("HelixError") and "cost_model='profile'" in said["profile"]
+    assert said["unknown option"].startswith("ConfigError") and "no_such_option" in said["unknown option"]
+    assert said["random op"].startswith("HelixError") and "random" in said["random op"]
