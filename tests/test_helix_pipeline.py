@@ -9,6 +9,8 @@ ScheduleDualPipeV (folded, its OVERLAP_F_B steps merged).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dhelix_compile.pipeline_runtime.schedule import SUPPORTED_SCHEDULES
@@ -34,6 +36,29 @@ def test_every_supported_schedule_equals_its_eager_run_on_two_ranks() -> None:
         timeout_s=300,
     )
     _assert_no_problems(results)
+
+
+def test_pp2_x_tp2_stages_equal_their_eager_run_and_merge_both_strands_collectives(tmp_path: Path) -> None:
+    """4 ranks, a (pp=2, tp=2) mesh, every chunk parallelized with PyTorch's TP plan: the merged
+    graphs of DualPipeV hold the all-reduces of both strands (F of one chunk, B of the other)."""
+    results = run_on_ranks(
+        check_pipelines,
+        4,
+        ["1f1b", "dualpipev"],
+        4,
+        tp=2,
+        codegen="eager",
+        fallback="error",
+        dump_dir=str(tmp_path),
+        timeout_s=400,
+    )
+    _assert_no_problems(results)
+    for rank in range(4):
+        # pp rank 0 holds the first and last chunks: two graphs, merged both ways ("a_with_b");
+        # pp rank 1's two middle chunks share one Dynamo graph, so its merged graph is "a_merged"
+        merged = sorted(p.name for p in (tmp_path / f"rank{rank}").glob("*_merged"))
+        want = 2 if rank < 2 else 1
+        assert len([m for m in merged if ("_with_" in m) == (rank < 2)]) >= want, f"rank {rank}: {merged}"
 
 
 @pytest.mark.inductor

@@ -10,9 +10,11 @@ Contract
 * ``stage_layout(kind, pp)``: the stage indices rank ``r`` holds under a schedule: one stage
   (``Schedule1F1B``), two looped (``ScheduleInterleaved1F1B``: ``r`` and ``r + pp``) or two folded
   (``ScheduleDualPipeV``: ``r`` and ``2 pp - 1 - r``).
-* ``check_pipeline(rank, world_size, kind, n_microbatches, **options)`` runs on a process group
-  of ``world_size`` ranks (all pipeline ranks, PP = world size): the same seeded model and
-  batch, torch's schedule eager and ``helix_pipeline(schedule, **options)``, two steps each
+* ``check_pipeline(rank, world_size, kind, n_microbatches, tp=1, **options)`` runs on a process
+  group of ``world_size`` ranks, a ``(pp, tp)`` mesh with ``pp = world_size / tp``: with
+  ``tp > 1`` every stage chunk is parallelized with PyTorch's TP plan over its row of the mesh
+  (``testing.tensor_parallel.tp_plan``) and the stages talk over the mesh's pp groups. The same
+  seeded model and batch, torch's schedule eager and ``helix_pipeline(schedule, **options)``, two steps each
   (gradients accumulate across steps as torch leaves them), and returns a list of mismatches
   (empty when the losses of the last stage and every parameter gradient agree) and the
   compile counts.
@@ -93,10 +95,22 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits, targets)
 
 
+def _parallelize_tp(chunk: TransformerChunk, mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from dhelix_compile.testing.tensor_parallel import tp_plan
+
+    top, block = tp_plan()
+    parallelize_module(chunk, mesh, {name: style for name, style in top.items() if getattr(chunk, name) is not None})
+    for layer in chunk.layers:
+        parallelize_module(layer, mesh, block)
+
+
 def _run(
     kind: ScheduleKind,
     rank: int,
-    pp: int,
+    world_size: int,
+    tp: int,
     n_microbatches: int,
     config: ModelConfig,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -104,11 +118,21 @@ def _run(
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
     from torch.distributed.pipelining import PipelineStage
 
-    layout = stage_layout(kind, pp, rank)
+    pp = world_size // tp
+    group = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+        group = mesh["pp"].get_group()
+    layout = stage_layout(kind, pp, rank // tp)
     num_stages = pp * len(layout)
     pieces = chunks(Transformer(config), num_stages)
     modules = {index: pieces[index] for index in layout}
-    stages = [PipelineStage(modules[i], i, num_stages, torch.device("cpu")) for i in layout]
+    if tp > 1:
+        for module in modules.values():
+            _parallelize_tp(module, mesh["tp"])
+    stages = [PipelineStage(modules[i], i, num_stages, torch.device("cpu"), group=group) for i in layout]
     schedule = _schedule(kind, stages, n_microbatches, _loss)
     if helix_options is not None:
         from dhelix_compile import helix_pipeline
@@ -122,11 +146,16 @@ def _run(
         schedule.step(*args, target=targets if holds_last else None, losses=step_losses if holds_last else None)
         losses.extend(loss.detach() for loss in step_losses)
     grads = {
-        f"stage{index}.{name}": None if p.grad is None else p.grad.detach().clone()
+        f"stage{index}.{name}": None if p.grad is None else _local(p.grad).detach().clone()
         for index, module in modules.items()
         for name, p in module.named_parameters()
     }
     return losses, grads
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def check_pipeline(
@@ -135,6 +164,7 @@ def check_pipeline(
     kind: ScheduleKind,
     n_microbatches: int,
     *,
+    tp: int = 1,
     steps: int = 2,
     batch: int = 8,
     seq_len: int = 8,
@@ -153,8 +183,8 @@ def check_pipeline(
         )
         for _ in range(steps)
     ]
-    want_losses, want_grads = _run(kind, rank, world_size, n_microbatches, config, batches, None)
-    got_losses, got_grads = _run(kind, rank, world_size, n_microbatches, config, batches, options)
+    want_losses, want_grads = _run(kind, rank, world_size, tp, n_microbatches, config, batches, None)
+    got_losses, got_grads = _run(kind, rank, world_size, tp, n_microbatches, config, batches, options)
     problems: list[str] = []
     if len(got_losses) != len(want_losses):
         problems.append(f"rank {rank}: {len(got_losses)} losses, eager has {len(want_losses)}")
