@@ -9,6 +9,7 @@ ScheduleDualPipeV (folded, its OVERLAP_F_B steps merged).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,10 @@ from dhelix_compile.testing.multirank import run_on_ranks
 from dhelix_compile.testing.pipeline import check_pipelines, helix_pipeline_errors
 
 pytestmark = pytest.mark.multirank
+
+#: The default suite's budget (15 minutes on 2 cores) keeps 1F1B out of the 4-rank run and
+#: DualPipeV through Inductor out; DHELIX_TEST_FULL=1 runs them.
+FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
 
 
 def _assert_no_problems(results: list[dict[str, list[str]]]) -> None:
@@ -44,7 +49,7 @@ def test_pp2_x_tp2_stages_equal_their_eager_run_and_merge_both_strands_collectiv
     results = run_on_ranks(
         check_pipelines,
         4,
-        ["1f1b", "dualpipev"],
+        ["1f1b", "dualpipev"] if FULL else ["dualpipev"],
         4,
         tp=2,
         codegen="eager",
@@ -62,6 +67,7 @@ def test_pp2_x_tp2_stages_equal_their_eager_run_and_merge_both_strands_collectiv
 
 
 @pytest.mark.inductor
+@pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
 def test_dualpipev_through_inductor_equals_its_eager_run() -> None:
     """The folded schedule's merged graphs (F of one chunk with B of the other) through Inductor's
     C++ code; rank 1's two middle chunks share one Dynamo graph (their parameters are graph inputs)."""
