@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import types
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,14 +36,7 @@ import torch
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
-from dhelix_compile.helix_runtime.strands import (
-    BackwardThread,
-    HelixError,
-    StrandExchange,
-    find_helix_error,
-    run_beside,
-    strand_backend,
-)
+from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -71,11 +63,9 @@ class HelixStep:
         self.model = model
         self.loss_fn = loss_fn
         self.config = config
-        self._exchange = StrandExchange()
-        self._backward_thread = BackwardThread()
-        weakref.finalize(self, self._backward_thread.close)
+        self._strands = Strands(config, self)
         self._compiled = torch.compile(
-            _with_own_code(self._loss), backend=strand_backend(config, self._exchange), fullgraph=True, dynamic=False
+            _with_own_code(self._loss), backend=self._strands.backend, fullgraph=True, dynamic=False
         )
 
     def __call__(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
@@ -123,7 +113,7 @@ class HelixStep:
 
     def _forward_beside_backward(self, item: Any, previous: torch.Tensor) -> torch.Tensor:
         """Run ``previous.backward()`` merged with the forward of ``item`` (see ``strands``)."""
-        return run_beside(self._exchange, self._backward_thread, previous.backward, lambda: self._forward(item))
+        return self._strands.run_beside(previous.backward, lambda: self._forward(item))
 
     def _check(self, microbatches: Sequence[Any]) -> list[Any]:
         if isinstance(microbatches, (torch.Tensor, Mapping)) or not isinstance(microbatches, Sequence):

@@ -40,6 +40,7 @@ import logging
 import math
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -183,22 +184,21 @@ def _compile_merged(
     name = f"{forward.name}_merged" if same_graph else f"{forward.name}_with_{backward.name}_merged"
     shared = (forward.inductor_kwargs.get("static_input_idxs") or ()) if share_parameters else ()
 
-    def merge(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule) -> MergedStrands:
-        return merge_strands(fwd, bwd, shared_fwd_inputs=shared)
-
-    def example_inputs(merged: MergedStrands) -> list[Any]:
+    def merge(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule) -> tuple[MergedStrands, list[Any]]:
+        """M of ``fwd`` and ``bwd``, and its example inputs."""
+        merged = merge_strands(fwd, bwd, shared_fwd_inputs=shared)
         inputs = merged.merged_args(list(forward.example_inputs), list(backward.example_inputs))
         # F and B of two Dynamo compiles hold values of two fake modes: one for the passes and Inductor
-        return inputs if same_graph else compat.into_one_fake_mode(merged.gm, inputs)
+        return merged, inputs if same_graph else compat.into_one_fake_mode(merged.gm, inputs)
 
-    merged = merge(forward.gm, backward.gm)
+    merged, inputs = merge(forward.gm, backward.gm)
     records: dict[str, dict[str, float]] = {}
     planned = None
     if _undecomposed_rival_applies(config, forward, backward):
-        rival = merge(forward.raw, backward.raw)
+        rival, rival_inputs = merge(forward.raw, backward.raw)
         rival_config = config.patch(disable_passes=(*config.disable_passes, "decompose"))
-        decomposed, decomposed_s = _plan(merged.gm, example_inputs(merged), config, name)
-        undecomposed, undecomposed_s = _plan(rival.gm, example_inputs(rival), rival_config, name)
+        decomposed, decomposed_s = _plan(merged.gm, inputs, config, name)
+        undecomposed, undecomposed_s = _plan(rival.gm, rival_inputs, rival_config, name)
         records[MERGE_RECORDS] = {"decomposed_strands_s": decomposed_s, "undecomposed_strands_s": undecomposed_s}
         planned = decomposed
         if undecomposed_s < decomposed_s:
@@ -208,10 +208,10 @@ def _compile_merged(
                 undecomposed_s,
                 decomposed_s,
             )
-            merged, config, planned = rival, rival_config, undecomposed
+            merged, inputs, config, planned = rival, rival_inputs, rival_config, undecomposed
     compiled = compile_partition(
         merged.gm,
-        example_inputs(merged),
+        inputs,
         config=config,
         graph_name=name,
         records=records,
@@ -375,26 +375,6 @@ class BackwardThread:
                 job.done.set()
 
 
-def run_beside(
-    exchange: StrandExchange, thread: BackwardThread, backward: Callable[[], None], forward: Callable[[], _T]
-) -> _T:
-    """``backward()`` on ``thread`` and ``forward()`` here, met in a merged graph (module docstring).
-
-    Returns ``forward()``'s result once both have returned; an error of either is raised here.
-    """
-    exchange.expect_forward()
-    job = thread.submit(backward)
-    try:
-        exchange.wait_posted(job)
-        result = forward()
-    finally:
-        exchange.release()
-        job.done.wait()
-    if job.error is not None:
-        raise job.error
-    return result
-
-
 def strand_forward(pair: StrandPair) -> BoxedCallable:
     """F's boxed callable: runs M when a backward is parked, F alone otherwise."""
 
@@ -492,17 +472,39 @@ def compile_strand_partition(
     return strand_backward(pair)
 
 
-def strand_backend(
-    config: DHelixConfig, exchange: StrandExchange
-) -> Callable[[torch.fx.GraphModule, Sequence[Any]], Any]:
-    """A ``torch.compile`` backend whose graphs get a :class:`StrandPair` each, meeting through ``exchange``."""
+class Strands:
+    """What a helix step or a helix pipeline runs its two strands with: one :class:`StrandExchange`,
+    one :class:`BackwardThread` (closed when ``owner`` is collected) and the ``torch.compile``
+    backend whose graphs meet through the exchange (a :class:`StrandPair` per graph)."""
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        pair = StrandPair(config, exchange)
-        inner = functools.partial(compile_strand_partition, config=config, pair=pair)
+    def __init__(self, config: DHelixConfig, owner: object, *, merge_across_graphs: bool = False) -> None:
+        self.config = config
+        self.exchange = StrandExchange(merge_across_graphs=merge_across_graphs)
+        self.thread = BackwardThread()
+        weakref.finalize(owner, self.thread.close)
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        pair = StrandPair(self.config, self.exchange)
+        inner = functools.partial(compile_strand_partition, config=self.config, pair=pair)
         return compat.compile_with_aot_autograd(gm, example_inputs, inner)
 
-    return backend
+    def run_beside(self, backward: Callable[[], None], forward: Callable[[], _T]) -> _T:
+        """``backward()`` on the thread and ``forward()`` here, met in a merged graph (module docstring).
+
+        Returns ``forward()``'s result once both have returned; an error of either is raised here.
+        """
+        exchange = self.exchange
+        exchange.expect_forward()
+        job = self.thread.submit(backward)
+        try:
+            exchange.wait_posted(job)
+            result = forward()
+        finally:
+            exchange.release()
+            job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return result
 
 
 def find_helix_error(exc: BaseException) -> HelixError | None:

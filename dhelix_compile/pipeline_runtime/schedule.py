@@ -42,7 +42,6 @@ analytic model here.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,14 +50,7 @@ import torch
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
-from dhelix_compile.helix_runtime.strands import (
-    BackwardThread,
-    HelixError,
-    StrandExchange,
-    find_helix_error,
-    run_beside,
-    strand_backend,
-)
+from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
 from dhelix_compile.pipeline_runtime.pairing import (
     Compute,
     Order,
@@ -137,16 +129,13 @@ def _check_stage_module(module: torch.nn.Module, stage_index: int) -> None:
 
 
 class _HelixStages:
-    """The stage modules compiled with one strand exchange, and the schedule's compute steps."""
+    """The stage modules compiled with one set of strands, and the schedule's compute steps."""
 
     def __init__(self, runtime: Any, stages: list[Any], config: DHelixConfig) -> None:
-        self.exchange = StrandExchange(merge_across_graphs=True)
-        self.thread = BackwardThread()
-        weakref.finalize(runtime, self.thread.close)
+        self.strands = Strands(config, runtime, merge_across_graphs=True)
         self.steps = compat.PipelineSteps(runtime)
-        backend = strand_backend(config, self.exchange)
         for stage in stages:
-            stage.submod.compile(backend=backend, fullgraph=True, dynamic=False)
+            stage.submod.compile(backend=self.strands.backend, fullgraph=True, dynamic=False)
         self.steps.install(self.forward, self.backward, self.overlap)
         runtime.step = _raising_helix_errors(runtime.step)
 
@@ -162,7 +151,7 @@ class _HelixStages:
         assert subs is not None, "an overlap holds a forward and a backward"
         forward, backward = subs
         run_backward = self.steps.backward(backward)  # its output gradient is here before F starts
-        run_beside(self.exchange, self.thread, run_backward, lambda: self.forward(forward, ctx))
+        self.strands.run_beside(run_backward, lambda: self.forward(forward, ctx))
 
 
 def _raising_helix_errors(step: Callable[..., Any]) -> Callable[..., Any]:

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from dhelix_compile.testing.helix_checks import local_grads
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 
 ScheduleKind = Literal["1f1b", "interleaved_1f1b", "dualpipev"]
@@ -91,10 +92,6 @@ def _schedule(kind: ScheduleKind, stages: list[Any], n_microbatches: int, loss_f
     return ScheduleDualPipeV(stages, n_microbatches, loss_fn=loss_fn)
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return lm_loss(logits, targets)
-
-
 def _parallelize_tp(chunk: TransformerChunk, mesh: Any) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -133,7 +130,7 @@ def _run(
         for module in modules.values():
             _parallelize_tp(module, mesh["tp"])
     stages = [PipelineStage(modules[i], i, num_stages, torch.device("cpu"), group=group) for i in layout]
-    schedule = _schedule(kind, stages, n_microbatches, _loss)
+    schedule = _schedule(kind, stages, n_microbatches, lm_loss)
     if helix_options is not None:
         from dhelix_compile import helix_pipeline
 
@@ -145,17 +142,8 @@ def _run(
         args = (tokens,) if holds_first else ()
         schedule.step(*args, target=targets if holds_last else None, losses=step_losses if holds_last else None)
         losses.extend(loss.detach() for loss in step_losses)
-    grads = {
-        f"stage{index}.{name}": None if p.grad is None else _local(p.grad).detach().clone()
-        for index, module in modules.items()
-        for name, p in module.named_parameters()
-    }
+    grads = {f"stage{index}.{name}": g for index, module in modules.items() for name, g in local_grads(module).items()}
     return losses, grads
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def check_pipeline(
