@@ -502,3 +502,24 @@ def compiled_module(module: torch.nn.Module) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def trust_static_stage_shapes(stages: Sequence[Any]) -> None:
+    """Skip the P2P vote by which ``PipelineStage``s agree on static shapes: every stage says
+    static. For a pipeline whose every stage on every rank was given ``input_args`` and
+    ``output_args`` (plain tensors), where the vote's answer is known; on the fake process group
+    (whose receives deliver nothing) the vote would say dynamic and the shape exchange would fail."""
+
+    def static_vote(*_: Any, **__: Any) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.int32)
+
+    for stage in stages:
+        stage._warmup_forward_vote = static_vote
+        stage._warmup_backward_result = static_vote
+
+
+def without_donated_buffers() -> contextlib.AbstractContextManager[None]:
+    """AOTAutograd compiling backwards that may run with ``retain_graph=True``: what Inductor-compiled
+    stages need under a schedule that splits the backward into input and weight gradients
+    (DualPipeV's ``I`` then ``W``), as torch's own error message advises."""
+    return cast("contextlib.AbstractContextManager[None]", _functorch_config.patch(donated_buffer=False))

@@ -2,7 +2,8 @@
 same schedules run eagerly (losses of the last stage, every parameter gradient, two steps), and
 bad input gets a HelixError that names the problem.
 
-The reference transformer is cut into stage chunks (``dhelix_compile.testing.pipeline``): one
+The reference transformer (and a Hugging Face Llama) is cut into stage chunks
+(``dhelix_compile.testing.pipeline``): one
 stage per rank for Schedule1F1B, two per rank for ScheduleInterleaved1F1B (looped) and
 ScheduleDualPipeV (folded, its OVERLAP_F_B steps merged).
 """
@@ -64,6 +65,19 @@ def test_pp2_x_tp2_stages_equal_their_eager_run_and_merge_both_strands_collectiv
         merged = sorted(p.name for p in (tmp_path / f"rank{rank}").glob("*_merged"))
         want = 2 if rank < 2 else 1
         assert len([m for m in merged if ("_with_" in m) == (rank < 2)]) >= want, f"rank {rank}: {merged}"
+
+
+def test_a_split_hugging_face_llama_equals_its_eager_run() -> None:
+    """``LlamaForCausalLM`` (from a config) cut into decoder-layer chunks with Hugging Face's own
+    causal mask and rotary embedding in every chunk; the folded schedule by default, all three
+    (and PP=2 x TP=2 with the decoder layers' TP plan) with DHELIX_TEST_FULL=1."""
+    pytest.importorskip("transformers")
+    kinds = ["dualpipev", "1f1b", "interleaved_1f1b"] if FULL else ["dualpipev"]
+    _assert_no_problems(run_on_ranks(check_pipelines, 2, kinds, 4, model="hf_llama", codegen="eager", timeout_s=300))
+    if FULL:
+        _assert_no_problems(
+            run_on_ranks(check_pipelines, 4, ["dualpipev"], 4, model="hf_llama", tp=2, codegen="eager", timeout_s=400)
+        )
 
 
 @pytest.mark.inductor

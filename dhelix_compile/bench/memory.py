@@ -1,11 +1,13 @@
 """Peak memory of a training step, measured from the allocator (CPU or CUDA), and the helix check.
 
     python -m dhelix_compile.bench.memory --model small --microbatches 4 --ranks 2
+    python -m dhelix_compile.bench.memory --model small --microbatches 8 --pipeline dualpipev,1f1b
 
 runs the TP+SP reference model on gloo ranks (``testing.multirank``) and prints, per variant,
 the peak bytes resident during one step above what was resident before it (sampled, see
 ``peak_allocated_bytes``): the eager accumulation loop, the Inductor loop, dhelix single
-strand, and helix.
+strand, and helix. With ``--pipeline``, the model as a pipeline (``bench.pipeline``) under each
+schedule named: torch's schedule eager, with Inductor-compiled stages, and ``helix_pipeline``.
 """
 
 from __future__ import annotations
@@ -93,26 +95,68 @@ def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, varia
     return peaks
 
 
+def _pipeline_peaks(
+    rank: int, world_size: int, model: str, microbatches: int, kinds: list[str], variants: list[str]
+) -> dict[str, int]:
+    from dhelix_compile.bench.pipeline import build_pipeline
+
+    peaks = {}
+    for kind in kinds:
+        pipeline = build_pipeline(kind, model, rank, world_size, microbatches, torch.Generator().manual_seed(1234))
+        for name in variants:
+            step = pipeline.step_function(name, {})
+            step()  # compile
+            torch.distributed.barrier()
+            peaks[f"{kind} {name}"] = peak_allocated_bytes(step)
+            del step
+    return peaks
+
+
+def _eager_of(name: str) -> str:
+    """The eager variant a variant is compared with: ``"dualpipev helix_pipeline"`` ->
+    ``"dualpipev pipeline_eager"`` (the same schedule), ``"helix"`` -> ``"eager"``."""
+    kind, _, _ = name.rpartition(" ")
+    return f"{kind} pipeline_eager" if kind else "eager"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(MEMORY_VARIANTS))
+    parser.add_argument(
+        "--variants", default=None, help=f"default: {', '.join(MEMORY_VARIANTS)}, or every pipeline variant"
+    )
+    parser.add_argument("--pipeline", default=None, help="comma-separated schedules (bench.pipeline.SCHEDULE_KINDS)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from dhelix_compile.testing.multirank import run_on_ranks
 
-    variants = [v for v in args.variants.split(",") if v]
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the RSS at once
-    per_rank = run_on_ranks(_rank_peaks, args.ranks, args.model, args.microbatches, variants, timeout_s=args.timeout_s)
-    peaks = {name: max(rank[name] for rank in per_rank) for name in variants}
-    eager = peaks.get("eager")
-    print(f"peak resident bytes in one step: TP+SP {args.model}, {args.ranks} ranks, {args.microbatches} micro-batches")
-    print("| variant | peak MiB | vs eager loop |")
+    if args.pipeline:
+        from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
+
+        kinds = [k for k in args.pipeline.split(",") if k]
+        variants = [v for v in (args.variants or ",".join(PIPELINE_VARIANTS)).split(",") if v]
+        per_rank = run_on_ranks(
+            _pipeline_peaks, args.ranks, args.model, args.microbatches, kinds, variants, timeout_s=args.timeout_s
+        )
+        what = f"pipeline {', '.join(kinds)}"
+    else:
+        variants = [v for v in (args.variants or ",".join(MEMORY_VARIANTS)).split(",") if v]
+        per_rank = run_on_ranks(
+            _rank_peaks, args.ranks, args.model, args.microbatches, variants, timeout_s=args.timeout_s
+        )
+        what = "TP+SP"
+    peaks = {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
+    print(
+        f"peak resident bytes in one step (the busiest rank): {what} {args.model}, {args.ranks} ranks, {args.microbatches} micro-batches"
+    )
+    print("| variant | peak MiB | vs eager |")
     print("|---|---:|---:|")
     for name, peak in peaks.items():
+        eager = peaks.get(_eager_of(name))
         ratio = f"{peak / eager:.2f}x" if eager else "-"
         print(f"| {name} | {peak / 2**20:.1f} | {ratio} |")
     if args.out:

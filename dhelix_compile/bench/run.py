@@ -76,6 +76,7 @@ def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
         str(args.time_limit_s),
         "--microbatches",
         str(args.microbatches),
+        *(["--pipeline", args.pipeline] if args.pipeline else []),
     ]
 
 
@@ -120,10 +121,20 @@ def _progress_bar(path: Path, label: str) -> Iterator[None]:
         thread.join()
 
 
+#: The variants the others are compared with (speedups, the top-level T_compute), first found first.
+BASELINES = ("inductor", "pipeline_inductor")
+
+
+def _baseline(variants: dict[str, Any]) -> Any:
+    """The value of the first baseline variant (``BASELINES``) in ``variants``, or None."""
+    return next((variants[name] for name in BASELINES if name in variants), None)
+
+
 def _t_compute(compute_run: dict[str, Any]) -> float:
     """The top-level ``T_compute``: Inductor's step on the fake group, else the fastest variant's."""
     compute = {name: statistics.median(samples) for name, samples in compute_run["step_s"].items()}
-    return compute.get("inductor", min(compute.values()))
+    baseline = _baseline(compute)
+    return baseline if baseline is not None else min(compute.values())
 
 
 def _cpu_and_idle(step_s: float, cpu_samples: list[float] | None) -> dict[str, float | None]:
@@ -181,6 +192,7 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         "link": link,
         "model": link_run["model"],
         "parallel": link_run["parallel"],
+        "pipeline": link_run.get("pipeline"),
         "world_size": link_run["world_size"],
         "microbatches": link_run.get("microbatches", 1),
         "repeats": link_run["repeats"],
@@ -213,9 +225,10 @@ def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
 def markdown(summary: dict[str, Any]) -> str:
     """The summary as a markdown table, ratios beside seconds."""
     limit = summary["limit_s"]
-    base = summary["variants"].get("inductor", {}).get("step_s_median")
+    base = (_baseline(summary["variants"]) or {}).get("step_s_median")
+    parallel = f"pipeline {summary['pipeline']}" if summary.get("pipeline") else summary["parallel"]
     lines = [
-        f"link: {summary['link']}; model {summary['model']} ({summary['parallel']}), "
+        f"link: {summary['link']}; model {summary['model']} ({parallel}), "
         f"{summary['world_size']} ranks, {summary.get('microbatches', 1)} micro-batches per step, "
         f"{summary['repeats']} interleaved repeats",
         "",
@@ -285,16 +298,25 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``dhelix bench`` and ``python -m dhelix_compile.bench.run``)."""
+    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS
     from dhelix_compile.bench.steps import STEP_VARIANTS
     from dhelix_compile.bench.variants import NOT_BY_DEFAULT
 
     parser.add_argument("--model", default="small", help="model size (dhelix_compile.bench.worker sizes)")
     parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
     parser.add_argument(
+        "--pipeline",
+        choices=SCHEDULE_KINDS,
+        default=None,
+        help="run the model as a pipeline under this torch.distributed.pipelining schedule, one stage group "
+        f"over the ranks (variants {', '.join(PIPELINE_VARIANTS)}; bench.pipeline)",
+    )
+    parser.add_argument(
         "--variants",
-        default=",".join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT),
-        help=f"comma-separated, from {', '.join(STEP_VARIANTS)}; each may carry dhelix options of its own in "
-        "brackets: helix[cost_model=analytic,decompose=off]",
+        default=None,
+        help=f"comma-separated, from {', '.join(STEP_VARIANTS)} (with --pipeline: {', '.join(PIPELINE_VARIANTS)}); "
+        "each may carry dhelix options of its own in brackets: helix[cost_model=analytic,decompose=off]. "
+        f"Default: {', '.join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT)}, or every pipeline variant",
     )
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of the link; 'none' for plain loopback")
     parser.add_argument("--ranks", type=int, default=2, help="ranks (a rate-limited link joins exactly 2)")
@@ -311,19 +333,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.variants = default_variants(args)
+    return args
+
+
+def default_variants(args: argparse.Namespace) -> str:
+    """``--variants`` as given, else the defaults for the run (every pipeline variant with ``--pipeline``)."""
+    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
+    from dhelix_compile.bench.steps import STEP_VARIANTS
+    from dhelix_compile.bench.variants import NOT_BY_DEFAULT
+
+    if args.variants:
+        return str(args.variants)
+    if args.pipeline:
+        return ",".join(PIPELINE_VARIANTS)
+    return ",".join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT)
 
 
 def _check(args: argparse.Namespace) -> str | None:
     """A message naming the bad option, or None."""
-    from dhelix_compile.bench.steps import parse_variants, split_variant
-    from dhelix_compile.bench.workloads import MODEL_NAMES
+    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
+    from dhelix_compile.bench.steps import STEP_VARIANTS, parse_variants, split_variant
+    from dhelix_compile.bench.workloads import MODEL_NAMES, MODEL_SIZES
 
     if args.model not in MODEL_NAMES:
         return f"unknown model size {args.model!r}; choose from {', '.join(MODEL_NAMES)}"
+    if args.pipeline and args.model not in MODEL_SIZES:
+        return f"--pipeline cuts the reference transformer into stages: choose --model from {', '.join(MODEL_SIZES)}"
     try:
         for variant in parse_variants(args.variants):
-            split_variant(variant)
+            split_variant(variant, PIPELINE_VARIANTS if args.pipeline else STEP_VARIANTS)
     except ValueError as exc:
         return str(exc)
     if args.ranks < 1 or args.microbatches < 1 or args.repeats < 1:
@@ -364,6 +404,7 @@ def measure(args: argparse.Namespace, total_stages: int = 2) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Both modes, the summary, the table; returns the exit code."""
+    args.variants = default_variants(args)
     problem = _check(args)
     if problem:
         print(f"dhelix bench: {problem}", file=sys.stderr)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,12 +49,13 @@ def parse_variants(spec: str) -> list[str]:
     return [n for n in names if n]
 
 
-def split_variant(name: str) -> tuple[str, dict[str, Any]]:
-    """``"helix[decompose=off]"`` -> ``("helix", {"decompose": "off"})``; ValueError names a bad one."""
+def split_variant(name: str, known: Sequence[str] = STEP_VARIANTS) -> tuple[str, dict[str, Any]]:
+    """``"helix[decompose=off]"`` -> ``("helix", {"decompose": "off"})``; ValueError names a bad
+    one (its base not in ``known``)."""
     match = _VARIANT.match(name)
-    if match is None or match["base"] not in STEP_VARIANTS:
+    if match is None or match["base"] not in known:
         raise ValueError(
-            f"unknown benchmark variant {name!r}; choose from {', '.join(STEP_VARIANTS)}, "
+            f"unknown benchmark variant {name!r}; choose from {', '.join(known)}, "
             "each optionally with options in brackets, e.g. helix[decompose=off]"
         )
     options: dict[str, Any] = {}

@@ -22,6 +22,8 @@ Rank 0 writes the JSON; every rank exits 0 on success.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import json
 import os
 import re
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from dhelix_compile.bench.measure import (
     replay_collectives,
     time_interleaved,
 )
+from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS, P2PReplay, build_pipeline
 from dhelix_compile.bench.steps import parse_variants, split_variant, step_function
 from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
 
@@ -66,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="link mode: also time the ceiling, the step's collectives hidden under this much synthetic compute",
     )
     parser.add_argument("--progress-file", default=None, help="rank 0 writes 'done total variant' here")
+    parser.add_argument(
+        "--pipeline",
+        choices=SCHEDULE_KINDS,
+        default=None,
+        help="the model as a pipeline under this torch schedule (bench.pipeline), its variants",
+    )
     return parser.parse_args(argv)
 
 
@@ -76,7 +86,8 @@ def init_process_group(mode: str) -> tuple[int, int]:
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # a variant that fails on one rank leaves its peer in a receive: the group's timeout ends it
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
     return rank, world_size
 
 
@@ -130,22 +141,15 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     if user_options.get("dump_dir"):  # keep the dumps: one folder per variant under the user's
         dump_root = Path(user_options.pop("dump_dir"))
     barrier = dist.barrier if args.mode == "link" else None
-    workload = build_workload(args.model, args.parallel, mesh, world_size, args.microbatches, gen)
-    microbatches, make, loss_fn = workload.microbatches, workload.make, workload.loss_fn
+    setup = _setup(args, rank, world_size, mesh, gen, user_options, dump_root)
 
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
     first_step_s: dict[str, float] = {}
     for name in parse_variants(args.variants):
-        module = make()
-        run_step = step_function(name, module, loss_fn, {**user_options, "dump_dir": str(dump_root / _folder(name))})
-
-        def step(module: torch.nn.Module = module, run_step: Any = run_step) -> None:
-            module.zero_grad(set_to_none=True)
-            run_step(microbatches)
-
         ok = True
         try:
+            step = setup.step(name)
             with _overlap_scheduler_on_cpu(name):
                 for warm_up in range(max(args.warmup, 1)):
                     if barrier:
@@ -169,9 +173,10 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "mode": args.mode,
         "model": args.model,
         "parallel": args.parallel,
-        "model_config": workload.config,
-        "batch": workload.batch,
-        "seq_len": workload.seq_len,
+        "pipeline": args.pipeline,
+        "model_config": setup.config,
+        "batch": setup.batch,
+        "seq_len": setup.seq_len,
         "world_size": world_size,
         "microbatches": args.microbatches,
         "threads": args.threads,
@@ -183,10 +188,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "errors": errors,
     }
     if args.mode == "link":
-        # every micro-batch's collectives, back to back
-        replay = replay_collectives(
-            record_collectives(make(), lambda model: loss_fn(model, microbatches[0])) * len(microbatches)
-        )
+        replay = setup.replay()
         timed: dict[str, Any] = {"comm": replay}
         if args.t_compute_s > 0:
             ceiling_compute, ceiling = ceiling_steps(
@@ -207,13 +209,71 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         predicted = {
             name: _predicted_step_s(dump_root / _folder(name), rank, args.microbatches)
             for name in steps
-            if name.startswith(("dhelix", "helix"))
+            if name.startswith(("dhelix", "helix")) and not args.pipeline
         }
         names = sorted(predicted)
         per_rank = gather_floats([predicted[name] for name in names], dist.group.WORLD)
         result["predicted_step_s"] = {name: [row[i] for row in per_rank] for i, name in enumerate(names)}
     dist.barrier() if args.mode == "link" else None
     return result if rank == 0 else {}
+
+
+@dataclasses.dataclass
+class _Setup:
+    """What a run measures: ``step(variant)`` a fresh model's step (compiled at its first call),
+    ``replay()`` the step's communication alone, and the workload's description."""
+
+    step: Callable[[str], Callable[[], None]]
+    replay: Callable[[], Any]
+    config: dict[str, str]
+    batch: int
+    seq_len: int
+
+
+def _setup(
+    args: argparse.Namespace,
+    rank: int,
+    world_size: int,
+    mesh: Any,
+    gen: torch.Generator,
+    user_options: dict[str, Any],
+    dump_root: Path,
+) -> _Setup:
+    def options(name: str) -> dict[str, Any]:
+        return {**user_options, "dump_dir": str(dump_root / _folder(name))}
+
+    if args.pipeline:
+        pipeline = build_pipeline(args.pipeline, args.model, rank, world_size, args.microbatches, gen)
+
+        def pipeline_step(name: str) -> Callable[[], None]:
+            base, own = split_variant(name, PIPELINE_VARIANTS)
+            return pipeline.step_function(base, {**options(name), **own})
+
+        return _Setup(
+            pipeline_step,
+            lambda: P2PReplay(pipeline.transfers, rank),
+            pipeline.config,
+            pipeline.batch,
+            pipeline.seq_len,
+        )
+    workload = build_workload(args.model, args.parallel, mesh, world_size, args.microbatches, gen)
+
+    def step(name: str) -> Callable[[], None]:
+        module = workload.make()
+        run_step = step_function(name, module, workload.loss_fn, options(name))
+
+        def run() -> None:
+            module.zero_grad(set_to_none=True)
+            run_step(workload.microbatches)
+
+        return run
+
+    def replay() -> Any:  # every micro-batch's collectives, back to back
+        first = workload.microbatches[0]
+        nodes = record_collectives(workload.make(), lambda model: workload.loss_fn(model, first))
+        return replay_collectives(nodes * len(workload.microbatches))
+
+    return _Setup(step, replay, workload.config, workload.batch, workload.seq_len)
 
 
 class _Progress:
@@ -242,7 +302,7 @@ class _overlap_scheduler_on_cpu:
     """Inductor's overlap scheduler needs GPU specs; give it this CPU's measured numbers."""
 
     def __init__(self, variant: str) -> None:
-        self.active = split_variant(variant)[0] == "inductor_overlap"
+        self.active = variant.partition("[")[0] == "inductor_overlap"
         self._context: Any = None
 
     def __enter__(self) -> None:

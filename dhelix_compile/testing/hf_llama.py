@@ -58,10 +58,13 @@ def _transformers() -> Any:
     return transformers
 
 
-def build_hf_llama(size: str, seed: int = 0) -> torch.nn.Module:
-    """``LlamaForCausalLM`` of ``size`` (``HF_LLAMA_SIZES``), random weights from ``seed``, no dropout."""
+def build_hf_llama(size: str, seed: int = 0, n_layers: int | None = None) -> torch.nn.Module:
+    """``LlamaForCausalLM`` of ``size`` (``HF_LLAMA_SIZES``), random weights from ``seed``, no
+    dropout; ``n_layers`` decoder layers instead of the size's."""
     transformers = _transformers()
     fields = {k: v for k, v in HF_LLAMA_SIZES[size].items() if k not in ("seq_len", "batch")}
+    if n_layers is not None:
+        fields["num_hidden_layers"] = n_layers
     config = transformers.LlamaConfig(
         **fields,
         max_position_embeddings=HF_LLAMA_SIZES[size]["seq_len"],
@@ -74,6 +77,19 @@ def build_hf_llama(size: str, seed: int = 0) -> torch.nn.Module:
     model = transformers.LlamaForCausalLM(config)
     model.train()
     return model
+
+
+def tp_layer_plan() -> dict[str, Any]:
+    """The TP (Megatron) plan of one decoder layer: q/k/v and gate/up column-wise, o and down row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
 
 
 def parallelize_hf_llama(model: torch.nn.Module, mesh: Any, *, sequence_parallel: bool) -> torch.nn.Module:
@@ -89,15 +105,8 @@ def parallelize_hf_llama(model: torch.nn.Module, mesh: Any, *, sequence_parallel
 
     layers: Any = model.model.layers  # type: ignore[union-attr]  # LlamaForCausalLM's decoder stack
     if not sequence_parallel:
-        layer_plan: dict[str, Any] = {
-            **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        }
         for layer in layers:
-            parallelize_module(layer, mesh, layer_plan)
+            parallelize_module(layer, mesh, tp_layer_plan())
         return model
     parallelize_module(
         model,
@@ -127,6 +136,51 @@ def parallelize_hf_llama(model: torch.nn.Module, mesh: Any, *, sequence_parallel
     for layer in layers:
         parallelize_module(layer, mesh, layer_plan)
     return model
+
+
+class HFLlamaChunk(torch.nn.Module):
+    """A pipeline stage of a ``LlamaForCausalLM``: the token embedding (first chunk only), decoder
+    layers ``layers``, and the final norm and LM head (last chunk only), copied from ``model``.
+    Its forward is ``LlamaModel.forward``'s for those pieces: positions ``0 .. seq - 1``, Hugging
+    Face's causal mask and rotary embedding; the last chunk returns logits."""
+
+    def __init__(self, model: torch.nn.Module, *, first: bool, last: bool, layers: range) -> None:
+        super().__init__()
+        import copy
+
+        decoder: Any = model.model  # LlamaForCausalLM's LlamaModel
+        self.config = decoder.config
+        self.embed_tokens = copy.deepcopy(decoder.embed_tokens) if first else None
+        self.layers = torch.nn.ModuleList(copy.deepcopy(decoder.layers[i]) for i in layers)
+        self.rotary_emb = copy.deepcopy(decoder.rotary_emb)
+        self.norm = copy.deepcopy(decoder.norm) if last else None
+        self.lm_head: Any = copy.deepcopy(model.lm_head) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids)
+        if self.norm is not None and self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def hf_llama_chunks(model: torch.nn.Module, n: int) -> list[HFLlamaChunk]:
+    """``model`` (a ``LlamaForCausalLM``) cut into ``n`` stage chunks of consecutive decoder layers."""
+    n_layers = len(model.model.layers)  # type: ignore[union-attr,arg-type]
+    if not 1 <= n <= n_layers:
+        raise ValueError(f"cannot cut {n_layers} decoder layers into {n} chunks")
+    bounds = [round(k * n_layers / n) for k in range(n + 1)]
+    return [
+        HFLlamaChunk(model, first=k == 0, last=k == n - 1, layers=range(bounds[k], bounds[k + 1])) for k in range(n)
+    ]
 
 
 def hf_llama_batches(size: str, n: int, generator: torch.Generator) -> list[dict[str, torch.Tensor]]:

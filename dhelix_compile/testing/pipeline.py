@@ -10,10 +10,12 @@ Contract
 * ``stage_layout(kind, pp)``: the stage indices rank ``r`` holds under a schedule: one stage
   (``Schedule1F1B``), two looped (``ScheduleInterleaved1F1B``: ``r`` and ``r + pp``) or two folded
   (``ScheduleDualPipeV``: ``r`` and ``2 pp - 1 - r``).
-* ``check_pipeline(rank, world_size, kind, n_microbatches, tp=1, **options)`` runs on a process
-  group of ``world_size`` ranks, a ``(pp, tp)`` mesh with ``pp = world_size / tp``: with
-  ``tp > 1`` every stage chunk is parallelized with PyTorch's TP plan over its row of the mesh
-  (``testing.tensor_parallel.tp_plan``) and the stages talk over the mesh's pp groups. The same
+* ``check_pipeline(rank, world_size, kind, n_microbatches, model="reference", tp=1, **options)``
+  runs on a process group of ``world_size`` ranks, a ``(pp, tp)`` mesh with ``pp = world_size / tp``:
+  with ``tp > 1`` every stage chunk is parallelized with PyTorch's TP plan over its row of the mesh
+  (``testing.tensor_parallel.tp_plan``; ``hf_llama.tp_layer_plan`` for ``model="hf_llama"``, a
+  Hugging Face ``LlamaForCausalLM`` cut into ``hf_llama.HFLlamaChunk``s) and the stages talk
+  over the mesh's pp groups. The same
   seeded model and batch, torch's schedule eager and ``helix_pipeline(schedule, **options)``, two steps each
   (gradients accumulate across steps as torch leaves them), and returns a list of mismatches
   (empty when the losses of the last stage and every parameter gradient agree) and the
@@ -23,6 +25,7 @@ Contract
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -33,7 +36,7 @@ from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 
 ScheduleKind = Literal["1f1b", "interleaved_1f1b", "dualpipev"]
 
-__all__ = ["ScheduleKind", "TransformerChunk", "check_pipeline", "chunks", "stage_layout"]
+__all__ = ["ScheduleKind", "TransformerChunk", "build_schedule", "check_pipeline", "chunks", "stage_layout"]
 
 
 class TransformerChunk(nn.Module):
@@ -82,7 +85,7 @@ def stage_layout(kind: ScheduleKind, pp: int, rank: int) -> list[int]:
     return [rank, 2 * pp - 1 - rank]
 
 
-def _schedule(kind: ScheduleKind, stages: list[Any], n_microbatches: int, loss_fn: Any) -> Any:
+def build_schedule(kind: ScheduleKind, stages: list[Any], n_microbatches: int, loss_fn: Any) -> Any:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
     if kind == "1f1b":
@@ -92,15 +95,48 @@ def _schedule(kind: ScheduleKind, stages: list[Any], n_microbatches: int, loss_f
     return ScheduleDualPipeV(stages, n_microbatches, loss_fn=loss_fn)
 
 
-def _parallelize_tp(chunk: TransformerChunk, mesh: Any) -> None:
+def _parallelize_tp(chunk: nn.Module, mesh: Any) -> None:
+    """A stage chunk's blocks parallelized with the model's TP plan (the Hugging Face chunk's
+    embedding and head stay replicated, as in ``hf_llama.parallelize_hf_llama``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from dhelix_compile.testing.tensor_parallel import tp_plan
 
-    top, block = tp_plan()
-    parallelize_module(chunk, mesh, {name: style for name, style in top.items() if getattr(chunk, name) is not None})
-    for layer in chunk.layers:
+    layers: Any = chunk.layers
+    if isinstance(chunk, TransformerChunk):
+        top, block = tp_plan()
+        parallelize_module(
+            chunk, mesh, {name: style for name, style in top.items() if getattr(chunk, name) is not None}
+        )
+    else:
+        from dhelix_compile.testing.hf_llama import tp_layer_plan
+
+        block = tp_layer_plan()
+    for layer in layers:
         parallelize_module(layer, mesh, block)
+
+
+PipelineModel = Literal["reference", "hf_llama"]
+
+
+def _model_chunks(model: PipelineModel, n_layers: int, seq_len: int) -> tuple[Callable[[int], list[nn.Module]], int]:
+    """``(make_chunks, vocab_size)``: ``make_chunks(n)`` cuts a fresh seeded model into ``n`` stage chunks."""
+    if model == "hf_llama":
+        from dhelix_compile.testing.hf_llama import HF_LLAMA_SIZES, build_hf_llama, hf_llama_chunks
+
+        if seq_len > HF_LLAMA_SIZES["tiny"]["seq_len"]:
+            raise ValueError(f"the Hugging Face chunks take at most {HF_LLAMA_SIZES['tiny']['seq_len']} tokens")
+
+        def hf(n: int) -> list[nn.Module]:
+            return list(hf_llama_chunks(build_hf_llama("tiny", n_layers=n_layers), n))
+
+        return hf, HF_LLAMA_SIZES["tiny"]["vocab_size"]
+    config = ModelConfig(n_layers=n_layers, max_seq_len=seq_len)
+
+    def reference(n: int) -> list[nn.Module]:
+        return list(chunks(Transformer(config), n))
+
+    return reference, config.vocab_size
 
 
 def _run(
@@ -109,7 +145,7 @@ def _run(
     world_size: int,
     tp: int,
     n_microbatches: int,
-    config: ModelConfig,
+    make_chunks: Callable[[int], list[nn.Module]],
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     helix_options: dict[str, Any] | None,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
@@ -124,13 +160,13 @@ def _run(
         group = mesh["pp"].get_group()
     layout = stage_layout(kind, pp, rank // tp)
     num_stages = pp * len(layout)
-    pieces = chunks(Transformer(config), num_stages)
+    pieces = make_chunks(num_stages)
     modules = {index: pieces[index] for index in layout}
     if tp > 1:
         for module in modules.values():
             _parallelize_tp(module, mesh["tp"])
     stages = [PipelineStage(modules[i], i, num_stages, torch.device("cpu"), group=group) for i in layout]
-    schedule = _schedule(kind, stages, n_microbatches, lm_loss)
+    schedule = build_schedule(kind, stages, n_microbatches, lm_loss)
     if helix_options is not None:
         from dhelix_compile import helix_pipeline
 
@@ -152,6 +188,7 @@ def check_pipeline(
     kind: ScheduleKind,
     n_microbatches: int,
     *,
+    model: PipelineModel = "reference",
     tp: int = 1,
     steps: int = 2,
     batch: int = 8,
@@ -162,17 +199,17 @@ def check_pipeline(
     **options: Any,
 ) -> list[str]:
     """Mismatches between torch's schedule eager and through helix_pipeline (module docstring)."""
-    config = ModelConfig(n_layers=n_layers, max_seq_len=seq_len)
+    make_chunks, vocab_size = _model_chunks(model, n_layers, seq_len)
     gen = torch.Generator().manual_seed(1234)
     batches = [
         (
-            torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen),
-            torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen),
+            torch.randint(0, vocab_size, (batch, seq_len), generator=gen),
+            torch.randint(0, vocab_size, (batch, seq_len), generator=gen),
         )
         for _ in range(steps)
     ]
-    want_losses, want_grads = _run(kind, rank, world_size, tp, n_microbatches, config, batches, None)
-    got_losses, got_grads = _run(kind, rank, world_size, tp, n_microbatches, config, batches, options)
+    want_losses, want_grads = _run(kind, rank, world_size, tp, n_microbatches, make_chunks, batches, None)
+    got_losses, got_grads = _run(kind, rank, world_size, tp, n_microbatches, make_chunks, batches, options)
     problems: list[str] = []
     if len(got_losses) != len(want_losses):
         problems.append(f"rank {rank}: {len(got_losses)} losses, eager has {len(want_losses)}")
