@@ -73,13 +73,39 @@ def format_prediction(pred: ClusterPrediction) -> str:
             f"| {dh.name} | {format_ms(dh.step_s)} | {_pct(dh.mfu)} | {dh.tflops_per_gpu:.1f} | "
             f"{format_ratio(pred.speedup)} | DHelix {paper_mfu(paper.dhelix_tflops_per_gpu)} | {paper_speedup} |"
         ),
+        *_folded_rows(pred),
         "",
         f"Per micro-batch: {per_microbatch}; per step: {per_step}.",
+        *_folded_line(pred),
         f"Paper source: {paper.source}.",
         f"Gap: {pred.explain_gap()}",
         "",
     ]
     return "\n".join(lines)
+
+
+def _folded_rows(pred: ClusterPrediction) -> list[str]:
+    if not pred.folded:
+        return []
+    return [
+        f"| {sched.name} | {format_ms(sched.step_s)} | {_pct(sched.mfu)} | {sched.tflops_per_gpu:.1f} | "
+        f"{format_ratio(pred.sequential.step_s / sched.step_s)} | | |"
+        for sched, _ in pred.folded.values()
+    ]
+
+
+def _folded_line(pred: ClusterPrediction) -> list[str]:
+    if not pred.folded:
+        return []
+    described = "; ".join(
+        f"{name}: step {format_ms(run.step_s)} ms = busiest rank {format_ms(run.busy_s)} ms + bubble "
+        f"{format_ms(run.bubble_s)} ms, {run.pairs} of {run.actions} actions merged pairs"
+        for name, (_, run) in pred.folded.items()
+    )
+    return [
+        "Folded pipeline (two chunks of half the layers per rank, V layout, simulated action by action by "
+        f"cost_model.cluster.folded_pipeline; + DP sync): {described}."
+    ]
 
 
 def format_summary(preds: Sequence[ClusterPrediction]) -> str:

@@ -24,6 +24,10 @@ holds the output head)::
     M          = plan_pairs(F segments, B segments) -- one merged pair (a forward and a backward)
     sequential = (m + p - 1) * (F + B)                + P2P + DP          (1F1B: bubble (p-1)(F+B))
     dhelix     = F + (m - 1) * M + B + (p - 1)(F + B) + P2P + DP          (m = 1: the sequential step)
+    folded     p > 1: the folded (V-shaped) pipeline, two chunks of half the layers per rank, simulated
+               action by action (``folded_pipeline``: the bubble and the P2P waits from the
+               dependencies), its actions one after another and with a ready forward and backward
+               merged into one pair of half the stage's M; + DP
     P2P        = (m + p - 1) * 2 sends of one stage boundary's activation (T*h*2/tp bytes), p > 1
     DP         = reduce-scatter + all-gather of the stage's bf16 gradients / parameters over the
                  dp*cp group, after the last backward; *not* overlapped in either schedule (the
@@ -55,6 +59,7 @@ from typing import Any
 
 import torch
 
+from cost_model.cluster.folded_pipeline import ChunkCosts, FoldedRun, simulate_folded
 from cost_model.cluster.setting import ClusterSetting
 from cost_model.cluster.strands import BF16_BYTES, strands
 from cost_model.collectives import collective_time_s
@@ -94,6 +99,9 @@ class ClusterPrediction:
     paired_segments: int
     fwd_segments: int
     bwd_segments: int
+    folded: Mapping[str, tuple[SchedulePrediction, FoldedRun]] | None = field(default=None, hash=False)
+    """With pp > 1: the folded pipeline (``folded_pipeline``), its actions one after another
+    ("folded") and with the pairs merged ("folded dhelix"), each with its simulated run."""
 
     @property
     def speedup(self) -> float:
@@ -165,6 +173,11 @@ class ClusterPrediction:
             "segments": {"fwd": self.fwd_segments, "bwd": self.bwd_segments, "paired": self.paired_segments},
             "sequential": _schedule_dict(self.sequential),
             "dhelix": _schedule_dict(self.dhelix),
+            "folded": {
+                name: {**_schedule_dict(pred), **dataclasses.asdict(run)} for name, (pred, run) in self.folded.items()
+            }
+            if self.folded
+            else None,
             "predicted_speedup": self.speedup,
             "paper": dataclasses.asdict(s.paper),
             "gap": self.explain_gap(),
@@ -247,7 +260,16 @@ def simulate_setting(
         step = math.fsum(parts.values())
         return SchedulePrediction(name, step, flops / (step * gpus * peak), flops / (step * gpus) / 1e12, parts)
 
+    folded = None
+    if p > 1:  # two chunks of half the stage's layers per rank, costed action by action
+        chunk = ChunkCosts(f_s / 2, b_s / 2, pair_s / 2, _p2p_s(setting) / 2)
+        folded = {}
+        for name, merge in (("folded", False), ("folded dhelix", True)):
+            run = simulate_folded(p, m, chunk, merge=merge)
+            parts = {"micro-batches": run.busy_s, "pipeline bubble": run.bubble_s, "pipeline p2p": 0.0, "dp sync": dp}
+            folded[name] = (prediction(f"{name} ({run.pairs} pairs merged)" if merge else name, parts), run)
     return ClusterPrediction(
+        folded=folded,
         setting=setting,
         contention_factor=factor,
         matmul_efficiency=matmul_efficiency,

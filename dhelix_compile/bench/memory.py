@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    from dhelix_compile.bench import memory  # the ranks import the functions by module name, not __main__
     from dhelix_compile.testing.multirank import run_on_ranks
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the RSS at once
@@ -140,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         kinds = [k for k in args.pipeline.split(",") if k]
         variants = [v for v in (args.variants or ",".join(PIPELINE_VARIANTS)).split(",") if v]
         per_rank = run_on_ranks(
-            _pipeline_peaks, args.ranks, args.model, args.microbatches, kinds, variants, timeout_s=args.timeout_s
+            memory._pipeline_peaks, args.ranks, args.model, args.microbatches, kinds, variants, timeout_s=args.timeout_s
         )
         what = f"pipeline {', '.join(kinds)}"
     else:
         variants = [v for v in (args.variants or ",".join(MEMORY_VARIANTS)).split(",") if v]
         per_rank = run_on_ranks(
-            _rank_peaks, args.ranks, args.model, args.microbatches, variants, timeout_s=args.timeout_s
+            memory._rank_peaks, args.ranks, args.model, args.microbatches, variants, timeout_s=args.timeout_s
         )
         what = "TP+SP"
     peaks = {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
