@@ -82,12 +82,13 @@ def simulate_folded(pp: int, micro_batches: int, costs: ChunkCosts, *, merge: bo
     def finish(action: tuple[str, int, int], at: float) -> None:
         kind, chunk, mb = action
         done.add(action)
+        successor: tuple[str, int, int]
         if kind == "F":
             successor = ("F", chunk + 1, mb) if chunk + 1 < chunks else ("B", chunk, mb)
+        elif chunk > 0:
+            successor = ("B", chunk - 1, mb)
         else:
-            successor = ("B", chunk - 1, mb) if chunk > 0 else None  # type: ignore[assignment]
-        if successor is None:
-            return
+            return  # the micro-batch's last backward
         crosses = rank_of_chunk(successor[1], pp) != rank_of_chunk(chunk, pp)
         arrival = at + (costs.p2p_s if crosses else 0.0)
         ready_at[successor] = arrival
@@ -97,7 +98,7 @@ def simulate_folded(pp: int, micro_batches: int, costs: ChunkCosts, *, merge: bo
         found = [
             a
             for a, t in ready_at.items()
-            if a[0] == kind and a not in done and t <= now and rank_of_chunk(a[1], pp) == rank
+            if a[0] == kind and t <= now and rank_of_chunk(a[1], pp) == rank  # taken ones are popped
         ]
         return sorted(found, key=lambda a: (a[2], -a[1] if kind == "B" else a[1]))
 
