@@ -6,6 +6,7 @@
     step = dhelix_compile.helix(model, loss_fn)                          # strand interleaving
     losses = step(microbatches)
     schedule = dhelix_compile.helix_pipeline(schedule)                   # torch pipelining, merged F+B
+    y = dhelix_compile.reshard(x, mesh_b, [Shard(0)])                    # a DTensor to another mesh
 
 The backend entry points import Inductor and AOTAutograd; they load on first use, so that
 ``import dhelix_compile.testing`` (every spawned test rank does it) stays cheap.
@@ -20,7 +21,16 @@ from dhelix_compile.config import ConfigError, DHelixConfig
 
 logging.getLogger("dhelix").addHandler(logging.NullHandler())
 
-__all__ = ["ConfigError", "DHelixConfig", "HelixError", "backend", "dhelix_backend", "helix", "helix_pipeline"]
+__all__ = [
+    "ConfigError",
+    "DHelixConfig",
+    "HelixError",
+    "backend",
+    "dhelix_backend",
+    "helix",
+    "helix_pipeline",
+    "reshard",
+]
 __version__ = "0.1.0"
 
 
@@ -37,4 +47,8 @@ def __getattr__(name: str) -> Any:
         from dhelix_compile.pipeline_runtime import schedule
 
         return schedule.helix_pipeline
+    if name == "reshard":
+        from dhelix_compile.reshard import reshard
+
+        return reshard
     raise AttributeError(f"module 'dhelix_compile' has no attribute {name!r}")

@@ -523,3 +523,40 @@ def without_donated_buffers() -> contextlib.AbstractContextManager[None]:
     stages need under a schedule that splits the backward into input and weight gradients
     (DualPipeV's ``I`` then ``W``), as torch's own error message advises."""
     return cast("contextlib.AbstractContextManager[None]", _functorch_config.patch(donated_buffer=False))
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape and global offset of the tile at ``coordinate`` of a mesh: what
+    ``compute_local_shape_and_global_offset`` gives that rank, from plain data (no mesh object)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, offset = _compute_local_shape_and_global_offset(
+        list(global_shape), list(mesh_shape), list(coordinate), list(placements)
+    )
+    return tuple(int(n) for n in shape), tuple(int(o) for o in offset)
+
+
+def new_member_group(ranks: Sequence[int], name: str) -> Any:
+    """``new_group(ranks, use_local_synchronization=True)`` (only the members call it) named ``name``.
+
+    torch 2.13 names such a group by hashing its ranks together with the number of groups the
+    calling process already has (``_hash_ranks_to_str``). Members that joined different groups
+    before compute different names, rendezvous under different store keys and wait forever
+    (seen with two groups ``(0, 2, 3)`` then ``(1, 2, 3)``: ranks 2 and 3 count one group more
+    than rank 1). The caller gives a name every member computes the same.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    hashed_name = c10d._process_group_name
+
+    def agreed_name(*_: Any, **__: Any) -> Any:
+        return _as_group_name(name)
+
+    c10d._process_group_name = agreed_name
+    try:
+        return dist.new_group(list(ranks), use_local_synchronization=True)
+    finally:
+        c10d._process_group_name = hashed_name

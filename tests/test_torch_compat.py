@@ -135,3 +135,13 @@ def test_compiled_module_sees_both_ways_of_compiling() -> None:
     method.compile()
     assert not compat.compiled_module(plain)
     assert compat.compiled_module(method) and compat.compiled_module(torch.compile(wrapped))
+
+
+def test_local_shape_and_offset_matches_torch_chunking() -> None:
+    """7 columns over a 2x2 mesh (Shard(0), Shard(1)) with 3 rows: torch.chunk sizes, empty last row shard."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    placements = [Shard(0), Shard(1)]
+    assert compat.local_shape_and_offset((3, 7), (2, 2), (0, 1), placements) == ((2, 3), (0, 4))
+    assert compat.local_shape_and_offset((3, 7), (2, 2), (1, 0), placements) == ((1, 4), (2, 0))
+    assert compat.local_shape_and_offset((1, 7), (2, 2), (1, 0), placements)[0] == (0, 4)

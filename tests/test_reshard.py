@@ -1,0 +1,46 @@
+"""``dhelix_compile.reshard`` on 4 gloo ranks: every placement pair of three mesh pairs (disjoint,
+2x2 -> 4, overlapping), forward and backward, equal to the full tensor cut for the destination;
+dtypes; bad calls. The plan itself is tested in ``test_reshard_plan.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from dhelix_compile.testing.multirank import run_on_ranks
+from dhelix_compile.testing.reshard_checks import (
+    LAYOUT_PAIRS,
+    check_dtypes_and_errors,
+    check_every_layout_pair,
+    placement_pairs,
+)
+
+
+def test_every_placement_pair_equals_the_full_tensor_cut_for_the_destination() -> None:
+    results = run_on_ranks(check_every_layout_pair, 4, timeout_s=300)
+    for pair in LAYOUT_PAIRS:
+        src, dst = LAYOUT_PAIRS[pair]
+        expected = len(placement_pairs(2 if isinstance(src[0], list) else 1, 2 if isinstance(dst[0], list) else 1))
+        for rank, by_pair in enumerate(results):
+            result = by_pair[pair]
+            assert result["cases"] == expected
+            assert result["failures"] == [], f"{pair}, rank {rank}"
+            assert result["new_groups_on_repeat"] == 0, "a repeated reshard created process groups"
+
+
+def test_dtypes_move_and_bad_calls_get_clear_errors() -> None:
+    results = run_on_ranks(check_dtypes_and_errors, 4, timeout_s=180)
+    for rank, (dtype_failures, errors) in enumerate(results):
+        assert dtype_failures == []
+        assert "got Tensor" in errors["not_dtensor"]
+        assert "one placement per mesh dimension" in errors["placement_count"]
+        assert "does not fit a 2-D tensor" in errors["shard_dim"]
+        assert "cannot produce Partial" in errors["partial_dest"]
+        if "device_type" in errors:
+            assert "one device type" in errors["device_type"]
+        if rank == 0:
+            assert "rank 0 is in neither mesh" in errors["neither_mesh"]
+
+
+@pytest.mark.parametrize("source_ndim,dest_ndim,count", [(1, 1, 12), (2, 1, 45)])
+def test_placement_pairs_cover_every_combination(source_ndim: int, dest_ndim: int, count: int) -> None:
+    assert len(placement_pairs(source_ndim, dest_ndim)) == count
