@@ -560,3 +560,11 @@ def new_member_group(ranks: Sequence[int], name: str) -> Any:
         return dist.new_group(list(ranks), use_local_synchronization=True)
     finally:
         c10d._process_group_name = hashed_name
+
+
+def constant_while_tracing(fn: _F) -> _F:
+    """``fn`` run by Dynamo while tracing, its result a constant of the graph (``assume_constant_result``):
+    for work on shapes, meshes and placements only (a plan), which must not be traced op by op."""
+    from torch._dynamo import assume_constant_result
+
+    return cast("_F", assume_constant_result(fn))

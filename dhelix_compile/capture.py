@@ -172,7 +172,7 @@ def _estimator(
     """
     if not has_communication(gm):
         return None
-    if resolve_cost_model(config) == "profile":
+    if resolve_cost_model(config, gm) == "profile":
         check_rank_consistency(gm, name, config.consistency_timeout_s)
     return build_estimator(config, gm, example_inputs)
 

@@ -9,7 +9,8 @@ cost_model "profile": the analytic estimator as a base, calibrated on the live d
                process group by cost_model.ProfiledEstimator (agreed across ranks, cached).
 cost_model "auto":   "profile" when a real process group of several ranks is live (there is a
                link to measure, and the tables cannot know it: a rate-limited veth, a busy
-               NIC, NVLink or PCIe), "analytic" otherwise (one process, or the fake group).
+               NIC, NVLink or PCIe), "analytic" otherwise (one process, or the fake group),
+               and for a graph holding a ``reshard`` (its ranks compile different graphs).
 """
 
 from __future__ import annotations
@@ -86,12 +87,23 @@ def _device_from_json(data: dict[str, Any]) -> Device:
     return Device(peak_flops_per_s=peaks, **data)
 
 
-def resolve_cost_model(config: DHelixConfig) -> str:
-    """``config.cost_model`` with ``"auto"`` decided (see the module docstring)."""
+def resolve_cost_model(config: DHelixConfig, gm: torch.fx.GraphModule | None = None) -> str:
+    """``config.cost_model`` with ``"auto"`` decided (see the module docstring) for ``gm``."""
     if config.cost_model != "auto":
         return config.cost_model
     live = compat.real_process_group_initialized() and dist.get_world_size() > 1
+    if live and gm is not None and _moves_between_meshes(gm):
+        log.info("cost model: analytic for a graph that reshards between meshes (its ranks hold different graphs)")
+        return "analytic"
     return "profile" if live else "analytic"
+
+
+def _moves_between_meshes(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` holds a ``reshard`` broadcast: its ranks then compile different graphs (a
+    sender's and a receiver's), which profiling, agreed over every rank, cannot measure."""
+    from dhelix_compile.reshard.groups import GROUP_PREFIX
+
+    return any(isinstance(a, str) and a.startswith(GROUP_PREFIX) for node in gm.graph.nodes for a in node.args)
 
 
 #: One profiled estimator per (cache folder, device, link, world, backend, default group) in this
@@ -120,7 +132,7 @@ def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inpu
     base = AnalyticEstimator(
         resolve_device(config, example_inputs), link, world_size, comm_backend="nccl" if cuda else "gloo"
     )
-    if resolve_cost_model(config) == "analytic":
+    if resolve_cost_model(config, gm) == "analytic":
         return base
     profiled = _profiled_estimator(config, base, link)
     report = compat.run_outside_compilation(lambda: profiled.calibrate(gm))

@@ -10,6 +10,7 @@ from dhelix_compile.testing.multirank import run_on_ranks
 from dhelix_compile.testing.reshard_checks import (
     LAYOUT_PAIRS,
     check_dtypes_and_errors,
+    check_compiled,
     check_every_layout_pair,
     placement_pairs,
 )
@@ -44,3 +45,15 @@ def test_dtypes_move_and_bad_calls_get_clear_errors() -> None:
 @pytest.mark.parametrize("source_ndim,dest_ndim,count", [(1, 1, 12), (2, 1, 45)])
 def test_placement_pairs_cover_every_combination(source_ndim: int, dest_ndim: int, count: int) -> None:
     assert len(placement_pairs(source_ndim, dest_ndim)) == count
+
+
+@pytest.mark.inductor
+def test_reshard_traces_into_one_compiled_graph_equal_to_eager() -> None:
+    """``fullgraph=True`` through dhelix (Inductor) and through AOTAutograd: values and gradients
+    equal eager on the three mesh pairs, and the broadcasts are functional collectives in the
+    forward and backward graphs (so the passes can move them)."""
+    results = run_on_ranks(check_compiled, 4, "inductor", timeout_s=400)
+    for rank, result in enumerate(results):
+        assert result["failures"] == [], f"rank {rank}"
+        assert result["aot_graphs"] == 6  # forward and backward of three functions
+        assert result["broadcasts"] > 0

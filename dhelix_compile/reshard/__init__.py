@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dhelix_compile.reshard.move import issue, move
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.reshard.groups import broadcast_groups
+from dhelix_compile.reshard.move import Issued, RankSteps, move, rank_steps
 from dhelix_compile.reshard.plan import MeshLayout, ReshardPlan, plan_reshard
 
 __all__ = ["ReshardError", "ReshardWork", "layout_of", "reshard", "reshard_plan"]
@@ -65,46 +68,95 @@ def reshard(
     """``x`` on ``device_mesh`` with ``placements``; see the module docstring.
 
     ``balanced=False`` sends every piece from the first replica of its source tile (the naive plan,
-    kept for comparison). Inside ``torch.compile`` the broadcasts are traced as functional
-    collectives (the passes place their waits) and ``async_op`` returns a handle already done.
+    kept for comparison). Inside ``torch.compile`` the plan is made while tracing (a constant of
+    the graph), the broadcasts are traced as functional collectives (the passes place their
+    waits), and ``async_op`` returns a handle already done.
     """
-    placements = tuple(placements)
-    _check(x, device_mesh, placements)
-    placements = _normalized(placements, x.ndim)
-    if x.device_mesh == device_mesh:
-        return _done(x.redistribute(device_mesh, placements), async_op)
-    x = _reduced(x)
-    rank = dist.get_rank()
-    plan = reshard_plan(x, device_mesh, placements, balanced=balanced)
-    back = _plan(plan.global_shape, plan.dest, plan.source, plan.itemsize, balanced)
-    if rank in plan.source_tiles:
+    if not isinstance(x, DTensor):
+        raise ReshardError(f"reshard moves a DTensor between device meshes; got {type(x).__name__}")
+    prepared = _prepare(
+        tuple(x.shape), x.dtype, x.device_mesh, tuple(x.placements), device_mesh, tuple(placements), balanced
+    )
+    if prepared.steps is None:  # one mesh: torch's own redistribute
+        return _done(x.redistribute(device_mesh, prepared.placements), async_op)
+    steps, back = prepared.steps, prepared.back
+    assert steps is not None and back is not None, "planned with its reverse"
+    if prepared.reduced != tuple(x.placements):
+        x = x.redistribute(x.device_mesh, prepared.reduced)
+    if prepared.in_source:
         local = x.to_local()
     else:  # no data here, but the backward must run here too (it sends this rank's gradient pieces)
-        local = torch.empty(0, dtype=x.dtype, device=x.device_mesh.device_type).requires_grad_(x.requires_grad)
+        local = _ANCHORS[(x.dtype, x.device_mesh.device_type, x.requires_grad)]
     shape, stride = x.shape, _contiguous_stride(x.shape)
 
-    def finish(issued: object = None) -> DTensor:
-        out = move(local, plan, back, rank, issued)  # type: ignore[arg-type]
-        return DTensor.from_local(out, device_mesh, placements, run_check=False, shape=shape, stride=stride)
+    def finish(issued: Issued | None = None) -> DTensor:
+        out = move(local, steps, back, issued)
+        return DTensor.from_local(out, device_mesh, prepared.placements, run_check=False, shape=shape, stride=stride)
 
     if async_op and not torch.compiler.is_compiling():
-        issued = issue(local.detach(), plan, rank)
+        issued = Issued(local.detach(), steps)
         return ReshardWork(lambda: finish(issued))
     return _done(finish(), async_op)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Everything about a call that is not tensor data: checked, planned, its groups made."""
+
+    placements: tuple[Placement, ...]  # the destination's, shard dims made non-negative
+    steps: RankSteps | None = None  # this rank's part of the plan; None: the two meshes are one
+    back: RankSteps | None = None  # its part of the reverse plan (the backward)
+    reduced: tuple[Placement, ...] = ()  # the source's, Partial() reduced
+    in_source: bool = False
+
+
+#: What a rank outside the source mesh passes to the move: an empty leaf (requiring grad when the
+#: source does, so the backward runs there and sends its pieces). Made by ``_prepare``, outside any
+#: traced code, and read from here: a global, so Dynamo takes it as a graph input.
+_ANCHORS: dict[tuple[torch.dtype, str, bool], torch.Tensor] = {}
+
+
+@compat.constant_while_tracing
+def _prepare(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    source_mesh: DeviceMesh,
+    source_placements: tuple[Placement, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    balanced: bool,
+) -> _Prepared:
+    _check(shape, source_mesh, source_placements, mesh, placements)
+    placements = _normalized(placements, len(shape))
+    if source_mesh == mesh:
+        return _Prepared(placements)
+    reduced = _reduced_placements(shape, _normalized(source_placements, len(shape)))
+    source, dest = layout_of(source_mesh, reduced), layout_of(mesh, placements)
+    plan = _plan(shape, source, dest, dtype.itemsize, balanced)
+    back = _plan(shape, dest, source, dtype.itemsize, balanced)
+    rank = dist.get_rank()
+    differentiable = dtype.is_floating_point or dtype.is_complex
+    for requires_grad in (False, True) if differentiable else (False,):
+        key = (dtype, mesh.device_type, requires_grad)
+        _ANCHORS.setdefault(key, torch.empty(0, dtype=dtype, device=mesh.device_type, requires_grad=requires_grad))
+    groups = {**broadcast_groups(plan, rank), **broadcast_groups(back, rank)}
+    steps, back_steps = rank_steps(plan, rank, groups), rank_steps(back, rank, groups)
+    return _Prepared(placements, steps, back_steps, reduced, rank in plan.source_tiles)
 
 
 def reshard_plan(
     x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement], *, balanced: bool = True
 ) -> ReshardPlan:
     """The plan ``reshard`` runs for ``x`` (its source reduced, where it holds ``Partial()``)."""
-    source = layout_of(x.device_mesh, _normalized(x.placements, x.ndim))
-    dest = layout_of(device_mesh, _normalized(placements, x.ndim))
-    return _plan(tuple(x.shape), source, dest, x.dtype.itemsize, balanced)
+    shape = tuple(x.shape)
+    source = layout_of(x.device_mesh, _reduced_placements(shape, _normalized(tuple(x.placements), x.ndim)))
+    dest = layout_of(device_mesh, _normalized(tuple(placements), x.ndim))
+    return _plan(shape, source, dest, x.dtype.itemsize, balanced)
 
 
 def layout_of(mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:
     """The plan's view of a mesh and placements: its shape and the global rank at each coordinate."""
-    return MeshLayout(tuple(mesh.mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist()), tuple(placements))
+    return MeshLayout(tuple(mesh.mesh.shape), _ranks(mesh), tuple(placements))
 
 
 @functools.lru_cache(maxsize=256)
@@ -112,14 +164,18 @@ def _plan(shape: tuple[int, ...], source: MeshLayout, dest: MeshLayout, itemsize
     return plan_reshard(shape, source, dest, itemsize, balanced=balanced)
 
 
-def _check(x: object, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:
-    if not isinstance(x, DTensor):
-        raise ReshardError(f"reshard moves a DTensor between device meshes; got {type(x).__name__}")
+def _check(
+    shape: tuple[int, ...],
+    source_mesh: DeviceMesh,
+    source_placements: tuple[Placement, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise ReshardError(f"device_mesh must be a DeviceMesh; got {type(mesh).__name__}")
-    if x.device_mesh.device_type != mesh.device_type:
+    if source_mesh.device_type != mesh.device_type:
         raise ReshardError(
-            f"the source mesh is on {x.device_mesh.device_type} and the destination on {mesh.device_type}: "
+            f"the source mesh is on {source_mesh.device_type} and the destination on {mesh.device_type}: "
             "reshard moves tensors between meshes of one device type"
         )
     if len(placements) != mesh.ndim:
@@ -127,38 +183,45 @@ def _check(x: object, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> No
             f"{len(placements)} placements {list(placements)} for a {mesh.ndim}-D destination mesh: "
             "give one placement per mesh dimension"
         )
+    ndim = len(shape)
     for p in placements:
         if isinstance(p, Partial):
             raise ReshardError("reshard cannot produce Partial(): the destination holds values, not partial sums")
-        if type(p) not in (Shard, Replicate):
+        if not isinstance(p, (Shard, Replicate)) or _is_strided(p):
             raise ReshardError(f"placement {p} is not supported on the destination: Shard(d) or Replicate()")
-        if isinstance(p, Shard) and not -x.ndim <= p.dim < x.ndim:
-            raise ReshardError(f"placement {p} does not fit a {x.ndim}-D tensor of shape {tuple(x.shape)}")
-    for p in x.placements:
-        if type(p) not in (Shard, Replicate, Partial):
+        if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+            raise ReshardError(f"placement {p} does not fit a {ndim}-D tensor of shape {shape}")
+    for p in source_placements:
+        if not isinstance(p, (Shard, Replicate, Partial)) or _is_strided(p):
             raise ReshardError(f"source placement {p} is not supported: Shard(d), Replicate() or Partial()")
     rank = dist.get_rank()
-    members = {int(r) for r in x.device_mesh.mesh.flatten().tolist()} | {int(r) for r in mesh.mesh.flatten().tolist()}
+    members = set(_ranks(source_mesh)) | set(_ranks(mesh))
     if rank not in members:
         raise ReshardError(
-            f"rank {rank} is in neither mesh ({x.device_mesh} -> {mesh}): call reshard on the ranks of the two meshes only"
+            f"rank {rank} is in neither mesh ({source_mesh} -> {mesh}): call reshard on the ranks of the two meshes only"
         )
 
 
-def _reduced(x: DTensor) -> DTensor:
-    """``x`` with its ``Partial()`` placements reduced on its own mesh: reduce-scattered along a
+def _is_strided(p: Placement) -> bool:
+    return type(p).__name__ == "_StridedShard"
+
+
+def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def _reduced_placements(shape: tuple[int, ...], placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """``placements`` with every ``Partial()`` reduced on the source mesh: reduce-scattered along a
     tensor dim no other mesh dim shards (the largest), else all-reduced."""
-    if not any(isinstance(p, Partial) for p in x.placements):
-        return x
-    sharded = {p.dim % x.ndim for p in x.placements if isinstance(p, Shard)}
-    free = sorted((d for d in range(x.ndim) if d not in sharded), key=lambda d: -x.shape[d])
-    placements: list[Placement] = []
-    for p in x.placements:
+    sharded = {p.dim for p in placements if isinstance(p, Shard)}
+    free = sorted((d for d in range(len(shape)) if d not in sharded), key=lambda d: -shape[d])
+    reduced: list[Placement] = []
+    for p in placements:
         if isinstance(p, Partial):
-            placements.append(Shard(free.pop(0)) if free else Replicate())
+            reduced.append(Shard(free.pop(0)) if free else Replicate())
         else:
-            placements.append(p)
-    return x.redistribute(x.device_mesh, placements)
+            reduced.append(p)
+    return tuple(reduced)
 
 
 def _normalized(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:

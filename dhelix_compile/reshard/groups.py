@@ -15,7 +15,10 @@ import torch.distributed as dist
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.reshard.plan import ReshardPlan
 
-__all__ = ["broadcast_groups", "created_group_count"]
+__all__ = ["GROUP_PREFIX", "broadcast_groups", "created_group_count"]
+
+#: The name of every group ``reshard`` creates starts so (then its ranks): graphs that hold one are known by it.
+GROUP_PREFIX = "dhelix_reshard_"
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _WORLD: list[object] = [None]  # the default group the cached groups belong to
@@ -33,7 +36,7 @@ def broadcast_groups(plan: ReshardPlan, rank: int) -> dict[tuple[int, ...], dist
             if rank not in ranks:
                 continue
             if ranks not in _GROUPS:
-                group = compat.new_member_group(ranks, "dhelix_reshard_" + "_".join(map(str, ranks)))
+                group = compat.new_member_group(ranks, GROUP_PREFIX + "_".join(map(str, ranks)))
                 assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
                 _GROUPS[ranks] = group
             groups[ranks] = _GROUPS[ranks]
