@@ -409,6 +409,11 @@ def schedule_microbatches(schedule: Any) -> int:
     return int(schedule._n_microbatches)
 
 
+def splits_batch_on_dim0(schedule: Any) -> bool:
+    """Whether ``schedule`` splits every input and the target on dim 0 (no chunk specs of its own)."""
+    return schedule._args_chunk_spec is None and schedule._kwargs_chunk_spec is None
+
+
 def schedule_num_stages(schedule: Any) -> int:
     return int(schedule._num_stages)
 

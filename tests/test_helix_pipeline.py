@@ -98,3 +98,7 @@ def test_bad_input_gets_a_helix_error_that_names_the_problem() -> None:
     assert said["profile"].startswith("HelixError") and "cost_model='profile'" in said["profile"]
     assert said["unknown option"].startswith("ConfigError") and "no_such_option" in said["unknown option"]
     assert said["random op"].startswith("HelixError") and "random" in said["random op"]
+    small = said["batch smaller than the micro-batch count"]
+    assert small.startswith("HelixError") and "3 rows" in small and "4 micro-batches" in small
+    uneven = said["uneven micro-batches"]
+    assert uneven.startswith("HelixError") and "5 rows" in uneven and "multiple of 2" in uneven

@@ -9,8 +9,8 @@ import pytest
 from dhelix_compile.testing.multirank import run_on_ranks
 from dhelix_compile.testing.reshard_checks import (
     LAYOUT_PAIRS,
-    check_dtypes_and_errors,
     check_compiled,
+    check_dtypes_and_errors,
     check_every_layout_pair,
     placement_pairs,
 )

@@ -34,7 +34,8 @@ Which schedules pair what (``pairing`` has the rules)
 Refused with :class:`~dhelix_compile.helix_runtime.strands.HelixError`: another schedule type
 (the message names the supported ones), a stage module already compiled, a stage module with
 dropout in training mode (random ops found only when compiling fail the first step the same
-way), and ``cost_model="profile"``: profiling agrees its measurements across all ranks, and the
+way), a step whose batch does not split into equal micro-batches (a count torch rejects at
+construction, below the number of stages, never reaches here), and ``cost_model="profile"``: profiling agrees its measurements across all ranks, and the
 ranks of a pipeline compile different stage graphs at different times; ``"auto"`` means the
 analytic model here.
 """
@@ -137,7 +138,8 @@ class _HelixStages:
         for stage in stages:
             stage.submod.compile(backend=self.strands.backend, fullgraph=True, dynamic=False)
         self.steps.install(self.forward, self.backward, self.overlap)
-        runtime.step = _raising_helix_errors(runtime.step)
+        splits = compat.schedule_microbatches(runtime) if compat.splits_batch_on_dim0(runtime) else 1
+        runtime.step = _raising_helix_errors(runtime.step, splits)
 
     def forward(self, action: Any, ctx: Any) -> None:
         with compat.logging_calls_ignored_by_dynamo():  # a model's log line is no graph break
@@ -154,11 +156,13 @@ class _HelixStages:
         self.strands.run_beside(run_backward, lambda: self.forward(forward, ctx))
 
 
-def _raising_helix_errors(step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` raising the HelixError a stage's compile raised, not Dynamo's wrapping of it."""
+def _raising_helix_errors(step: Callable[..., Any], n_microbatches: int) -> Callable[..., Any]:
+    """``step`` refusing a batch the schedule cannot split, and raising the HelixError a stage's
+    compile raised, not Dynamo's wrapping of it."""
 
     @functools.wraps(step)
     def run(*args: Any, **kwargs: Any) -> Any:
+        _check_batch(args, kwargs, n_microbatches)
         try:
             return step(*args, **kwargs)
         except Exception as exc:
@@ -168,6 +172,20 @@ def _raising_helix_errors(step: Callable[..., Any]) -> Callable[..., Any]:
             raise
 
     return run
+
+
+def _check_batch(args: tuple[Any, ...], kwargs: dict[str, Any], n_microbatches: int) -> None:
+    """A batch (inputs or target) that does not split into equal micro-batches on dim 0 (torch's
+    default; a schedule given its own chunk specs is not checked here): torch fails deep in
+    its splitting on fewer rows than micro-batches, and splits unevenly otherwise (10 rows in 4:
+    3, 3, 2, 2), where every stage, compiled for one micro-batch shape, would recompile per shape."""
+    for name, value in [*((f"input {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] % n_microbatches:
+            raise HelixError(
+                f"helix_pipeline: {name} has {value.shape[0]} rows (dim 0) and the schedule splits every step into "
+                f"{n_microbatches} micro-batches: pass a multiple of {n_microbatches} rows (the stages are compiled "
+                "for one micro-batch shape), or build the schedule with another micro-batch count"
+            )
 
 
 def _from_torch(action: Any) -> Step:

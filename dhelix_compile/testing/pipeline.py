@@ -270,6 +270,12 @@ def helix_pipeline_errors(rank: int, world_size: int) -> dict[str, str]:
         "dropout module": lambda: helix_pipeline(Schedule1F1B(stage(dropout), 2, loss_fn=mse)),
         "profile": lambda: helix_pipeline(Schedule1F1B(stage(linear()), 2, loss_fn=mse), cost_model="profile"),
         "unknown option": lambda: helix_pipeline(Schedule1F1B(stage(linear()), 2, loss_fn=mse), no_such_option=1),
+        "batch smaller than the micro-batch count": lambda: helix_pipeline(
+            Schedule1F1B(stage(linear()), 4, loss_fn=mse), codegen="eager"
+        ).step(torch.randn(3, 8), target=torch.randn(3, 8)),
+        "uneven micro-batches": lambda: helix_pipeline(
+            Schedule1F1B(stage(linear()), 2, loss_fn=mse), codegen="eager"
+        ).step(torch.randn(5, 8), target=torch.randn(5, 8)),
         "random op": lambda: helix_pipeline(Schedule1F1B(stage(_DropoutChunk()), 2, loss_fn=mse), codegen="eager").step(
             torch.randn(4, 8), target=torch.randn(4, 8)
         ),
