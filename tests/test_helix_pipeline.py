@@ -44,6 +44,15 @@ def test_every_supported_schedule_equals_its_eager_run_on_two_ranks() -> None:
     _assert_no_problems(results)
 
 
+def test_eager_one_f_one_b_order_equals_torchs_1f1b_run() -> None:
+    """``helix_pipeline(Schedule1F1B(...), order="eager_1f1b")``: more forwards ahead, the same
+    gradients and losses as torch's 1F1B run eagerly."""
+    results = run_on_ranks(
+        check_pipelines, 2, ["1f1b"], 4, codegen="eager", fallback="error", order="eager_1f1b", timeout_s=300
+    )
+    _assert_no_problems(results)
+
+
 def test_pp2_x_tp2_stages_equal_their_eager_run_and_merge_both_strands_collectives(tmp_path: Path) -> None:
     """4 ranks, a (pp=2, tp=2) mesh, every chunk parallelized with PyTorch's TP plan: the merged
     graphs of DualPipeV hold the all-reduces of both strands (F of one chunk, B of the other)."""
@@ -100,5 +109,7 @@ def test_bad_input_gets_a_helix_error_that_names_the_problem() -> None:
     assert said["random op"].startswith("HelixError") and "random" in said["random op"]
     small = said["batch smaller than the micro-batch count"]
     assert small.startswith("HelixError") and "3 rows" in small and "4 micro-batches" in small
+    assert said["unknown order"].startswith("HelixError") and "eager_1f1b" in said["unknown order"]
+    assert said["eager 1F1B order on another schedule"].startswith("HelixError")
     uneven = said["uneven micro-batches"]
     assert uneven.startswith("HelixError") and "5 rows" in uneven and "multiple of 2" in uneven

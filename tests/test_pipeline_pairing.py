@@ -39,6 +39,18 @@ def test_one_f_one_b_is_torchs_warmup_steady_cooldown() -> None:
     assert find_deadlock(order, 4) is None
 
 
+def test_eager_one_f_one_b_runs_more_forwards_ahead_and_still_completes() -> None:
+    """Alpa's eager 1F1B: stage s runs 2 (p - s) - 1 forwards before its first backward."""
+    order = one_f_one_b(4, 8, eager=True)
+    assert _text(order)[0].startswith("0F0 0F1 0F2 0F3 0F4 0F5 0F6 0B0 0F7 0B1")
+    assert _text(order)[2].startswith("2F0 2F1 2F2 2B0 2F3 2B1")
+    assert _text(order)[3] == _text(one_f_one_b(4, 8))[3]  # the last stage: F and B alternate anyway
+    assert find_deadlock(order, 4) is None
+    paired = pair_forwards_with_backwards(order, 4)
+    assert find_deadlock(paired, 4) is None
+    assert any(isinstance(step, Overlap) for step in paired[0])
+
+
 def test_a_pair_that_would_deadlock_the_pipeline_stays_apart() -> None:
     """Rank 0's B0 needs rank 1's B0, which comes after rank 1's F1, which needs rank 0's F1:
     merged with B0, F1 would wait on itself."""

@@ -11,8 +11,10 @@ starts the ranks there.
   pair, each end with an IPv4 address from a private ``10.x.y.0/24`` and a ``tbf`` qdisc
   (``rate``/``burst``/``latency``), so each direction is limited separately. Rank ``r`` runs in
   namespace ``r`` (``ip netns exec``) with ``GLOO_SOCKET_IFNAME`` set to its veth end, so gloo's
-  traffic really crosses the link. One veth pair joins exactly two namespaces: ``world_size``
-  must be 1 or 2 (``ValueError`` otherwise). A rate (or burst, latency) that ``tc`` rejects gives
+  traffic really crosses the link. More than two ranks: a star, every rank's namespace joined
+  by a veth pair to a bridge in a hub namespace, a ``tbf`` on both ends of each pair, so every
+  rank has a link of its own, limited each way (the busiest rank's link sets the pace, as a
+  node's NIC does). A rate (or burst, latency) that ``tc`` rejects gives
   ``ValueError`` naming it and quoting ``tc``.
 * **Loopback** when ``link.rate is None`` or ``can_rate_limit()`` is false: ranks run in this
   namespace on ``127.0.0.1`` (``GLOO_SOCKET_IFNAME=lo`` on Linux); the description says so and why.
@@ -216,6 +218,48 @@ def _namespace_placement(names: _Names, link: LinkSpec, world_size: int) -> Plac
     )
 
 
+def _star_placement(link: LinkSpec, world_size: int, created: list[str]) -> Placement:
+    """``world_size`` namespaces, each with a veth pair to a bridge in a hub namespace; a tbf on both ends."""
+    ip, tc = _which("ip"), _which("tc")
+    assert ip is not None and tc is not None
+    pid, k = os.getpid(), next(_counter)
+    tag = f"{_b36(pid)}-{_b36(k % 36**5)}"
+    hub = f"dhx{pid}-{k}-hub"
+    subnet = f"10.{64 + (k >> 8) % 64}.{k & 255}"
+    created.append(hub)
+    _check([ip, "netns", "add", hub])
+    _check([ip, "-n", hub, "link", "add", "br0", "type", "bridge"])
+    _check([ip, "-n", hub, "link", "set", "br0", "up"])
+    namespaces, ifnames, addrs = [], [], []
+    for r in range(world_size):
+        ns, ifname, hub_end, addr = f"dhx{pid}-{k}-{r}", f"dx{tag}-{r}", f"dh{tag}-{r}", f"{subnet}.{r + 1}"
+        assert len(ifname) <= _MAX_IFNAME and len(hub_end) <= _MAX_IFNAME, (ifname, hub_end)
+        created.append(ns)
+        _check([ip, "netns", "add", ns])
+        _check([ip, "link", "add", ifname, "netns", ns, "type", "veth", "peer", "name", hub_end, "netns", hub])
+        _run([ip, "-n", ns, "link", "set", "dev", ifname, "addrgenmode", "none"])
+        _check([ip, "-n", ns, "addr", "add", f"{addr}/24", "dev", ifname])
+        _check([ip, "-n", ns, "link", "set", "dev", ifname, "up"])
+        _check([ip, "-n", ns, "link", "set", "dev", "lo", "up"])
+        _check([ip, "-n", hub, "link", "set", "dev", hub_end, "master", "br0"])
+        _check([ip, "-n", hub, "link", "set", "dev", hub_end, "up"])
+        _apply_tbf(ip, tc, ns, ifname, link)
+        _apply_tbf(ip, tc, hub, hub_end, link)
+        namespaces.append(ns)
+        ifnames.append(ifname)
+        addrs.append(addr)
+    return Placement(
+        prefixes=[[ip, "netns", "exec", ns] for ns in namespaces],
+        master_addr=addrs[0],
+        ifnames=list(ifnames),
+        description=(
+            f"{world_size} veth links of {link.rate} tbf each way, joined by a bridge (namespaces "
+            f"{namespaces[0]}..{namespaces[-1]}, hub {hub}; {subnet}.0/24; burst {link.burst}, latency {link.latency})"
+        ),
+        rate_limited=True,
+    )
+
+
 def _loopback_placement(world_size: int, reason: str) -> Placement:
     ifname = "lo" if sys.platform.startswith("linux") else None
     return Placement(
@@ -231,14 +275,12 @@ def place(link: LinkSpec, world_size: int, created: list[str]) -> Placement:
     """Where ``world_size`` ranks run over ``link`` (namespaces it makes are appended to ``created``)."""
     if link.rate is None:
         return _loopback_placement(world_size, "no rate requested")
-    if world_size > 2:
-        raise ValueError(
-            f"a rate-limited link is one veth pair joining exactly two namespaces: world_size "
-            f"{world_size} > 2 is not supported (use LinkSpec(rate=None) for loopback)"
-        )
     ok, reason = can_rate_limit()
     if not ok:
         return _loopback_placement(world_size, reason)
+    if world_size > 2:
+        return _star_placement(link, world_size, created)
+    # two ranks: one veth pair (no bridge between them)
     names = _next_names()
     _create_pair(names, link, created)
     return _namespace_placement(names, link, world_size)

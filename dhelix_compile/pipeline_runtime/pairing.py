@@ -78,14 +78,20 @@ def steps_of(item: Step) -> tuple[Compute, ...]:
     return item.steps if isinstance(item, Overlap) else (item,)
 
 
-def one_f_one_b(num_stages: int, n_microbatches: int) -> Order:
+def one_f_one_b(num_stages: int, n_microbatches: int, *, eager: bool = False) -> Order:
     """torch's ``Schedule1F1B`` order: stage ``s`` (on rank ``s``) runs ``min(n, num_stages - s)``
-    forwards, then alternates backward and forward, then the remaining backwards."""
+    forwards, then alternates backward and forward, then the remaining backwards.
+
+    ``eager``: Alpa's eager 1F1B (Zhuang et al., MLSys 2023, section 5): ``2 (num_stages - s) - 1``
+    warm-up forwards, so a stage's next forward is already computed when the one before it is sent
+    and a send overlaps compute instead of waiting for the backward; it holds up to twice the
+    activations of 1F1B in flight on the first stage."""
     if num_stages < 1 or n_microbatches < 1:
         raise ValueError(f"need at least one stage and one micro-batch, got {num_stages} and {n_microbatches}")
     order: Order = {}
     for stage in range(num_stages):
-        warmup = min(n_microbatches, num_stages - stage)
+        ahead = 2 * (num_stages - stage) - 1 if eager else num_stages - stage
+        warmup = min(n_microbatches, ahead)
         steps: list[Step] = [Compute("F", stage, j) for j in range(warmup)]
         for i in range(n_microbatches):
             steps.append(Compute("B", stage, i))

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -64,13 +64,18 @@ from dhelix_compile.pipeline_runtime.pairing import (
 
 __all__ = ["SUPPORTED_SCHEDULES", "helix_pipeline"]
 
+#: ``order=``: the schedule's own compute order, or Alpa's eager 1F1B (``Schedule1F1B`` only).
+PipelineOrder = Literal["schedule", "eager_1f1b"]
+
 #: The torch schedules helix_pipeline runs, by class name.
 SUPPORTED_SCHEDULES = ("ScheduleDualPipeV", "Schedule1F1B", "ScheduleInterleaved1F1B")
 
 
-def helix_pipeline(schedule: Any, **options: Any) -> Any:
+def helix_pipeline(schedule: Any, *, order: PipelineOrder = "schedule", **options: Any) -> Any:
     """``schedule`` with its compute steps run by dhelix; see the module docstring.
 
+    ``order="eager_1f1b"`` (``Schedule1F1B`` only) runs Alpa's eager 1F1B instead of torch's order:
+    more warm-up forwards, so each stage's sends start under compute (``pairing.one_f_one_b``).
     Returns the schedule itself when it is one of torch's runtime schedules (DualPipeV,
     Interleaved1F1B), and a drop-in runtime schedule over the same stage for ``Schedule1F1B``.
     """
@@ -79,26 +84,31 @@ def helix_pipeline(schedule: Any, **options: Any) -> Any:
         raise HelixError(
             f"helix_pipeline runs {', '.join(SUPPORTED_SCHEDULES)} from torch.distributed.pipelining; got {kind}"
         )
+    if order not in ("schedule", "eager_1f1b"):
+        raise HelixError(f"helix_pipeline: order={order!r}; choose 'schedule' (the schedule's own) or 'eager_1f1b'")
+    if order == "eager_1f1b" and kind != "Schedule1F1B":
+        raise HelixError(f"helix_pipeline: order='eager_1f1b' reorders a Schedule1F1B; got {kind}")
     config = _pipeline_config(resolve_config(options))
     stages = compat.schedule_stages(schedule)
     for stage in stages:
         _check_stage_module(stage.submod, stage.stage_index)
     runtime = schedule if compat.is_runtime_schedule(schedule) else compat.single_stage_runtime(schedule)
-    compat.set_pipeline_compute_order(runtime, _to_torch(helix_order(schedule)))
+    compat.set_pipeline_compute_order(runtime, _to_torch(helix_order(schedule, eager_1f1b=order == "eager_1f1b")))
     _HelixStages(runtime, stages, config)
     return runtime
 
 
-def helix_order(schedule: Any) -> Order:
+def helix_order(schedule: Any, *, eager_1f1b: bool = False) -> Order:
     """The compute order helix_pipeline runs for ``schedule`` (every rank): torch's order with
-    full backwards, and its forwards paired with backwards (module docstring)."""
+    full backwards (or eager 1F1B's, for a ``Schedule1F1B``), and its forwards paired with
+    backwards (module docstring)."""
     num_stages = compat.schedule_num_stages(schedule)
     if compat.is_runtime_schedule(schedule):
         order = {
             rank: [_from_torch(a) for a in actions] for rank, actions in compat.pipeline_compute_order(schedule).items()
         }
     else:
-        order = one_f_one_b(num_stages, compat.schedule_microbatches(schedule))
+        order = one_f_one_b(num_stages, compat.schedule_microbatches(schedule), eager=eager_1f1b)
     order = as_full_backwards(order)
     if any(isinstance(step, Overlap) for steps in order.values() for step in steps):
         return order  # the schedule chose its overlaps (DualPipeV)

@@ -52,6 +52,8 @@ from typing import Any, Literal, TypeVar
 
 from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
+_LOOPBACK = LinkSpec(rate=None)
+
 __all__ = [
     "MultiRankError",
     "MultiRankTimeout",
@@ -128,6 +130,7 @@ def run_on_ranks(
     grace_s: float = 5.0,
     pg_timeout_s: float | None = None,
     num_threads: int = 1,
+    link: LinkSpec = _LOOPBACK,
     **kwargs: Any,
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; see module doc.
@@ -140,6 +143,8 @@ def run_on_ranks(
         pg_timeout_s: the process group's collective timeout; defaults to ``timeout_s`` plus a
             minute, so a blocked collective is stopped by this harness (with stacks), not by gloo.
         num_threads: ``torch.set_num_threads`` in each worker.
+        link: where the ranks run (``launch.link``): loopback by default; a rate gives every rank
+            a rate-limited link of its own (namespaces; loopback where they cannot be made).
         kwargs: passed to ``fn``.
 
     Returns:
@@ -161,7 +166,7 @@ def run_on_ranks(
         launched = launch_ranks(
             [sys.executable, "-m", "dhelix_compile.testing.rank_main", workdir],
             world_size,
-            LinkSpec(rate=None),
+            link,
             timeout_s=timeout_s,
             env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
             failure_grace_s=grace_s,

@@ -273,6 +273,10 @@ def helix_pipeline_errors(rank: int, world_size: int) -> dict[str, str]:
         "batch smaller than the micro-batch count": lambda: helix_pipeline(
             Schedule1F1B(stage(linear()), 4, loss_fn=mse), codegen="eager"
         ).step(torch.randn(3, 8), target=torch.randn(3, 8)),
+        "eager 1F1B order on another schedule": lambda: helix_pipeline(
+            ScheduleGPipe(stage(linear()), 2, loss_fn=mse), order="eager_1f1b"
+        ),
+        "unknown order": lambda: helix_pipeline(Schedule1F1B(stage(linear()), 2, loss_fn=mse), order="zigzag"),
         "uneven micro-batches": lambda: helix_pipeline(
             Schedule1F1B(stage(linear()), 2, loss_fn=mse), codegen="eager"
         ).step(torch.randn(5, 8), target=torch.randn(5, 8)),
