@@ -121,7 +121,9 @@ def as_full_backwards(order: Mapping[int, Iterable[Step]]) -> Order:
 
 def pair_forwards_with_backwards(order: Mapping[int, Iterable[Step]], num_stages: int) -> Order:
     """Each ``F`` directly followed on its rank by a ``B`` of another micro-batch becomes an
-    :class:`Overlap`, in rank and step order, when the schedule then still completes.
+    :class:`Overlap`, in rank and step order, when the schedule then still completes and its
+    :func:`makespan` does not grow (a pair costs its two steps: merging hides communication, which
+    this count leaves out, but delays the forward's output to the pair's end, which it does not).
 
     Overlaps already in ``order`` are kept. Raises ``ValueError`` if ``order`` itself deadlocks.
     """
@@ -137,10 +139,57 @@ def pair_forwards_with_backwards(order: Mapping[int, Iterable[Step]], num_stages
             if _pairable(first, second):
                 assert isinstance(first, Compute) and isinstance(second, Compute)
                 trial = [*items[:k], Overlap(first, second), *items[k + 2 :]]
-                if find_deadlock({**paired, rank: trial}, num_stages) is None:
+                candidate = {**paired, rank: trial}
+                if find_deadlock(candidate, num_stages) is None and makespan(candidate, num_stages) <= makespan(
+                    paired, num_stages
+                ):
                     items = paired[rank] = trial
             k += 1
     return paired
+
+
+def makespan(
+    order: Mapping[int, Iterable[Step]], num_stages: int, forward_s: float = 1.0, backward_s: float = 2.0
+) -> float:
+    """When the last step of ``order`` ends, every step taking ``forward_s`` (F) or ``backward_s``
+    (B, I, W split it in halves) and an overlap the sum of its two, each starting when its rank
+    is free and its dependencies have ended (sends and receives free). ``inf`` if it deadlocks."""
+    cost = {"F": forward_s, "B": backward_s, "I": backward_s / 2, "W": backward_s / 2}
+    queues = {rank: list(items) for rank, items in order.items()}
+    heads = dict.fromkeys(queues, 0)
+    free = dict.fromkeys(queues, 0.0)
+    ended: dict[Compute, float] = {}
+    while any(heads[rank] < len(queues[rank]) for rank in queues):
+        progress = False
+        for rank in sorted(queues):
+            if heads[rank] == len(queues[rank]):
+                continue
+            item = queues[rank][heads[rank]]
+            if not all(_ready(step, set(ended), num_stages) for step in steps_of(item)):
+                continue
+            waits = [ended[d] for step in steps_of(item) for d in _deps(step, num_stages) if d in ended]
+            start = max([free[rank], *waits])
+            free[rank] = start + sum(cost[step.kind] for step in steps_of(item))
+            ended.update(dict.fromkeys(steps_of(item), free[rank]))
+            heads[rank] += 1
+            progress = True
+        if not progress:
+            return float("inf")
+    return max(free.values(), default=0.0)
+
+
+def _deps(step: Compute, num_stages: int) -> list[Compute]:
+    """The steps ``step`` may wait for (a backward's gradient comes from the next stage's B or I,
+    whichever the schedule runs; ``_ready`` says whether they are done)."""
+    s, m = step.stage, step.microbatch
+    if step.kind == "F":
+        return [] if s == 0 else [Compute("F", s - 1, m)]
+    if step.kind == "W":
+        return [Compute("I", s, m)]
+    deps = [Compute("F", s, m)]
+    if s < num_stages - 1:
+        deps += [Compute("B", s + 1, m), Compute("I", s + 1, m)]
+    return deps
 
 
 def _pairable(first: Step, second: Step) -> bool:
