@@ -98,13 +98,15 @@ def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, varia
 def _pipeline_peaks(
     rank: int, world_size: int, model: str, microbatches: int, kinds: list[str], variants: list[str]
 ) -> dict[str, int]:
-    from dhelix_compile.bench.pipeline import build_pipeline
+    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, build_pipeline
+    from dhelix_compile.bench.steps import split_variant
 
     peaks = {}
     for kind in kinds:
         pipeline = build_pipeline(kind, model, rank, world_size, microbatches, torch.Generator().manual_seed(1234))
         for name in variants:
-            step = pipeline.step_function(name, {})
+            base, options = split_variant(name, PIPELINE_VARIANTS)  # helix_pipeline[order=eager_1f1b]
+            step = pipeline.step_function(base, options)
             step()  # compile
             torch.distributed.barrier()
             peaks[f"{kind} {name}"] = peak_allocated_bytes(step)
