@@ -549,7 +549,9 @@ def test_standalone_per_peer_equals_undecomposed_on_4_ranks(cases) -> None:
         pytest.param(
             2, [(2, 4, 5, 6, 1), (2, 2, 3, 2, 0)], id="2-sequence-and-batch"
         ),  # the batch case with a per-row bias
-        pytest.param(4, [(2, 2, 7, 4, 1)], id="4-sequence"),  # one row per piece
+        pytest.param(  # one row per piece
+            4, [(2, 2, 7, 4, 1)], id="4-sequence", marks=pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1")
+        ),
     ],
 )
 def test_per_peer_in_pieces_equals_undecomposed(world_size, cases) -> None:
