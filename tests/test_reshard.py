@@ -36,6 +36,7 @@ def test_dtypes_move_and_bad_calls_get_clear_errors() -> None:
         assert "one placement per mesh dimension" in errors["placement_count"]
         assert "does not fit a 2-D tensor" in errors["shard_dim"]
         assert "cannot produce Partial" in errors["partial_dest"]
+        assert "ranks disagree on a reshard" in errors["disagree"]  # every rank, none left waiting
         if "device_type" in errors:
             assert "one device type" in errors["device_type"]
         if rank == 0:

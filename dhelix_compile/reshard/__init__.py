@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,7 @@ def _prepare(
     plan = _plan(shape, source, dest, dtype.itemsize, balanced)
     back = _plan(shape, dest, source, dtype.itemsize, balanced)
     rank = dist.get_rank()
+    _agree(plan, balanced, rank)
     differentiable = dtype.is_floating_point or dtype.is_complex
     for requires_grad in (False, True) if differentiable else (False,):
         key = (dtype, mesh.device_type, requires_grad)
@@ -142,6 +144,55 @@ def _prepare(
     groups = {**broadcast_groups(plan, rank), **broadcast_groups(back, rank)}
     steps, back_steps = rank_steps(plan, rank, groups), rank_steps(back, rank, groups)
     return _Prepared(placements, steps, back_steps, reduced, rank in plan.source_tiles)
+
+
+#: How long a rank waits for the other ranks of the two meshes to describe the same call.
+AGREE_TIMEOUT_S = 300.0
+_AGREED: set[tuple[object, ...]] = set()
+_CALLS_PER_UNION: dict[tuple[int, ...], int] = {}
+_AGREED_WORLD: list[object] = [None]
+
+
+def _agree(plan: ReshardPlan, balanced: bool, rank: int) -> None:
+    """The first time a plan is made, every rank of the two meshes checks that the others asked
+    for the same move (through the c10d store): ranks that disagree would create different
+    groups and wait in each other's rendezvous until the process group's timeout."""
+    key = (plan.global_shape, plan.source, plan.dest, plan.itemsize, balanced)
+    if not compat.real_process_group_initialized():
+        return
+    if _AGREED_WORLD[0] is not dist.group.WORLD:  # a new default group: agree afresh
+        _AGREED.clear()
+        _CALLS_PER_UNION.clear()
+        _AGREED_WORLD[0] = dist.group.WORLD
+    if key in _AGREED:
+        return
+    union = tuple(sorted({*plan.source.ranks, *plan.dest.ranks}))
+    count = _CALLS_PER_UNION.get(union, 0)
+    _CALLS_PER_UNION[union] = count + 1
+    mine = (
+        f"{_describe(plan.source)} -> {_describe(plan.dest)}, shape {list(plan.global_shape)}, itemsize {plan.itemsize}"
+    )
+    prefix = f"dhelix/reshard/{'_'.join(map(str, union))}/{count}"
+    store = compat.default_store()
+    store.set(f"{prefix}/{rank}", mine)
+    for other in union:
+        if other == rank:
+            continue
+        try:
+            store.wait([f"{prefix}/{other}"], timedelta(seconds=AGREE_TIMEOUT_S))
+        except Exception as exc:  # the store raises on timeout (DistStoreError / RuntimeError)
+            raise ReshardError(
+                f"rank {other} of the two meshes did not call reshard within {AGREE_TIMEOUT_S:g} s "
+                f"(this rank: {mine}); every rank of both meshes must make the same call"
+            ) from exc
+        theirs = store.get(f"{prefix}/{other}").decode()
+        if theirs != mine:
+            raise ReshardError(f"ranks disagree on a reshard: rank {rank}: {mine}; rank {other}: {theirs}")
+    _AGREED.add(key)
+
+
+def _describe(layout: MeshLayout) -> str:
+    return f"mesh {list(layout.ranks)} shaped {list(layout.mesh_shape)} {list(layout.placements)}"
 
 
 def reshard_plan(

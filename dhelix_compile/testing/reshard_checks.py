@@ -165,6 +165,7 @@ def check_reshard_errors(rank: int, world_size: int) -> dict[str, str]:
         "placement_count": lambda: reshard(x, mesh_b, [Shard(0), Shard(1)]),
         "shard_dim": lambda: reshard(x, mesh_b, [Shard(2)]),
         "partial_dest": lambda: reshard(x, mesh_b, [Partial()]),
+        "disagree": lambda: reshard(x, mesh_b, [Shard(1)] if rank == 3 else [Shard(0)]),
     }
     mesh_c = _mesh([1])  # every rank builds every mesh (DeviceMesh makes its groups with all ranks)
     if rank == 0:  # in neither [1] nor [2, 3]
