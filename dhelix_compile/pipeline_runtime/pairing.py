@@ -131,6 +131,7 @@ def pair_forwards_with_backwards(order: Mapping[int, Iterable[Step]], num_stages
     stuck = find_deadlock(paired, num_stages)
     if stuck is not None:
         raise ValueError(f"the schedule cannot complete: no rank can start {', '.join(map(str, stuck))}")
+    current = makespan(paired, num_stages)
     for rank in sorted(paired):
         items = paired[rank]
         k = 0
@@ -139,11 +140,10 @@ def pair_forwards_with_backwards(order: Mapping[int, Iterable[Step]], num_stages
             if _pairable(first, second):
                 assert isinstance(first, Compute) and isinstance(second, Compute)
                 trial = [*items[:k], Overlap(first, second), *items[k + 2 :]]
-                candidate = {**paired, rank: trial}
-                if find_deadlock(candidate, num_stages) is None and makespan(candidate, num_stages) <= makespan(
-                    paired, num_stages
-                ):
+                length = makespan({**paired, rank: trial}, num_stages)  # inf where it deadlocks
+                if length <= current:
                     items = paired[rank] = trial
+                    current = length
             k += 1
     return paired
 
@@ -154,42 +154,10 @@ def makespan(
     """When the last step of ``order`` ends, every step taking ``forward_s`` (F) or ``backward_s``
     (B, I, W split it in halves) and an overlap the sum of its two, each starting when its rank
     is free and its dependencies have ended (sends and receives free). ``inf`` if it deadlocks."""
-    cost = {"F": forward_s, "B": backward_s, "I": backward_s / 2, "W": backward_s / 2}
-    queues = {rank: list(items) for rank, items in order.items()}
-    heads = dict.fromkeys(queues, 0)
-    free = dict.fromkeys(queues, 0.0)
-    ended: dict[Compute, float] = {}
-    while any(heads[rank] < len(queues[rank]) for rank in queues):
-        progress = False
-        for rank in sorted(queues):
-            if heads[rank] == len(queues[rank]):
-                continue
-            item = queues[rank][heads[rank]]
-            if not all(_ready(step, set(ended), num_stages) for step in steps_of(item)):
-                continue
-            waits = [ended[d] for step in steps_of(item) for d in _deps(step, num_stages) if d in ended]
-            start = max([free[rank], *waits])
-            free[rank] = start + sum(cost[step.kind] for step in steps_of(item))
-            ended.update(dict.fromkeys(steps_of(item), free[rank]))
-            heads[rank] += 1
-            progress = True
-        if not progress:
-            return float("inf")
-    return max(free.values(), default=0.0)
-
-
-def _deps(step: Compute, num_stages: int) -> list[Compute]:
-    """The steps ``step`` may wait for (a backward's gradient comes from the next stage's B or I,
-    whichever the schedule runs; ``_ready`` says whether they are done)."""
-    s, m = step.stage, step.microbatch
-    if step.kind == "F":
-        return [] if s == 0 else [Compute("F", s - 1, m)]
-    if step.kind == "W":
-        return [Compute("I", s, m)]
-    deps = [Compute("F", s, m)]
-    if s < num_stages - 1:
-        deps += [Compute("B", s + 1, m), Compute("I", s + 1, m)]
-    return deps
+    end_s, stuck = _simulate(
+        order, num_stages, {"F": forward_s, "B": backward_s, "I": backward_s / 2, "W": backward_s / 2}
+    )
+    return float("inf") if stuck is not None else end_s
 
 
 def _pairable(first: Step, second: Step) -> bool:
@@ -205,32 +173,54 @@ def _pairable(first: Step, second: Step) -> bool:
 def find_deadlock(order: Mapping[int, Iterable[Step]], num_stages: int) -> list[Step] | None:
     """``None`` if every rank can run its steps in order; else the steps at the head of the
     ranks that are stuck waiting on each other."""
+    return _simulate(order, num_stages, dict.fromkeys(("F", "B", "I", "W"), 1.0))[1]
+
+
+def _simulate(
+    order: Mapping[int, Iterable[Step]], num_stages: int, cost_s: Mapping[str, float]
+) -> tuple[float, list[Step] | None]:
+    """Run ``order`` round-robin over the ranks (as torch lowers its sends and receives): each
+    rank's next entry starts once its steps' dependencies have ended, and when its rank is free.
+    Returns when the last entry ends and, if no rank can go on, the entries they are stuck at."""
     queues = {rank: list(items) for rank, items in order.items()}
     heads = dict.fromkeys(queues, 0)
-    done: set[Compute] = set()
-    while True:
+    free = dict.fromkeys(queues, 0.0)
+    ended: dict[Compute, float] = {}
+    while any(heads[rank] < len(queues[rank]) for rank in queues):
         progress = False
         for rank in sorted(queues):
             if heads[rank] == len(queues[rank]):
                 continue
             item = queues[rank][heads[rank]]
-            if all(_ready(step, done, num_stages) for step in steps_of(item)):
-                done.update(steps_of(item))
-                heads[rank] += 1
-                progress = True
-        if all(heads[rank] == len(queues[rank]) for rank in queues):
-            return None
+            waits = [_dependency_end(step, ended, num_stages) for step in steps_of(item)]
+            if any(w is None for w in waits):
+                continue
+            start = max([free[rank], *(w for w in waits if w is not None)])
+            free[rank] = start + sum(cost_s[step.kind] for step in steps_of(item))
+            ended.update(dict.fromkeys(steps_of(item), free[rank]))
+            heads[rank] += 1
+            progress = True
         if not progress:
-            return [queues[rank][heads[rank]] for rank in sorted(queues) if heads[rank] < len(queues[rank])]
+            return max(free.values()), [queues[r][heads[r]] for r in sorted(queues) if heads[r] < len(queues[r])]
+    return max(free.values(), default=0.0), None
 
 
-def _ready(step: Compute, done: set[Compute], num_stages: int) -> bool:
+def _dependency_end(step: Compute, ended: Mapping[Compute, float], num_stages: int) -> float | None:
+    """When the last step ``step`` depends on ended (0 for none), or ``None`` while one has not.
+    A backward's gradient comes from the next stage's B or I, whichever the schedule runs."""
     s, m = step.stage, step.microbatch
     if step.kind == "F":
-        return s == 0 or Compute("F", s - 1, m) in done
-    if step.kind == "W":
-        return Compute("I", s, m) in done
-    forward_done = Compute("F", s, m) in done
-    if s == num_stages - 1:
-        return forward_done
-    return forward_done and (Compute("B", s + 1, m) in done or Compute("I", s + 1, m) in done)
+        needs: list[tuple[Compute, ...]] = [] if s == 0 else [(Compute("F", s - 1, m),)]
+    elif step.kind == "W":
+        needs = [(Compute("I", s, m),)]
+    else:
+        needs = [(Compute("F", s, m),)]
+        if s < num_stages - 1:
+            needs.append((Compute("B", s + 1, m), Compute("I", s + 1, m)))
+    end = 0.0
+    for alternatives in needs:
+        done = [ended[a] for a in alternatives if a in ended]
+        if not done:
+            return None
+        end = max(end, min(done))
+    return end

@@ -35,9 +35,9 @@ Refused with :class:`~dhelix_compile.helix_runtime.strands.HelixError`: another 
 (the message names the supported ones), a stage module already compiled, a stage module with
 dropout in training mode (random ops found only when compiling fail the first step the same
 way), a step whose batch does not split into equal micro-batches (a count torch rejects at
-construction, below the number of stages, never reaches here), and ``cost_model="profile"``: profiling agrees its measurements across all ranks, and the
-ranks of a pipeline compile different stage graphs at different times; ``"auto"`` means the
-analytic model here.
+construction, below the number of stages, never reaches here), and ``cost_model="profile"``:
+profiling agrees its measurements across all ranks, and the ranks of a pipeline compile
+different stage graphs at different times; ``"auto"`` means the analytic model here.
 """
 
 from __future__ import annotations
