@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -61,9 +62,8 @@ def link_bytes(plan: ReshardPlan, variant: str) -> int:
 
     if variant == "naive":
         root = plan.source.ranks[0]
-        full = plan.itemsize * _numel(plan.global_shape)
-        tiles = {box: rank for rank, box in sorted(plan.source_tiles.items(), reverse=True)}  # first replica
-        for box, rank in tiles.items():
+        full = plan.itemsize * math.prod(plan.global_shape)
+        for box, rank in _first_replicas(plan).items():
             send(rank, root, box.numel * plan.itemsize)
         for rank in plan.dest.ranks:
             send(root, rank, full)
@@ -74,11 +74,9 @@ def link_bytes(plan: ReshardPlan, variant: str) -> int:
     return max([*out.values(), *into.values(), 0])
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _first_replicas(plan: ReshardPlan) -> dict[Box, int]:
+    """Every source tile and the lowest rank holding it (the naive variants' sender)."""
+    return {box: rank for rank, box in sorted(plan.source_tiles.items(), reverse=True)}
 
 
 def _mesh(ranks: Any) -> DeviceMesh:
@@ -93,7 +91,7 @@ def _layout(ranks: Any, placements: tuple[Placement, ...]) -> MeshLayout:
 def _naive(x: DTensor, plan: ReshardPlan, rank: int) -> torch.Tensor:
     root = plan.source.ranks[0]
     shape = plan.global_shape
-    first_replica = {box: r for r, box in sorted(plan.source_tiles.items(), reverse=True)}
+    first_replica = _first_replicas(plan)
     full = torch.empty(shape) if rank == root or rank in plan.dest_tiles else None
     works = []
     for box, sender in first_replica.items():

@@ -186,12 +186,17 @@ def _create_pair(names: _Names, link: LinkSpec, created: list[str]) -> None:
     (ns0, ns1), (if0, if1) = names.namespaces, names.ifnames
     _check([ip, "link", "add", if0, "netns", ns0, "type", "veth", "peer", "name", if1, "netns", ns1])
     for ns, ifname, addr in zip(names.namespaces, names.ifnames, names.addrs, strict=True):
-        # No IPv6 link-local address: gloo takes the first address of GLOO_SOCKET_IFNAME.
-        _run([ip, "-n", ns, "link", "set", "dev", ifname, "addrgenmode", "none"])
-        _check([ip, "-n", ns, "addr", "add", f"{addr}/24", "dev", ifname])
-        _check([ip, "-n", ns, "link", "set", "dev", ifname, "up"])
-        _check([ip, "-n", ns, "link", "set", "dev", "lo", "up"])
-        _apply_tbf(ip, tc, ns, ifname, link)
+        _bring_up_rank_end(ip, tc, ns, ifname, addr, link)
+
+
+def _bring_up_rank_end(ip: str, tc: str, ns: str, ifname: str, addr: str, link: LinkSpec) -> None:
+    """A rank's veth end in its namespace: its address, up (and ``lo``), rate-limited."""
+    # No IPv6 link-local address: gloo takes the first address of GLOO_SOCKET_IFNAME.
+    _run([ip, "-n", ns, "link", "set", "dev", ifname, "addrgenmode", "none"])
+    _check([ip, "-n", ns, "addr", "add", f"{addr}/24", "dev", ifname])
+    _check([ip, "-n", ns, "link", "set", "dev", ifname, "up"])
+    _check([ip, "-n", ns, "link", "set", "dev", "lo", "up"])
+    _apply_tbf(ip, tc, ns, ifname, link)
 
 
 def delete_namespaces(created: list[str]) -> None:
@@ -237,13 +242,9 @@ def _star_placement(link: LinkSpec, world_size: int, created: list[str]) -> Plac
         created.append(ns)
         _check([ip, "netns", "add", ns])
         _check([ip, "link", "add", ifname, "netns", ns, "type", "veth", "peer", "name", hub_end, "netns", hub])
-        _run([ip, "-n", ns, "link", "set", "dev", ifname, "addrgenmode", "none"])
-        _check([ip, "-n", ns, "addr", "add", f"{addr}/24", "dev", ifname])
-        _check([ip, "-n", ns, "link", "set", "dev", ifname, "up"])
-        _check([ip, "-n", ns, "link", "set", "dev", "lo", "up"])
+        _bring_up_rank_end(ip, tc, ns, ifname, addr, link)
         _check([ip, "-n", hub, "link", "set", "dev", hub_end, "master", "br0"])
         _check([ip, "-n", hub, "link", "set", "dev", hub_end, "up"])
-        _apply_tbf(ip, tc, ns, ifname, link)
         _apply_tbf(ip, tc, hub, hub_end, link)
         namespaces.append(ns)
         ifnames.append(ifname)

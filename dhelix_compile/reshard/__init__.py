@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.reshard.groups import broadcast_groups
+from dhelix_compile.reshard.groups import broadcast_groups, forget_old_world, world_cache
 from dhelix_compile.reshard.move import Issued, RankSteps, move, rank_steps
 from dhelix_compile.reshard.plan import MeshLayout, ReshardPlan, plan_reshard
 
@@ -127,12 +127,31 @@ def _prepare(
     placements: tuple[Placement, ...],
     balanced: bool,
 ) -> _Prepared:
+    if not isinstance(mesh, DeviceMesh):
+        raise ReshardError(f"device_mesh must be a DeviceMesh; got {type(mesh).__name__}")
+    forget_old_world()
+    key = (shape, dtype, source_mesh, source_placements, mesh, placements, balanced)
+    if key not in _PREPARED:  # checked, planned and agreed once; later calls only look it up
+        _PREPARED[key] = _prepare_new(shape, dtype, source_mesh, source_placements, mesh, placements, balanced)
+    return _PREPARED[key]
+
+
+_PREPARED: dict[tuple[object, ...], _Prepared] = world_cache({})
+
+
+def _prepare_new(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    source_mesh: DeviceMesh,
+    source_placements: tuple[Placement, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    balanced: bool,
+) -> _Prepared:
     _check(shape, source_mesh, source_placements, mesh, placements)
-    placements = _normalized(placements, len(shape))
     if source_mesh == mesh:
-        return _Prepared(placements)
-    reduced = _reduced_placements(shape, _normalized(source_placements, len(shape)))
-    source, dest = layout_of(source_mesh, reduced), layout_of(mesh, placements)
+        return _Prepared(_normalized(placements, len(shape)))
+    source, dest = _layouts(shape, source_mesh, source_placements, mesh, placements)
     plan = _plan(shape, source, dest, dtype.itemsize, balanced)
     back = _plan(shape, dest, source, dtype.itemsize, balanced)
     rank = dist.get_rank()
@@ -143,14 +162,13 @@ def _prepare(
         _ANCHORS.setdefault(key, torch.empty(0, dtype=dtype, device=mesh.device_type, requires_grad=requires_grad))
     groups = {**broadcast_groups(plan, rank), **broadcast_groups(back, rank)}
     steps, back_steps = rank_steps(plan, rank, groups), rank_steps(back, rank, groups)
-    return _Prepared(placements, steps, back_steps, reduced, rank in plan.source_tiles)
+    return _Prepared(dest.placements, steps, back_steps, source.placements, rank in plan.source_tiles)
 
 
 #: How long a rank waits for the other ranks of the two meshes to describe the same call.
 AGREE_TIMEOUT_S = 300.0
-_AGREED: set[tuple[object, ...]] = set()
-_CALLS_PER_UNION: dict[tuple[int, ...], int] = {}
-_AGREED_WORLD: list[object] = [None]
+_AGREED: set[tuple[object, ...]] = world_cache(set())
+_CALLS_PER_UNION: dict[tuple[int, ...], int] = world_cache({})
 
 
 def _agree(plan: ReshardPlan, balanced: bool, rank: int) -> None:
@@ -158,13 +176,7 @@ def _agree(plan: ReshardPlan, balanced: bool, rank: int) -> None:
     for the same move (through the c10d store): ranks that disagree would create different
     groups and wait in each other's rendezvous until the process group's timeout."""
     key = (plan.global_shape, plan.source, plan.dest, plan.itemsize, balanced)
-    if not compat.real_process_group_initialized():
-        return
-    if _AGREED_WORLD[0] is not dist.group.WORLD:  # a new default group: agree afresh
-        _AGREED.clear()
-        _CALLS_PER_UNION.clear()
-        _AGREED_WORLD[0] = dist.group.WORLD
-    if key in _AGREED:
+    if key in _AGREED or not compat.real_process_group_initialized():
         return
     union = tuple(sorted({*plan.source.ranks, *plan.dest.ranks}))
     count = _CALLS_PER_UNION.get(union, 0)
@@ -200,9 +212,21 @@ def reshard_plan(
 ) -> ReshardPlan:
     """The plan ``reshard`` runs for ``x`` (its source reduced, where it holds ``Partial()``)."""
     shape = tuple(x.shape)
-    source = layout_of(x.device_mesh, _reduced_placements(shape, _normalized(tuple(x.placements), x.ndim)))
-    dest = layout_of(device_mesh, _normalized(tuple(placements), x.ndim))
+    source, dest = _layouts(shape, x.device_mesh, tuple(x.placements), device_mesh, tuple(placements))
     return _plan(shape, source, dest, x.dtype.itemsize, balanced)
+
+
+def _layouts(
+    shape: tuple[int, ...],
+    source_mesh: DeviceMesh,
+    source_placements: tuple[Placement, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+) -> tuple[MeshLayout, MeshLayout]:
+    """The two layouts a move plans with: the source's ``Partial()`` reduced, shard dims non-negative."""
+    ndim = len(shape)
+    reduced = _reduced_placements(shape, _normalized(source_placements, ndim))
+    return layout_of(source_mesh, reduced), layout_of(mesh, _normalized(placements, ndim))
 
 
 def layout_of(mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:
@@ -222,8 +246,6 @@ def _check(
     mesh: DeviceMesh,
     placements: tuple[Placement, ...],
 ) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise ReshardError(f"device_mesh must be a DeviceMesh; got {type(mesh).__name__}")
     if source_mesh.device_type != mesh.device_type:
         raise ReshardError(
             f"the source mesh is on {source_mesh.device_type} and the destination on {mesh.device_type}: "

@@ -2,36 +2,55 @@
 
 Only a group's members create it (``new_group(..., use_local_synchronization=True)``: ranks
 outside both meshes never call ``reshard``), in the plan's order, which every rank computes the
-same, under a name made of its ranks (``compat.new_member_group`` says why torch's own name hangs). A cached group is found by its ranks, so two plans that need the same ranks share a group,
-and calling ``reshard`` again creates nothing.
+same, under a name made of its ranks (``compat.new_member_group`` says why torch's own name
+hangs). A cached group is found by its ranks, so two plans that need the same ranks share a
+group, and calling ``reshard`` again creates nothing.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.reshard.plan import ReshardPlan
 
-__all__ = ["GROUP_PREFIX", "broadcast_groups", "created_group_count"]
+__all__ = ["GROUP_PREFIX", "broadcast_groups", "created_group_count", "forget_old_world", "world_cache"]
 
 #: The name of every group ``reshard`` creates starts so (then its ranks): graphs that hold one are known by it.
 GROUP_PREFIX = "dhelix_reshard_"
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_WORLD: list[object] = [None]  # the default group the cached groups belong to
+_C = TypeVar("_C", bound="dict[Any, Any] | set[Any]")
+_WORLD_CACHES: list[dict[Any, Any] | set[Any]] = []
+_WORLD: list[object] = [None]  # the default group the caches belong to
 _LOCK = threading.Lock()
+
+
+def world_cache(cache: _C) -> _C:
+    """``cache``, emptied by :func:`forget_old_world` once a new default process group is up: what
+    it holds (groups, what the ranks agreed, plans cut to this rank) belongs to the old one."""
+    _WORLD_CACHES.append(cache)
+    return cache
+
+
+def forget_old_world() -> None:
+    """Empty every :func:`world_cache` if the default process group is not the one they were filled under."""
+    if _WORLD[0] is not dist.group.WORLD:
+        for cache in _WORLD_CACHES:
+            cache.clear()
+        _WORLD[0] = dist.group.WORLD
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = world_cache({})
 
 
 def broadcast_groups(plan: ReshardPlan, rank: int) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """The process group of every broadcast group of ``plan`` that ``rank`` is in, creating the missing ones."""
     groups = {}
     with _LOCK:
-        if _WORLD[0] is not dist.group.WORLD:  # a new default group: the cached ones are gone with the old
-            _GROUPS.clear()
-            _WORLD[0] = dist.group.WORLD
+        forget_old_world()
         for ranks in plan.groups():
             if rank not in ranks:
                 continue

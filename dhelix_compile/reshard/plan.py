@@ -126,12 +126,16 @@ class Piece:
     receivers: tuple[int, ...]
     sender: int
     nbytes: int
-    group: tuple[int, ...] = ()  # the ranks of its broadcast, sorted (filled in from sender and receivers)
-    is_local: bool = False  # its only receiver is its sender: a copy, nothing crosses a link
 
-    def __post_init__(self) -> None:  # plain fields, not properties: Dynamo reads them while tracing
-        object.__setattr__(self, "group", tuple(sorted({self.sender, *self.receivers})))
-        object.__setattr__(self, "is_local", self.receivers == (self.sender,))
+    @property
+    def group(self) -> tuple[int, ...]:
+        """The ranks of its broadcast, sorted."""
+        return tuple(sorted({self.sender, *self.receivers}))
+
+    @property
+    def is_local(self) -> bool:
+        """Its only receiver is its sender: a copy, nothing crosses a link."""
+        return self.receivers == (self.sender,)
 
     def sent_bytes(self, sender: int | None = None) -> int:
         """Bytes ``sender`` (default: the chosen one) puts on its link for this piece."""
