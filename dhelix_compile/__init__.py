@@ -7,6 +7,7 @@
     losses = step(microbatches)
     schedule = dhelix_compile.helix_pipeline(schedule)                   # torch pipelining, merged F+B
     y = dhelix_compile.reshard(x, mesh_b, [Shard(0)])                    # a DTensor to another mesh
+    model = dhelix_compile.data_parallel(model, mesh["dp"], mode="shard")  # ZeRO-3 / DDP in the graph
 
 The backend entry points import Inductor and AOTAutograd; they load on first use, so that
 ``import dhelix_compile.testing`` (every spawned test rank does it) stays cheap.
@@ -24,8 +25,10 @@ logging.getLogger("dhelix").addHandler(logging.NullHandler())
 __all__ = [
     "ConfigError",
     "DHelixConfig",
+    "DataParallelError",
     "HelixError",
     "backend",
+    "data_parallel",
     "dhelix_backend",
     "helix",
     "helix_pipeline",
@@ -48,7 +51,11 @@ def __getattr__(name: str) -> Any:
 
         return schedule.helix_pipeline
     if name == "reshard":
-        from dhelix_compile.reshard import reshard
+        from dhelix_compile.resharding import reshard
 
         return reshard
+    if name in ("data_parallel", "DataParallelError"):
+        from dhelix_compile import data_parallelism
+
+        return getattr(data_parallelism, name)
     raise AttributeError(f"module 'dhelix_compile' has no attribute {name!r}")

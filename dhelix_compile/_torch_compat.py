@@ -313,6 +313,11 @@ def resolve_group(group_name: str) -> Any:
     return _resolve_process_group(_as_group_name(group_name))
 
 
+def group_name(group: Any) -> GroupName:
+    """The name functional collectives take for the live process group ``group``."""
+    return _as_group_name(group.group_name)
+
+
 def _as_group_name(name: str) -> GroupName:
     """A group name from a graph argument (a plain str) as torch's ``GroupName``.
 
@@ -573,3 +578,20 @@ def constant_while_tracing(fn: _F) -> _F:
     from torch._dynamo import assume_constant_result
 
     return cast("_F", assume_constant_result(fn))
+
+
+def concatenate_meshes(meshes: Sequence[Any]) -> Any:
+    """One device mesh whose dims are the dims of ``meshes`` (sub-meshes of one root mesh, such as
+    ``mesh["dp"]`` and ``mesh["tp"]``), in that order: ``mesh["dp", "tp"]`` rebuilt from its parts.
+    Raises ``RuntimeError`` for meshes of different roots or overlapping dims."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(list(meshes))
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """The placement FSDP2 gives a data-parallel shard of a tensor-parallel shard of the same dim
+    (``_StridedShard``): sharded over the right mesh dim first, then over this one."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)

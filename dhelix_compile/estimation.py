@@ -101,7 +101,7 @@ def resolve_cost_model(config: DHelixConfig, gm: torch.fx.GraphModule | None = N
 def _moves_between_meshes(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` holds a ``reshard`` broadcast: its ranks then compile different graphs (a
     sender's and a receiver's), which profiling, agreed over every rank, cannot measure."""
-    from dhelix_compile.reshard.groups import GROUP_PREFIX
+    from dhelix_compile.resharding.groups import GROUP_PREFIX
 
     return any(isinstance(a, str) and a.startswith(GROUP_PREFIX) for node in gm.graph.nodes for a in node.args)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from dhelix_compile.bench.reshard import LAYOUTS, VARIANTS, link_bytes
-from dhelix_compile.reshard.plan import MeshLayout, ReshardPlan, plan_reshard
+from dhelix_compile.resharding.plan import MeshLayout, ReshardPlan, plan_reshard
 
 MB = 2**20
 

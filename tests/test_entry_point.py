@@ -27,3 +27,22 @@ def test_fresh_interpreter_finds_and_uses_the_backend() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().endswith("OK")
+
+
+def test_public_names_stay_what_they_name_after_the_packages_behind_them_load() -> None:
+    """``dhelix_compile.reshard`` and ``.data_parallel`` are functions; a subpackage of the same
+    name would replace them once anything imported it (the backend imports the resharding one)."""
+    script = textwrap.dedent(
+        """
+        import inspect
+        import dhelix_compile
+        import dhelix_compile.resharding.groups, dhelix_compile.data_parallelism.layout
+        for name in dhelix_compile.__all__:
+            value = getattr(dhelix_compile, name)
+            assert not inspect.ismodule(value), name
+        assert inspect.isfunction(dhelix_compile.reshard) and inspect.isfunction(dhelix_compile.data_parallel)
+        print("OK")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]

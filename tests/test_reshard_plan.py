@@ -1,4 +1,4 @@
-"""The resharding plan (``dhelix_compile.reshard.plan``), a pure function: tiles as torch lays them
+"""The resharding plan (``dhelix_compile.resharding.plan``), a pure function: tiles as torch lays them
 out, every destination element covered exactly once, load balancing never worse than naive."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dhelix_compile.reshard.plan import Box, MeshLayout, plan_reshard
+from dhelix_compile.resharding.plan import Box, MeshLayout, plan_reshard
 
 
 def test_box_intersection_and_index() -> None:

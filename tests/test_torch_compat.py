@@ -145,3 +145,13 @@ def test_local_shape_and_offset_matches_torch_chunking() -> None:
     assert compat.local_shape_and_offset((3, 7), (2, 2), (0, 1), placements) == ((2, 3), (0, 4))
     assert compat.local_shape_and_offset((3, 7), (2, 2), (1, 0), placements) == ((1, 4), (2, 0))
     assert compat.local_shape_and_offset((1, 7), (2, 2), (1, 0), placements)[0] == (0, 4)
+
+
+def test_mesh_concatenation_strided_shards_and_group_names() -> None:
+    from dhelix_compile.testing.data_parallel_checks import mesh_wrappers
+    from dhelix_compile.testing.multirank import run_on_ranks
+
+    for facts in run_on_ranks(mesh_wrappers, 2, timeout_s=60):
+        assert facts["joined"] == ([[0, 1]], ("dp", "tp"))
+        assert facts["strided_dim"] == 0 and facts["strided_split_factor"] == 2
+        assert facts["group_resolves"]

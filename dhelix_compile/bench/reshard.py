@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from dhelix_compile.reshard import reshard
-from dhelix_compile.reshard.plan import Box, MeshLayout, ReshardPlan, plan_reshard
+from dhelix_compile.resharding import reshard
+from dhelix_compile.resharding.plan import Box, MeshLayout, ReshardPlan, plan_reshard
 
 __all__ = ["LAYOUTS", "VARIANTS", "link_bytes", "main"]
 

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dhelix_compile.reshard import ReshardWork, reshard
-from dhelix_compile.reshard.groups import created_group_count
+from dhelix_compile.resharding import ReshardWork, reshard
+from dhelix_compile.resharding.groups import created_group_count
 
 __all__ = [
     "LAYOUT_PAIRS",
@@ -154,7 +154,7 @@ def check_dtypes(rank: int, world_size: int) -> list[str]:
 def check_reshard_errors(rank: int, world_size: int) -> dict[str, str]:
     """Bad calls and their messages: none may reach a collective (a rank outside both meshes raises
     before anything is sent)."""
-    from dhelix_compile.reshard import ReshardError
+    from dhelix_compile.resharding import ReshardError
 
     mesh_a, mesh_b = _mesh([0, 1]), _mesh([2, 3])
     full = torch.arange(8.0).view(2, 4)

@@ -32,9 +32,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.reshard.groups import broadcast_groups, forget_old_world, world_cache
-from dhelix_compile.reshard.move import Issued, RankSteps, move, rank_steps
-from dhelix_compile.reshard.plan import MeshLayout, ReshardPlan, plan_reshard
+from dhelix_compile.resharding.groups import broadcast_groups, forget_old_world, world_cache
+from dhelix_compile.resharding.move import Issued, RankSteps, move, rank_steps
+from dhelix_compile.resharding.plan import MeshLayout, ReshardPlan, plan_reshard
 
 __all__ = ["ReshardError", "ReshardWork", "layout_of", "reshard", "reshard_plan"]
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.reshard.plan import ReshardPlan
+from dhelix_compile.resharding.plan import ReshardPlan
 
 __all__ = ["GROUP_PREFIX", "broadcast_groups", "created_group_count", "forget_old_world", "world_cache"]
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from dhelix_compile.reshard.plan import Box, ReshardPlan
+from dhelix_compile.resharding.plan import Box, ReshardPlan
 
 __all__ = ["Broadcast", "Issued", "RankSteps", "move", "rank_steps"]
 

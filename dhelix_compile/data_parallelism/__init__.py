@@ -1,0 +1,249 @@
+"""``data_parallel``: DDP and ZeRO-3 / FSDP whose collectives live in the graph.
+
+    model = dhelix_compile.data_parallel(model, mesh["dp"], mode="shard")   # or mode="replicate"
+    step = dhelix_compile.helix(model, loss_fn)          # or torch.compile(model, backend="dhelix")
+    losses = step(microbatches); optimizer.step()         # build the optimizer after wrapping
+
+FSDP2's hooks run under ``torch._dynamo.disable`` and DDP splits the graph at its buckets, so a
+compile backend never sees their collectives. Here, as torchtitan's SimpleFSDP, every parameter
+becomes a DTensor on the DP mesh and each module's parameter attribute gathers it when read:
+
+- ``mode="shard"`` (ZeRO-3 / FSDP): stored as dim-0 shards (``Shard(0)``; uneven shards are
+  padded for the collectives, as FSDP2 does). Reading ``module.weight`` all-gathers it; the
+  backward reduce-scatters the gradient, which stays sharded in ``param.grad``.
+- ``mode="replicate"`` (DDP): stored whole (``Replicate()``); the backward all-reduces the gradient.
+
+Gradients are averaged over the DP ranks, as DDP and FSDP2 do. Both collectives are functional
+collectives inside ``torch.autograd.Function`` s, so Dynamo traces them: the all-gathers sit in
+the forward graph and the reductions in the backward graph, where dhelix's passes, and the second
+strand of ``helix``, hide them. In ``helix``, micro-batch i's reduce-scatters share a merged
+graph with micro-batch i+1's forward and its all-gathers.
+
+Composition with tensor parallelism: apply the TP plan first (``parallelize_module`` over
+``mesh["tp"]``), then ``data_parallel`` over ``mesh["dp"]`` of the same 2-D mesh. Parameters
+then live on the 2-D ``(dp, tp)`` mesh; a plain parameter of the TP model is ``Replicate()`` on tp.
+
+What stays as in the unwrapped model: ``named_parameters()`` (names and order; a tied parameter
+stays one parameter), ``state_dict()`` keys (values are the DTensors, so
+``torch.distributed.checkpoint`` saves and loads them, and its checkpoints load into the unwrapped
+model), buffers (untouched), and each rank's own losses. Reading a parameter attribute
+(``module.weight``) runs the all-gather, a collective: every DP rank must read it; the stored
+parameter is ``module._parameters[name]``.
+
+Mixed precision as FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` is the dtype floating-point
+parameters are gathered and computed in (the root's floating-point inputs are cast to it too);
+``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``). Stored parameters
+and their gradients keep the model's dtype.
+
+Refused with :class:`DataParallelError`: a mesh that is not a 1-D mesh of this process group
+holding this rank, an unknown mode, a model already wrapped (FSDP2, DDP, or ``data_parallel``),
+parameters on another device type than the mesh, tensor-parallel parameters on several meshes or
+on a mesh that is not the other dim of the DP mesh's root mesh, and placements other than
+``Shard``/``Replicate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.utils._pytree import tree_map
+
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.data_parallelism.layout import Mode, ParamLayout, store
+
+__all__ = ["DataParallelError", "DataParallelInfo", "data_parallel"]
+
+_MODES = ("shard", "replicate")
+_LAYOUTS = "_dhelix_dp_layouts"
+
+
+class DataParallelError(ValueError):
+    """A model or mesh that ``data_parallel`` cannot wrap; the message says why."""
+
+
+@dataclass(frozen=True)
+class DataParallelInfo:
+    """What ``data_parallel`` did to a model (``model.dhelix_data_parallel``)."""
+
+    mode: Mode
+    dp_mesh: DeviceMesh
+    mesh: DeviceMesh  #: the mesh the parameters live on: ``dp_mesh``, or ``(dp, tp)``
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+
+def data_parallel(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    mode: Mode = "shard",
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Make ``model`` data-parallel over ``dp_mesh`` in place and return it; see the module doc."""
+    _check_model(model)
+    _check_mesh(dp_mesh)
+    if mode not in _MODES:
+        raise DataParallelError(f"data_parallel mode must be one of {_MODES}, got {mode!r}")
+    for what, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise DataParallelError(f"data_parallel {what} must be a floating-point torch.dtype, got {dtype!r}")
+    owners = list(_parameter_owners(model))
+    if not owners:
+        raise DataParallelError(f"data_parallel: {type(model).__name__} has no parameters to make data-parallel")
+    for qualified, _, _, param in owners:
+        if param.device.type != dp_mesh.device_type:
+            raise DataParallelError(
+                f"data_parallel: parameter {qualified} is on {param.device.type}, the DP mesh on {dp_mesh.device_type}"
+            )
+    mesh = _parameter_mesh(dp_mesh, owners)
+
+    stored: dict[int, tuple[nn.Parameter, ParamLayout]] = {}  # by the original's id: a tied parameter stays one
+    layouts: dict[nn.Module, dict[str, ParamLayout]] = {}
+    for _, module, name, param in owners:
+        if id(param) not in stored:
+            stored[id(param)] = store(param, dp_mesh, mesh, mode, param_dtype, reduce_dtype)
+        module._parameters[name], layouts.setdefault(module, {})[name] = stored[id(param)]
+    for module, by_name in layouts.items():
+        _compute_parameters_on_read(module, by_name)
+    vars(model)["dhelix_data_parallel"] = DataParallelInfo(mode, dp_mesh, mesh, param_dtype, reduce_dtype)
+    if param_dtype is not None:
+        model.register_forward_pre_hook(_inputs_cast_to(param_dtype), with_kwargs=True)
+    return model
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise DataParallelError(f"data_parallel(model, ...) needs a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise DataParallelError(
+            "data_parallel: the model is already wrapped by DistributedDataParallel; pass the module itself"
+        )
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            where = f"its submodule {name!r}" if name else "the model"
+            raise DataParallelError(
+                f"data_parallel: {where} is already sharded by FSDP2's fully_shard; use one of the two"
+            )
+        if hasattr(module, "dhelix_data_parallel") or hasattr(module, _LAYOUTS):
+            raise DataParallelError("data_parallel: the model is already wrapped by data_parallel")
+
+
+def _check_mesh(dp_mesh: DeviceMesh) -> None:
+    if not isinstance(dp_mesh, DeviceMesh):
+        raise DataParallelError(f"data_parallel needs a DeviceMesh for the DP ranks, got {type(dp_mesh).__name__}")
+    if not dist.is_initialized():
+        raise DataParallelError("data_parallel needs an initialized default process group (torch.distributed)")
+    if dp_mesh.ndim != 1:
+        names = dp_mesh.mesh_dim_names or ()
+        raise DataParallelError(
+            f"data_parallel needs the 1-D data-parallel mesh (e.g. mesh['dp']), got a {dp_mesh.ndim}-D mesh "
+            f"{tuple(names) or tuple(dp_mesh.shape)}"
+        )
+    if dp_mesh.get_coordinate() is None:
+        raise DataParallelError(
+            f"data_parallel: rank {dist.get_rank()} is not in the DP mesh {dp_mesh.mesh.tolist()}; "
+            "every rank that runs the model must be in it"
+        )
+
+
+def _parameter_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
+    """``(qualified name, owning module, attribute name, parameter)`` for every registered parameter
+    slot, tied ones included (each slot is rewired to the one stored parameter)."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield f"{prefix}.{name}" if prefix else name, module, name, param
+
+
+def _parameter_mesh(dp_mesh: DeviceMesh, owners: list[tuple[str, nn.Module, str, nn.Parameter]]) -> DeviceMesh:
+    """``dp_mesh``, or the 2-D ``(dp, tp)`` mesh when some parameters are DTensors on a TP mesh."""
+    tp_meshes: dict[DeviceMesh, str] = {}
+    for qualified, _, _, param in owners:
+        if not isinstance(param, DTensor):
+            continue
+        tp_meshes.setdefault(param.device_mesh, qualified)
+        bad = [p for p in param.placements if not (type(p) is Shard or isinstance(p, Replicate))]
+        if bad:
+            raise DataParallelError(
+                f"data_parallel: parameter {qualified} has placements {tuple(param.placements)}; "
+                "tensor-parallel parameters must be Shard(d) or Replicate()"
+            )
+    if not tp_meshes:
+        return dp_mesh
+    if len(tp_meshes) > 1:
+        named = ", ".join(f"{q} on {m}" for m, q in tp_meshes.items())
+        raise DataParallelError(
+            f"data_parallel: parameters are DTensors on several meshes ({named}); expected one TP mesh"
+        )
+    ((tp_mesh, qualified),) = tp_meshes.items()
+    if tp_mesh.ndim != 1:
+        raise DataParallelError(
+            f"data_parallel: parameter {qualified} is on a {tp_mesh.ndim}-D mesh; expected a 1-D TP mesh"
+        )
+    if tp_mesh == dp_mesh or set(tp_mesh.mesh.tolist()) == set(dp_mesh.mesh.tolist()):
+        raise DataParallelError(
+            f"data_parallel: the DP mesh {dp_mesh} is the mesh of the tensor-parallel parameters "
+            f"({qualified}); pass the other dim of the 2-D mesh (mesh['dp'])"
+        )
+    try:
+        return compat.concatenate_meshes([dp_mesh, tp_mesh])
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DataParallelError(
+            f"data_parallel: the DP mesh {dp_mesh} and the TP mesh {tp_mesh} of {qualified} are not two dims of "
+            f"one mesh (build both from one init_device_mesh(..., mesh_dim_names=('dp', 'tp'))): {exc}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------- modules
+
+
+_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _compute_parameters_on_read(module: nn.Module, layouts: dict[str, ParamLayout]) -> None:
+    """Give ``module`` a class whose ``layouts`` attributes are properties computing the parameter
+    (gathered, as its forward uses it) from the stored one (``module._parameters[name]``)."""
+    setattr(module, _LAYOUTS, layouts)
+    names = tuple(sorted(layouts))
+    base = type(module)
+    key = (base, names)
+    if key not in _classes:
+        props: dict[str, Any] = {name: property(_computed(name)) for name in names}
+        _classes[key] = type(f"DataParallel{base.__name__}", (base,), props)
+    module.__class__ = _classes[key]
+
+
+def _computed(name: str) -> Any:
+    def get(module: nn.Module) -> torch.Tensor | None:
+        param = module._parameters[name]
+        if param is None:
+            return None
+        layout: ParamLayout = getattr(module, _LAYOUTS)[name]
+        return layout.compute(param)
+
+    get.__name__ = name
+    return get
+
+
+def _inputs_cast_to(dtype: torch.dtype) -> Any:
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return hook

@@ -1,0 +1,82 @@
+"""The two data-parallel moves of a parameter, as differentiable functional collectives.
+
+    gather_shards(shard, dim, group)        forward: all-gather the DP ranks' shards along ``dim``
+                                            backward: reduce-scatter the gradient (mean over ranks)
+    replicate_with_reduced_grad(x, group)   forward: ``x`` itself (cast to the compute dtype)
+                                            backward: all-reduce the gradient (mean over ranks)
+
+Both are ``torch.autograd.Function`` s over ``torch.distributed._functional_collectives``, so
+Dynamo traces them: the all-gather lands in the forward graph and the reduction in the backward
+graph, where the passes (and ``helix``'s second strand) can schedule them. Shards are equal (the
+caller picks a dim that splits evenly), so every rank traces the same graph.
+
+Dtypes (mixed precision as FSDP2's ``MixedPrecisionPolicy``): the shard is cast to
+``compute_dtype`` before the all-gather (the gather moves bf16 when asked); the gradient is cast
+to ``reduce_dtype`` before the reduction, divided by the number of ranks first (DDP's order:
+no overflow in low precision; for a power-of-two rank count the division is exact either way),
+and the result cast back to the stored parameter's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+if TYPE_CHECKING:
+    from dhelix_compile._torch_compat import GroupName
+
+__all__ = ["gather_shards", "replicate_with_reduced_grad"]
+
+
+class _GatherShards(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        shard: torch.Tensor,
+        dim: int,
+        group: GroupName,
+        ranks: int,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        ctx.meta = (dim, group, ranks, shard.dtype, reduce_dtype)
+        return funcol.wait_tensor(funcol.all_gather_single(shard.to(compute_dtype), dim, group))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        dim, group, ranks, shard_dtype, reduce_dtype = ctx.meta
+        reduced = funcol.reduce_scatter_single(grad.to(reduce_dtype) / ranks, "sum", dim, group)
+        return funcol.wait_tensor(reduced).to(shard_dtype), None, None, None, None, None
+
+
+class _ReplicateWithReducedGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: GroupName, ranks: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype
+    ) -> torch.Tensor:
+        ctx.meta = (group, ranks, x.dtype, reduce_dtype)
+        return x.to(compute_dtype) if compute_dtype != x.dtype else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        group, ranks, dtype, reduce_dtype = ctx.meta
+        reduced = funcol.wait_tensor(funcol.all_reduce(grad.to(reduce_dtype) / ranks, "sum", group))
+        return reduced.to(dtype), None, None, None, None
+
+
+def gather_shards(
+    shard: torch.Tensor, dim: int, group: GroupName, ranks: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> torch.Tensor:
+    """The tensor whose equal ``dim`` shards the ``ranks`` ranks of ``group`` hold; see the module doc."""
+    out: torch.Tensor = _GatherShards.apply(shard, dim, group, ranks, compute_dtype, reduce_dtype)
+    return out
+
+
+def replicate_with_reduced_grad(
+    x: torch.Tensor, group: GroupName, ranks: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> torch.Tensor:
+    """``x`` (in ``compute_dtype``), whose gradient is averaged over the ranks of ``group``."""
+    out: torch.Tensor = _ReplicateWithReducedGrad.apply(x, group, ranks, compute_dtype, reduce_dtype)
+    return out

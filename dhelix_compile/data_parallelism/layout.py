@@ -1,0 +1,128 @@
+"""How one parameter is stored under ``data_parallel``, and the tensor its module computes with.
+
+Stored: an ``nn.Parameter`` holding a DTensor on the DP mesh, or on the 2-D ``(dp, tp)`` mesh when
+the model is tensor-parallel. Its placement on the DP dim is ``Replicate()`` (``mode="replicate"``)
+or, for ``mode="shard"``, ``Shard(d)`` on the first dim ``d`` of the local tile that the DP ranks
+split evenly (dim 0 for nearly every weight). Equal shards keep every rank's graph the same (the
+shapes too), which the rank-consistency check and profiled costs rely on; FSDP2 pads dim 0
+instead. A parameter with no such dim (a 0-dim one, or odd sizes everywhere) is stored
+replicated, and ``shard_dim`` says so. On the TP dim it keeps the parameter's own placement
+(``Replicate()`` for a plain parameter of a TP model). A DP shard of a dim that TP shards too is a
+block of the TP tile, as FSDP2 lays it out (``_StridedShard``), so the forward gathers the TP
+tile with one all-gather over the DP ranks.
+
+Computed (``ParamLayout.compute``): the stored local tensor gathered over the DP ranks (or used as
+is, when replicated) and, for a TP parameter, wrapped back into the DTensor on the TP mesh that
+the TP plan's modules expect. The gradient flows back through the same two steps: reduced over
+the DP ranks (reduce-scatter or all-reduce, averaged), so ``param.grad`` is a DTensor of the
+stored layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.data_parallelism.collectives import gather_shards, replicate_with_reduced_grad
+
+if TYPE_CHECKING:
+    from dhelix_compile._torch_compat import GroupName
+
+Mode = Literal["shard", "replicate"]
+
+__all__ = ["Mode", "ParamLayout", "TensorParallelSpec", "shard_dim", "store"]
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """The DTensor a tensor-parallel parameter was: its mesh, placements and global shape."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """What a module's parameter attribute computes from the stored parameter (see the module doc)."""
+
+    dim: int | None  #: the dim stored as shards over the DP ranks (None: replicated)
+    group: GroupName  #: the DP process group's name
+    ranks: int  #: DP ranks
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    tensor_parallel: TensorParallelSpec | None
+
+    def compute(self, param: torch.Tensor) -> torch.Tensor:
+        assert isinstance(param, DTensor), "data_parallel stores every parameter as a DTensor"
+        local = param.to_local()
+        if self.dim is not None:
+            full = gather_shards(local, self.dim, self.group, self.ranks, self.compute_dtype, self.reduce_dtype)
+        else:
+            full = replicate_with_reduced_grad(local, self.group, self.ranks, self.compute_dtype, self.reduce_dtype)
+        tp = self.tensor_parallel
+        if tp is None:
+            return full
+        return DTensor.from_local(full, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
+
+
+def shard_dim(shape: Sequence[int], ranks: int) -> int | None:
+    """The first dim of ``shape`` that ``ranks`` ranks split into equal non-empty shards, if any."""
+    return next((d for d, n in enumerate(shape) if n >= ranks and n % ranks == 0), None)
+
+
+def store(
+    original: torch.Tensor,
+    dp_mesh: DeviceMesh,
+    mesh: DeviceMesh,
+    mode: Mode,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> tuple[nn.Parameter, ParamLayout]:
+    """``original`` (a plain tensor or a DTensor on the TP dim of ``mesh``) as stored by ``data_parallel``."""
+    if isinstance(original, DTensor):
+        tile = original.to_local().detach()
+        tp: TensorParallelSpec | None = TensorParallelSpec(
+            original.device_mesh, tuple(original.placements), original.shape, tuple(original.stride())
+        )
+        tp_placements: tuple[Placement, ...] = tuple(original.placements)
+        shape, stride = original.shape, tuple(original.stride())
+    else:
+        tile = original.detach()
+        tp = None
+        tp_placements = (Replicate(),) * (mesh.ndim - 1)
+        shape, stride = tile.shape, tuple(tile.stride())
+    ranks = dp_mesh.size()
+    dim = shard_dim(tile.shape, ranks) if mode == "shard" else None
+    if dim is not None:
+        local = tile.chunk(ranks, dim)[dp_mesh.get_local_rank()].clone()
+        dp_placement: Placement = Shard(dim)
+        tp_splits = [mesh.size(d + 1) for d, p in enumerate(tp_placements) if p == Shard(dim)]
+        if tp_splits:
+            dp_placement = compat.strided_shard(dim, split_factor=tp_splits[0])
+    else:
+        local = tile
+        dp_placement = Replicate()
+    stored = DTensor.from_local(
+        local, mesh, (dp_placement, *tp_placements), run_check=False, shape=shape, stride=stride
+    )
+    floating = original.is_floating_point()
+    compute_dtype = param_dtype if param_dtype is not None and floating else original.dtype
+    layout = ParamLayout(
+        dim=dim,
+        group=compat.group_name(dp_mesh.get_group()),
+        ranks=ranks,
+        compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype if reduce_dtype is not None and floating else compute_dtype,  # FSDP2's default
+        tensor_parallel=tp,
+    )
+    return nn.Parameter(stored, requires_grad=original.requires_grad), layout

@@ -1,0 +1,343 @@
+"""Rank-side checks of ``data_parallel`` against PyTorch's own DDP and FSDP2.
+
+Contract
+--------
+``check_data_parallel(rank, world_size, mode, runner, tp=1, model="reference", ...)`` runs on every
+rank of an initialised default process group (``run_on_ranks``) and
+
+1. builds the mesh: ``(dp,)`` or ``(dp, tp)`` named ``("dp", "tp")``, ``dp = world_size // tp``;
+2. builds the model twice (same seeded weights), tensor-parallel over ``mesh["tp"]`` when
+   ``tp > 1``, with this DP rank's micro-batches (the TP ranks of one DP rank share them);
+3. baseline: PyTorch eager, ``DistributedDataParallel`` for ``mode="replicate"`` without TP or
+   mixed precision, FSDP2 ``fully_shard`` (each block, then the root) otherwise, with the same
+   ``MixedPrecisionPolicy`` when ``param_dtype`` is given; loop ``loss(mb).backward()``;
+4. dhelix: ``data_parallel(model, mesh["dp"], mode, ...)`` run by ``runner``: ``"eager"`` (the same
+   loop), ``"dhelix"`` (the loop over ``torch.compile(model, backend="dhelix")``) or ``"helix"``;
+5. compares losses, full gradients (``full_tensor``) and, after one ``AdamW`` step on each, full
+   parameters; checks that names and order are the unwrapped model's, and that each parameter and
+   its gradient are DTensors of one layout on the DP mesh (2-D with TP).
+
+It returns a picklable report and raises ``AssertionError`` naming every mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+Runner = Literal["eager", "dhelix", "helix"]
+ModelName = Literal["reference", "hf_llama"]
+
+_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _mesh(world_size: int, tp: int) -> DeviceMesh:
+    if world_size % tp:
+        raise ValueError(f"world_size {world_size} is not a multiple of tp={tp}")
+    if tp == 1:
+        return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    return init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _build(model: ModelName, mesh: DeviceMesh, tp: int) -> tuple[nn.Module, list[nn.Module]]:
+    """The model (tensor-parallel when ``tp > 1``) and its blocks (FSDP2's units)."""
+    if model == "reference":
+        from dhelix_compile.testing.llama import ModelConfig, Transformer
+        from dhelix_compile.testing.tensor_parallel import parallelize_tp
+
+        ref = Transformer(ModelConfig())
+        if tp > 1:
+            parallelize_tp(ref, mesh["tp"])
+        return ref, list(ref.layers)
+    from dhelix_compile.testing.hf_llama import build_hf_llama, parallelize_hf_llama
+
+    hf = build_hf_llama("tiny")
+    if tp > 1:
+        parallelize_hf_llama(hf, mesh["tp"], sequence_parallel=False)
+    return hf, list(hf.model.layers)  # type: ignore[union-attr,arg-type]
+
+
+def _microbatches(model: ModelName, dp_rank: int, n: int) -> tuple[list[Any], Callable[[nn.Module, Any], Any]]:
+    generator = torch.Generator().manual_seed(1000 + dp_rank)
+    if model == "reference":
+        from dhelix_compile.testing.llama import ModelConfig, lm_loss
+
+        config = ModelConfig()
+        shape = (2, config.max_seq_len)
+        mbs = [
+            (
+                torch.randint(0, config.vocab_size, shape, generator=generator),
+                torch.randint(0, config.vocab_size, shape, generator=generator),
+            )
+            for _ in range(n)
+        ]
+        return mbs, lambda m, mb: lm_loss(m(mb[0]), mb[1])
+    from dhelix_compile.testing.hf_llama import hf_llama_batches, hf_llama_loss
+
+    return hf_llama_batches("tiny", n, generator), hf_llama_loss
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
+
+
+def _train(model: nn.Module, run: Callable[[list[Any]], list[torch.Tensor]], mbs: list[Any]) -> dict[str, Any]:
+    losses = [loss.detach().float() for loss in run(mbs)]
+    grads = {name: None if p.grad is None else _full(p.grad) for name, p in model.named_parameters()}
+    # eps well above float noise: Adam's first step is lr * g / (|g| + eps), which would turn a
+    # 1e-10 difference in a near-zero gradient (an unused embedding row) into a visible one
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    optimizer.step()
+    params = {name: _full(p) for name, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def _loop(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> Callable[[list[Any]], list[torch.Tensor]]:
+    def run(mbs: list[Any]) -> list[torch.Tensor]:
+        losses = []
+        for mb in mbs:
+            loss = loss_fn(model, mb)
+            loss.backward()
+            losses.append(loss)
+        return losses
+
+    return run
+
+
+def _baseline(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, mode: str, tp: int, mp: Any) -> nn.Module:
+    if mode == "replicate" and tp == 1 and mp is None:
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = mp or MixedPrecisionPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    return model
+
+
+def check_data_parallel(
+    rank: int,
+    world_size: int,
+    mode: Literal["shard", "replicate"],
+    runner: Runner,
+    *,
+    tp: int = 1,
+    model: ModelName = "reference",
+    microbatches: int = 2,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+) -> dict[str, Any]:
+    """See the module docstring."""
+    import dhelix_compile
+    from dhelix_compile.data_parallelism import data_parallel
+
+    torch._dynamo.reset()
+    mesh = _mesh(world_size, tp)
+    dp_mesh = mesh["dp"]
+    mbs, loss_fn = _microbatches(model, dp_mesh.get_local_rank(), microbatches)
+    mp = None
+    if param_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+
+    base_model, blocks = _build(model, mesh, tp)
+    wrapped = _baseline(base_model, blocks, dp_mesh, mode, tp, mp)
+    want = _train(wrapped, _loop(wrapped, loss_fn), mbs)
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        want["grads"] = {k.removeprefix("module."): v for k, v in want["grads"].items()}
+        want["params"] = {k.removeprefix("module."): v for k, v in want["params"].items()}
+
+    ours, _ = _build(model, mesh, tp)
+    names = [name for name, _ in ours.named_parameters()]
+    data_parallel(ours, dp_mesh, mode, param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    if runner == "helix":
+        run: Callable[[list[Any]], list[torch.Tensor]] = dhelix_compile.helix(ours, loss_fn)
+    elif runner == "dhelix":
+        compiled: Any = torch.compile(ours, backend="dhelix", fullgraph=True)
+        run = _loop(compiled, loss_fn)
+    else:
+        run = _loop(ours, loss_fn)
+    got = _train(ours, run, mbs)
+
+    problems = _layout_problems(ours, names, mesh.ndim)
+    atol, rtol = (2e-2, 2e-2) if param_dtype == "bfloat16" else (1e-5, 1e-4)
+    for k, (g, w) in enumerate(zip(got["losses"], want["losses"])):
+        if not torch.allclose(g, w, atol=atol, rtol=rtol):
+            problems.append(f"loss {k}: {g.item()} != {w.item()}")
+    for what in ("grads", "params"):
+        for name, w in want[what].items():
+            g = got[what].get(name)
+            if (g is None) != (w is None) or (g is not None and not torch.allclose(g, w, atol=atol, rtol=rtol)):
+                diff = "missing" if g is None or w is None else f"max abs diff {(g - w).abs().max().item():.3g}"
+                problems.append(f"{what[:-1]} {name}: {diff}")
+    label = f"rank {rank}/{world_size} {model} mode={mode} runner={runner} tp={tp} param_dtype={param_dtype}"
+    if problems:
+        raise AssertionError(f"{label}: " + "; ".join(problems))
+    placements = {name: str(tuple(p.placements)) for name, p in ours.named_parameters()}  # type: ignore[attr-defined]
+    return {"losses": [loss.item() for loss in got["losses"]], "placements": placements}
+
+
+def _layout_problems(model: nn.Module, names: list[str], mesh_ndim: int) -> list[str]:
+    problems = []
+    now = [name for name, _ in model.named_parameters()]
+    if now != names:
+        problems.append(f"named_parameters changed: {now} != {names}")
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor) or param.device_mesh.ndim != mesh_ndim:
+            problems.append(f"{name} is not a DTensor on the {mesh_ndim}-D parameter mesh")
+            continue
+        grad = param.grad
+        if grad is not None and (not isinstance(grad, DTensor) or grad.placements != param.placements):
+            problems.append(f"{name}.grad is not a DTensor of the parameter's layout")
+    return problems
+
+
+def data_parallel_errors(rank: int, world_size: int) -> dict[str, str]:
+    """The message of each bad ``data_parallel`` call (on 2 ranks), by case; raises if one passes."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dhelix_compile.data_parallelism import DataParallelError, data_parallel
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    mesh_2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    only_rank_0 = DeviceMesh("cpu", [0])
+
+    def linear() -> nn.Module:
+        return nn.Linear(4, 4)
+
+    def tensor_parallel() -> nn.Module:
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        return parallelize_module(nn.Sequential(nn.Linear(4, 4)), mesh_2d["tp"], {"0": ColwiseParallel()})
+
+    def wrapped_twice() -> None:
+        data_parallel(data_parallel(linear(), mesh), mesh)
+
+    cases: dict[str, Callable[[], Any]] = {
+        "not a mesh": lambda: data_parallel(linear(), [0, 1]),  # type: ignore[arg-type]
+        "2-D mesh": lambda: data_parallel(linear(), mesh_2d),
+        "rank outside the mesh": lambda: data_parallel(linear(), only_rank_0) if rank else _raise("rank 1 checks"),
+        "unknown mode": lambda: data_parallel(linear(), mesh, "zero3"),  # type: ignore[arg-type]
+        "integer param_dtype": lambda: data_parallel(linear(), mesh, param_dtype=torch.int32),
+        "no parameters": lambda: data_parallel(nn.ReLU(), mesh),
+        "parameters on another device": lambda: data_parallel(nn.Linear(4, 4, device="meta"), mesh),
+        "FSDP2 inside": lambda: data_parallel(nn.Sequential(fully_shard(linear(), mesh=mesh)), mesh),  # type: ignore[call-overload]
+        "DDP": lambda: data_parallel(nn.parallel.DistributedDataParallel(linear()), mesh),
+        "wrapped twice": wrapped_twice,
+        "the TP mesh as DP mesh": lambda: data_parallel(tensor_parallel(), mesh_2d["tp"]),
+    }
+    messages = {}
+    for case, call in cases.items():
+        try:
+            call()
+        except DataParallelError as exc:
+            messages[case] = str(exc)
+        else:
+            raise AssertionError(f"data_parallel accepted: {case}")
+    return messages
+
+
+def _raise(message: str) -> None:
+    from dhelix_compile.data_parallelism import DataParallelError
+
+    raise DataParallelError(message)
+
+
+def check_checkpoint(
+    rank: int, world_size: int, directory: str, mode: Literal["shard", "replicate"], tp: int = 1
+) -> int:
+    """``torch.distributed.checkpoint`` round trips of a ``data_parallel`` model (after one step):
+    into a fresh wrapped model, and into the unwrapped model; returns the tensors compared."""
+    import torch.distributed.checkpoint as dcp
+
+    from dhelix_compile.data_parallelism import data_parallel
+
+    mesh = _mesh(world_size, tp)
+    mbs, loss_fn = _microbatches("reference", mesh["dp"].get_local_rank(), 1)
+    trained = data_parallel(_build("reference", mesh, tp)[0], mesh["dp"], mode)
+    _train(trained, _loop(trained, loss_fn), mbs)
+    dcp.save(trained.state_dict(), checkpoint_id=directory)
+    want = {name: _full(t) for name, t in trained.state_dict().items()}
+
+    fresh = data_parallel(_build("reference", mesh, tp)[0], mesh["dp"], mode)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=directory)
+    fresh.load_state_dict(state)
+    from dhelix_compile.testing.llama import ModelConfig, Transformer
+
+    plain = Transformer(ModelConfig(seed=1))
+    plain_state = plain.state_dict()
+    dcp.load(plain_state, checkpoint_id=directory)
+    plain.load_state_dict(plain_state)
+
+    problems = []
+    for label, model in (("wrapped", fresh), ("unwrapped", plain)):
+        got = {name: _full(t) for name, t in model.state_dict().items()}
+        if got.keys() != want.keys():
+            problems.append(f"{label}: keys {sorted(got.keys() ^ want.keys())} differ")
+        problems += [
+            f"{label}: {name} differs" for name in want if name in got and not torch.equal(got[name], want[name])
+        ]
+    if problems:
+        raise AssertionError(f"rank {rank}: " + "; ".join(problems))
+    return len(want)
+
+
+def check_data_parallel_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``check_data_parallel(rank, world_size, **case)`` for each case, in one spawn of the ranks."""
+    return [check_data_parallel(rank, world_size, **case) for case in cases]
+
+
+def graph_collectives(rank: int, world_size: int, mode: Literal["shard", "replicate"]) -> dict[str, dict[str, int]]:
+    """The functional collectives in the forward and backward graphs AOTAutograd captures from a
+    ``data_parallel`` reference model (one per graph kind, by op name)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from dhelix_compile.data_parallelism import data_parallel
+
+    torch._dynamo.reset()
+    mesh = _mesh(world_size, 1)
+    model = data_parallel(_build("reference", mesh, 1)[0], mesh["dp"], mode)
+    found: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+
+    def keeper(kind: str) -> Callable[..., Any]:
+        def keep(gm: torch.fx.GraphModule, _: Any) -> Any:
+            for node in gm.graph.nodes:
+                name = str(node.target)
+                if "_c10d_functional" in name and "wait" not in name:
+                    op = name.split(".")[1]
+                    found[kind][op] = found[kind].get(op, 0) + 1
+            return gm.forward
+
+        return keep
+
+    compiled: Any = torch.compile(
+        model, backend=aot_autograd(fw_compiler=keeper("forward"), bw_compiler=keeper("backward"))
+    )
+    mbs, loss_fn = _microbatches("reference", rank, 1)
+    loss_fn(compiled, mbs[0]).backward()
+    return found
+
+
+def mesh_wrappers(rank: int, world_size: int) -> dict[str, Any]:
+    """What ``_torch_compat``'s mesh and placement wrappers give on a ``(1, world_size)`` mesh."""
+    from dhelix_compile import _torch_compat as compat
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    joined = compat.concatenate_meshes([mesh["dp"], mesh["tp"]])
+    strided = compat.strided_shard(0, split_factor=world_size)
+    name = compat.group_name(mesh["tp"].get_group())
+    return {
+        "joined": (joined.mesh.tolist(), joined.mesh_dim_names),
+        "strided_dim": strided.dim,
+        "strided_split_factor": strided.split_factor,
+        "group_resolves": compat.resolve_group(name) is mesh["tp"].get_group(),
+    }

@@ -1,0 +1,112 @@
+"""``dhelix_compile.data_parallel`` on gloo ranks against PyTorch's own DDP and FSDP2: losses,
+gradients and the parameters after an optimizer step, eager, through ``backend="dhelix"`` and
+through ``helix``; with tensor parallelism on a 2-D mesh; mixed precision; checkpoints; errors.
+
+The rank side is ``dhelix_compile.testing.data_parallel_checks``. DHELIX_TEST_FULL=1 adds the
+4-rank helix runs, Hugging Face Llama and the remaining combinations (the default suite's budget).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dhelix_compile.testing.data_parallel_checks import (
+    check_checkpoint,
+    check_data_parallel_cases,
+    data_parallel_errors,
+    graph_collectives,
+)
+from dhelix_compile.testing.multirank import run_on_ranks
+
+_FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
+full_only = pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
+
+
+def _run(world_size: int, cases: list[dict[str, Any]], timeout_s: float = 600) -> None:
+    reports = run_on_ranks(check_data_parallel_cases, world_size, cases, timeout_s=timeout_s)
+    for rank_reports in reports:  # each rank raised on a mismatch; the reports say what ran
+        assert len(rank_reports) == len(cases)
+    # the DP ranks saw different data, so they hold different losses (each its own, as in eager)
+    assert reports[0][0]["losses"] != reports[-1][0]["losses"]
+
+
+def test_two_ranks_match_ddp_and_fsdp2_eager_compiled_and_helix() -> None:
+    _run(
+        2,
+        [
+            {"mode": "shard", "runner": "eager"},
+            {"mode": "replicate", "runner": "eager"},
+            {"mode": "shard", "runner": "eager", "param_dtype": "bfloat16", "reduce_dtype": "float32"},
+            {"mode": "replicate", "runner": "dhelix"},
+            {"mode": "shard", "runner": "helix"},
+        ],
+    )
+
+
+def test_dp2_x_tp2_matches_fsdp2_on_the_2d_mesh() -> None:
+    _run(4, [{"mode": "shard", "runner": "eager", "tp": 2}, {"mode": "replicate", "runner": "eager", "tp": 2}])
+
+
+@full_only
+@pytest.mark.parametrize("mode", ["shard", "replicate"])
+def test_dp2_x_tp2_helix(mode: str) -> None:
+    _run(4, [{"mode": mode, "runner": "helix", "tp": 2}])
+
+
+@full_only
+def test_two_ranks_remaining_combinations() -> None:
+    _run(
+        2,
+        [
+            {"mode": "shard", "runner": "dhelix"},
+            {"mode": "replicate", "runner": "helix"},
+            {"mode": "shard", "runner": "helix", "param_dtype": "bfloat16", "reduce_dtype": "float32"},
+            {"mode": "replicate", "runner": "helix", "param_dtype": "bfloat16"},
+        ],
+    )
+
+
+@full_only
+def test_hugging_face_llama() -> None:
+    pytest.importorskip("transformers")
+    _run(2, [{"mode": mode, "runner": "helix", "model": "hf_llama"} for mode in ("shard", "replicate")])
+    _run(4, [{"mode": "shard", "runner": runner, "model": "hf_llama", "tp": 2} for runner in ("eager", "helix")])
+
+
+@pytest.mark.parametrize("mode", ["shard", "replicate"])
+def test_collectives_are_in_the_forward_and_backward_graphs(mode: str) -> None:
+    found = run_on_ranks(graph_collectives, 2, mode, timeout_s=180)[0]
+    if mode == "shard":
+        assert found["forward"].get("all_gather_into_tensor", 0) > 0
+        assert found["backward"].get("reduce_scatter_tensor", 0) > 0
+    else:
+        assert "all_gather_into_tensor" not in found["forward"]
+        assert found["backward"].get("all_reduce", 0) > 0
+
+
+@pytest.mark.parametrize("world_size,tp", [(2, 1), pytest.param(4, 2, marks=full_only)])
+@pytest.mark.parametrize("mode", ["shard", "replicate"])
+def test_checkpoints_round_trip_and_load_into_the_unwrapped_model(
+    tmp_path: Path, mode: str, world_size: int, tp: int
+) -> None:
+    counts = run_on_ranks(check_checkpoint, world_size, str(tmp_path / "checkpoint"), mode, tp, timeout_s=180)
+    assert counts == [counts[0]] * world_size and counts[0] > 0
+
+
+def test_bad_input_gets_clear_errors() -> None:
+    errors = run_on_ranks(data_parallel_errors, 2, timeout_s=120)[1]
+    assert "needs a DeviceMesh" in errors["not a mesh"]
+    assert "1-D data-parallel mesh" in errors["2-D mesh"]
+    assert "rank 1 is not in the DP mesh" in errors["rank outside the mesh"]
+    assert "mode must be one of" in errors["unknown mode"]
+    assert "floating-point torch.dtype" in errors["integer param_dtype"]
+    assert "no parameters" in errors["no parameters"]
+    assert "is on meta" in errors["parameters on another device"]
+    assert "already sharded by FSDP2" in errors["FSDP2 inside"]
+    assert "DistributedDataParallel" in errors["DDP"]
+    assert "already wrapped by data_parallel" in errors["wrapped twice"]
+    assert "is the mesh of the tensor-parallel parameters" in errors["the TP mesh as DP mesh"]
