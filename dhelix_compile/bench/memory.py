@@ -2,12 +2,16 @@
 
     python -m dhelix_compile.bench.memory --model small --microbatches 4 --ranks 2
     python -m dhelix_compile.bench.memory --model small --microbatches 8 --pipeline dualpipev,1f1b
+    python -m dhelix_compile.bench.memory --model small --microbatches 4 --data-parallel shard
 
 runs the TP+SP reference model on gloo ranks (``testing.multirank``) and prints, per variant,
 the peak bytes resident during one step above what was resident before it (sampled, see
 ``peak_allocated_bytes``): the eager accumulation loop, the Inductor loop, dhelix single
 strand, and helix. With ``--pipeline``, the model as a pipeline (``bench.pipeline``) under each
 schedule named: torch's schedule eager, with Inductor-compiled stages, and ``helix_pipeline``.
+With ``--data-parallel shard`` (or ``replicate``), the reference model data-parallel over the
+ranks: torch's own eager FSDP2 ``fully_shard`` (DDP for ``replicate``) beside ``data_parallel``
+run eagerly, through ``backend="dhelix"`` and by ``helix``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 import torch
 
 MEMORY_VARIANTS = ("eager", "inductor", "dhelix", "helix")
+#: ``--data-parallel``: torch's own (FSDP2 for shard, DDP for replicate), then ``data_parallel`` under these.
+DATA_PARALLEL_VARIANTS = ("torch", "eager", "dhelix", "helix")
 
 
 def peak_allocated_bytes(fn: Callable[[], Any], interval_s: float = 2e-4) -> int:
@@ -114,10 +120,57 @@ def _pipeline_peaks(
     return peaks
 
 
+def _data_parallel_peaks(
+    rank: int, world_size: int, model: str, microbatches: int, mode: str, variants: list[str]
+) -> dict[str, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dhelix_compile.bench.steps import step_function
+    from dhelix_compile.bench.workloads import model_config
+    from dhelix_compile.data_parallelism import data_parallel
+    from dhelix_compile.testing.llama import Transformer, lm_loss
+
+    config, seq, batch = model_config(model)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    gen = torch.Generator().manual_seed(1234 + rank)
+    shape = (batch, seq)
+    mbs = [
+        (
+            torch.randint(0, config.vocab_size, shape, generator=gen),
+            torch.randint(0, config.vocab_size, shape, generator=gen),
+        )
+        for _ in range(microbatches)
+    ]
+
+    def loss_fn(m: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(m(mb[0]), mb[1])
+
+    peaks = {}
+    for name in variants:
+        module: torch.nn.Module = Transformer(config)
+        if name == "torch" and mode == "replicate":
+            module = torch.nn.parallel.DistributedDataParallel(module)
+        elif name == "torch":
+            for block in module.layers:  # type: ignore[union-attr]
+                fully_shard(block, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        else:
+            data_parallel(module, mesh, mode)  # type: ignore[arg-type]
+        step = step_function("eager" if name == "torch" else name, module, loss_fn)
+        step(mbs)  # compile, and the gradients exist: later steps accumulate into them
+        torch.distributed.barrier()
+        peaks[name] = peak_allocated_bytes(functools.partial(step, mbs))
+        del step, module
+    return peaks
+
+
 def _eager_of(name: str) -> str:
     """The eager variant a variant is compared with: ``"dualpipev helix_pipeline"`` ->
     ``"dualpipev pipeline_eager"`` (the same schedule), ``"helix"`` -> ``"eager"``."""
     kind, _, _ = name.rpartition(" ")
+    if kind in ("shard", "replicate"):
+        return f"{kind} torch"
     return f"{kind} pipeline_eager" if kind else "eager"
 
 
@@ -130,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", default=None, help=f"default: {', '.join(MEMORY_VARIANTS)}, or every pipeline variant"
     )
     parser.add_argument("--pipeline", default=None, help="comma-separated schedules (bench.pipeline.SCHEDULE_KINDS)")
+    parser.add_argument("--data-parallel", choices=("shard", "replicate"), default=None)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -146,6 +200,19 @@ def main(argv: list[str] | None = None) -> int:
             memory._pipeline_peaks, args.ranks, args.model, args.microbatches, kinds, variants, timeout_s=args.timeout_s
         )
         what = f"pipeline {', '.join(kinds)}"
+    elif args.data_parallel:
+        variants = [v for v in (args.variants or ",".join(DATA_PARALLEL_VARIANTS)).split(",") if v]
+        per_rank = run_on_ranks(
+            memory._data_parallel_peaks,
+            args.ranks,
+            args.model,
+            args.microbatches,
+            args.data_parallel,
+            variants,
+            timeout_s=args.timeout_s,
+        )
+        per_rank = [{f"{args.data_parallel} {name}": peak for name, peak in rank.items()} for rank in per_rank]
+        what = f"data-parallel {args.data_parallel} (torch: {'DDP' if args.data_parallel == 'replicate' else 'FSDP2'})"
     else:
         variants = [v for v in (args.variants or ",".join(MEMORY_VARIANTS)).split(",") if v]
         per_rank = run_on_ranks(
