@@ -51,10 +51,11 @@ def test_eager_codegen_on_reference_models(world_size: int, monkeypatch, tmp_pat
     _assert_all_passed(run_on_ranks(check_all, world_size, kinds, "dhelix", timeout_s=240), tmp_path)
 
 
-#: Inductor's C++ compile costs seconds per graph per rank; the default suite runs every kind on
-#: 2 ranks (4 ranks through Inductor: tests/test_multirank_helix.py's merged graphs and
-#: DHELIX_TEST_FULL=1, which runs every kind on 4 ranks here too).
+#: Inductor's C++ compile costs seconds per graph per rank; the default suite runs two kinds on
+#: 2 ranks (every kind runs through eager codegen above; 4 ranks through Inductor:
+#: tests/test_multirank_helix.py's merged graphs). DHELIX_TEST_FULL=1 runs every kind on 2 and 4.
 INDUCTOR_WORLD_SIZES = [2, 4] if FULL else [2]
+INDUCTOR_DEFAULT_KINDS = ("tp_sp", "moe")
 
 
 @pytest.mark.inductor
@@ -64,5 +65,6 @@ def test_inductor_codegen_on_reference_models(world_size: int, monkeypatch, tmp_
     monkeypatch.setenv("DHELIX_CODEGEN", "inductor")
     monkeypatch.setenv("DHELIX_FALLBACK", "error")
     monkeypatch.setenv("DHELIX_DUMP_DIR", str(tmp_path))
-    results = run_on_ranks(check_all, world_size, MODEL_KINDS, "dhelix", timeout_s=600)
+    kinds = MODEL_KINDS if FULL else INDUCTOR_DEFAULT_KINDS
+    results = run_on_ranks(check_all, world_size, kinds, "dhelix", timeout_s=600)
     _assert_all_passed(results, tmp_path)

@@ -57,7 +57,7 @@ def test_signatures_group_collectives_by_process_group() -> None:
 
     with fake_world(4) as group:
         gm = trace_aten(
-            lambda x: funcol.all_reduce(funcol.all_gather_tensor(x, 0, group), "sum", group), torch.ones(2, 3)
+            lambda x: funcol.all_reduce(funcol.all_gather_single(x, 0, group), "sum", group), torch.ones(2, 3)
         )
         signatures = collective_signatures(gm)
     (sequence,) = signatures.values()

@@ -132,8 +132,9 @@ def check_data_parallel(
     microbatches: int = 2,
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
-    """See the module docstring."""
+    """See the module docstring; ``options`` go to ``helix`` or the backend (e.g. ``codegen="eager"``)."""
     import dhelix_compile
     from dhelix_compile.data_parallelism import data_parallel
 
@@ -158,9 +159,9 @@ def check_data_parallel(
     names = [name for name, _ in ours.named_parameters()]
     data_parallel(ours, dp_mesh, mode, param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     if runner == "helix":
-        run: Callable[[list[Any]], list[torch.Tensor]] = dhelix_compile.helix(ours, loss_fn)
+        run: Callable[[list[Any]], list[torch.Tensor]] = dhelix_compile.helix(ours, loss_fn, **options)
     elif runner == "dhelix":
-        compiled: Any = torch.compile(ours, backend="dhelix", fullgraph=True)
+        compiled: Any = torch.compile(ours, backend=dhelix_compile.backend(**options), fullgraph=True)
         run = _loop(compiled, loss_fn)
     else:
         run = _loop(ours, loss_fn)
@@ -296,9 +297,15 @@ def check_data_parallel_cases(rank: int, world_size: int, cases: list[dict[str, 
     return [check_data_parallel(rank, world_size, **case) for case in cases]
 
 
-def graph_collectives(rank: int, world_size: int, mode: Literal["shard", "replicate"]) -> dict[str, dict[str, int]]:
-    """The functional collectives in the forward and backward graphs AOTAutograd captures from a
-    ``data_parallel`` reference model (one per graph kind, by op name)."""
+def graph_collectives(
+    rank: int, world_size: int, modes: list[Literal["shard", "replicate"]]
+) -> list[dict[str, dict[str, int]]]:
+    """For each mode, the functional collectives in the forward and backward graphs AOTAutograd
+    captures from a ``data_parallel`` reference model (by graph kind and op name)."""
+    return [_graph_collectives(rank, world_size, mode) for mode in modes]
+
+
+def _graph_collectives(rank: int, world_size: int, mode: Literal["shard", "replicate"]) -> dict[str, dict[str, int]]:
     from torch._dynamo.backends.common import aot_autograd
 
     from dhelix_compile.data_parallelism import data_parallel
