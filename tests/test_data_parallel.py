@@ -34,16 +34,23 @@ def _run(world_size: int, cases: list[dict[str, Any]], timeout_s: float = 600) -
     assert reports[0][0]["losses"] != reports[-1][0]["losses"]
 
 
-def test_two_ranks_match_ddp_and_fsdp2_eager_compiled_and_helix() -> None:
+def test_two_ranks_match_ddp_and_fsdp2_eager() -> None:
     _run(
         2,
         [
             {"mode": "shard", "runner": "eager"},
             {"mode": "replicate", "runner": "eager"},
             {"mode": "shard", "runner": "eager", "param_dtype": "bfloat16", "reduce_dtype": "float32"},
-            {"mode": "shard", "runner": "helix", "codegen": "eager"},  # Inductor's C++: DHELIX_TEST_FULL=1
         ],
     )
+
+
+def test_helix_runs_a_sharded_model() -> None:
+    """helix's merged graphs hold the reduce-scatters of one micro-batch beside the all-gathers of
+    the next (eager codegen here; through Inductor under DHELIX_TEST_FULL=1)."""
+    if not _FULL:
+        pytest.skip("DHELIX_TEST_FULL=1: the default suite's time budget (CI measured 17:48 on a slow day)")
+    _run(2, [{"mode": "shard", "runner": "helix", "codegen": "eager"}])
 
 
 @pytest.mark.parametrize("mode", ["shard", pytest.param("replicate", marks=full_only)])
