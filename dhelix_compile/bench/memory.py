@@ -72,15 +72,15 @@ def peak_allocated_bytes(fn: Callable[[], Any], interval_s: float = 2e-4) -> int
     return max(peak, rss()) - base
 
 
-def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, variants: list[str]) -> dict[str, int]:
-    from dhelix_compile.bench.steps import step_function
+def _token_microbatches(
+    model: str, microbatches: int, seed: int
+) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
+    """The reference transformer's config for ``model``, seeded token micro-batches and its loss."""
     from dhelix_compile.bench.workloads import model_config
-    from dhelix_compile.testing.llama import Transformer, lm_loss
-    from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
+    from dhelix_compile.testing.llama import lm_loss
 
     config, seq, batch = model_config(model)
-    mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(seed)
     mbs = [
         (
             torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
@@ -92,6 +92,16 @@ def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, varia
     def loss_fn(m: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return lm_loss(m(mb[0]), mb[1])
 
+    return config, mbs, loss_fn
+
+
+def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, variants: list[str]) -> dict[str, int]:
+    from dhelix_compile.bench.steps import step_function
+    from dhelix_compile.testing.llama import Transformer
+    from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
+
+    config, mbs, loss_fn = _token_microbatches(model, microbatches, 1234)
+    mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     peaks = {}
     for name in variants:
         module = parallelize_tp_sp(Transformer(config), mesh)
@@ -124,37 +134,19 @@ def _data_parallel_peaks(
     rank: int, world_size: int, model: str, microbatches: int, mode: str, variants: list[str]
 ) -> dict[str, int]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from dhelix_compile.bench.steps import step_function
-    from dhelix_compile.bench.workloads import model_config
     from dhelix_compile.data_parallelism import data_parallel
-    from dhelix_compile.testing.llama import Transformer, lm_loss
+    from dhelix_compile.testing.data_parallel_checks import torch_data_parallel
+    from dhelix_compile.testing.llama import Transformer
 
-    config, seq, batch = model_config(model)
+    config, mbs, loss_fn = _token_microbatches(model, microbatches, 1234 + rank)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    gen = torch.Generator().manual_seed(1234 + rank)
-    shape = (batch, seq)
-    mbs = [
-        (
-            torch.randint(0, config.vocab_size, shape, generator=gen),
-            torch.randint(0, config.vocab_size, shape, generator=gen),
-        )
-        for _ in range(microbatches)
-    ]
-
-    def loss_fn(m: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return lm_loss(m(mb[0]), mb[1])
-
     peaks = {}
     for name in variants:
         module: torch.nn.Module = Transformer(config)
-        if name == "torch" and mode == "replicate":
-            module = torch.nn.parallel.DistributedDataParallel(module)
-        elif name == "torch":
-            for block in module.layers:  # type: ignore[union-attr]
-                fully_shard(block, mesh=mesh)
-            fully_shard(module, mesh=mesh)
+        if name == "torch":
+            module = torch_data_parallel(module, list(module.layers), mesh, mode)  # type: ignore[arg-type]
         else:
             data_parallel(module, mesh, mode)  # type: ignore[arg-type]
         step = step_function("eager" if name == "torch" else name, module, loss_fn)

@@ -8,8 +8,8 @@ FSDP2's hooks run under ``torch._dynamo.disable`` and DDP splits the graph at it
 compile backend never sees their collectives. Here, as torchtitan's SimpleFSDP, every parameter
 becomes a DTensor on the DP mesh and each module's parameter attribute gathers it when read:
 
-- ``mode="shard"`` (ZeRO-3 / FSDP): stored as dim-0 shards (``Shard(0)``; uneven shards are
-  padded for the collectives, as FSDP2 does). Reading ``module.weight`` all-gathers it; the
+- ``mode="shard"`` (ZeRO-3 / FSDP): stored as equal shards of the first dim the DP ranks split
+  evenly (``layout.py`` says why, not padded as FSDP2 does). Reading ``module.weight`` all-gathers it; the
   backward reduce-scatters the gradient, which stays sharded in ``param.grad``.
 - ``mode="replicate"`` (DDP): stored whole (``Replicate()``); the backward all-reduces the gradient.
 
@@ -194,7 +194,7 @@ def _parameter_mesh(dp_mesh: DeviceMesh, owners: list[tuple[str, nn.Module, str,
         raise DataParallelError(
             f"data_parallel: parameter {qualified} is on a {tp_mesh.ndim}-D mesh; expected a 1-D TP mesh"
         )
-    if tp_mesh == dp_mesh or set(tp_mesh.mesh.tolist()) == set(dp_mesh.mesh.tolist()):
+    if set(tp_mesh.mesh.tolist()) == set(dp_mesh.mesh.tolist()):
         raise DataParallelError(
             f"data_parallel: the DP mesh {dp_mesh} is the mesh of the tensor-parallel parameters "
             f"({qualified}); pass the other dim of the 2-D mesh (mesh['dp'])"

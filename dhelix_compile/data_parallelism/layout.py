@@ -89,18 +89,16 @@ def store(
     reduce_dtype: torch.dtype | None,
 ) -> tuple[nn.Parameter, ParamLayout]:
     """``original`` (a plain tensor or a DTensor on the TP dim of ``mesh``) as stored by ``data_parallel``."""
+    tp: TensorParallelSpec | None = None
     if isinstance(original, DTensor):
         tile = original.to_local().detach()
-        tp: TensorParallelSpec | None = TensorParallelSpec(
+        tp = TensorParallelSpec(
             original.device_mesh, tuple(original.placements), original.shape, tuple(original.stride())
         )
-        tp_placements: tuple[Placement, ...] = tuple(original.placements)
-        shape, stride = original.shape, tuple(original.stride())
     else:
         tile = original.detach()
-        tp = None
-        tp_placements = (Replicate(),) * (mesh.ndim - 1)
-        shape, stride = tile.shape, tuple(tile.stride())
+    tp_placements: tuple[Placement, ...] = tp.placements if tp else (Replicate(),) * (mesh.ndim - 1)
+    shape, stride = (tp.shape, tp.stride) if tp else (tile.shape, tuple(tile.stride()))
     ranks = dp_mesh.size()
     dim = shard_dim(tile.shape, ranks) if mode == "shard" else None
     if dim is not None:

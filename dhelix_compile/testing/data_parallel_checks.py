@@ -109,7 +109,11 @@ def _loop(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> Callabl
     return run
 
 
-def _baseline(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, mode: str, tp: int, mp: Any) -> nn.Module:
+def torch_data_parallel(
+    model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, mode: str, tp: int = 1, mp: Any = None
+) -> nn.Module:
+    """``model`` made data-parallel by PyTorch itself: DDP for ``replicate`` (without TP or mixed
+    precision), else FSDP2 ``fully_shard`` on each of ``blocks``, then the root."""
     if mode == "replicate" and tp == 1 and mp is None:
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -149,7 +153,7 @@ def check_data_parallel(
         mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
 
     base_model, blocks = _build(model, mesh, tp)
-    wrapped = _baseline(base_model, blocks, dp_mesh, mode, tp, mp)
+    wrapped = torch_data_parallel(base_model, blocks, dp_mesh, mode, tp, mp)
     want = _train(wrapped, _loop(wrapped, loss_fn), mbs)
     if isinstance(wrapped, nn.parallel.DistributedDataParallel):
         want["grads"] = {k.removeprefix("module."): v for k, v in want["grads"].items()}
