@@ -164,9 +164,9 @@ def inductor_compile_partition_keeping_order(
         return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
 
 
-def eager_partition(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-    """Run the FX graph as is, with AOTAutograd's boxed calling convention."""
-    return _make_boxed_func(gm.forward)
+def eager_partition(gm: torch.fx.GraphModule | Callable[..., Any]) -> Callable[..., Any]:
+    """Run the FX graph as is (or a function of its inputs), with AOTAutograd's boxed calling convention."""
+    return _make_boxed_func(gm.forward if isinstance(gm, torch.fx.GraphModule) else gm)
 
 
 def inductor_mode_options(mode: str | None) -> dict[str, Any]:

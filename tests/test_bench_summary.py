@@ -122,3 +122,37 @@ def test_the_demo_prints_losses_and_speed_beside_the_ceiling(capsys, tmp_path) -
     assert "| 2 | 2.400000 | 2.400000 | 1.0e-07 |" in out
     assert "| helix | 130.0 | 1.54x | 1.04 |" in out
     assert "| *ceiling* | 125.0 | 1.60x | 1.00 |" in out
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_the_data_parallel_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
+    """``--data-parallel``: PyTorch's DDP beside ``data_parallel`` on the unparallelized model,
+    gradients reduced once per step; T_comm is the step's all-reduces replayed."""
+    import json
+
+    from dhelix_compile.bench.run import main
+
+    out = tmp_path / "dp.json"
+    argv = ["--model", "tiny", "--data-parallel", "replicate", "--microbatches", "2", "--rate", "none"]
+    argv += ["--variants", "torch_eager,eager", "--repeats", "3", "--warmup", "1", "--time-limit-s", "30"]
+    assert main([*argv, "--timeout-s", "240", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["data_parallel"] == "replicate" and not summary["errors"]
+    assert set(summary["variants"]) == {"torch_eager", "eager"}
+    assert summary["t_comm_s"] > 0 and summary["ceiling"]["step_s_median"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "mlp_small", "--data-parallel", "shard"], "runs a model as written"),
+        (["--data-parallel", "shard", "--variants", "dhelix_decompose"], "unknown benchmark variant"),
+        (["--data-parallel", "shard", "--pipeline", "1f1b"], "separate benchmarks"),
+    ],
+)
+def test_bad_data_parallel_runs_are_named(argv: list[str], message: str, capsys) -> None:
+    from dhelix_compile.bench.run import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -239,3 +239,27 @@ def test_a_cat_of_the_same_parts_in_another_order_has_the_same_signature(tmp_pat
     first, last, other_parts = [n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default]
     assert est.signature(first) == est.signature(last)
     assert est.signature(first) != est.signature(other_parts)
+
+
+_SIDE_EFFECT_CALLS: list[int] = []
+
+
+@torch.library.custom_op("dhelix_test::counts_its_calls", mutates_args=())
+def _counts_its_calls(x: torch.Tensor) -> torch.Tensor:
+    _SIDE_EFFECT_CALLS.append(1)
+    return x.clone()
+
+
+@_counts_its_calls.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_ops_outside_torch_are_never_run_by_the_profiler(tmp_path: pathlib.Path) -> None:
+    """A custom op may have side effects (``dhelix::with_accumulated_grad`` clears a parameter's
+    ``.grad``): calibration prices it from the base estimate and never calls it."""
+    gm = trace_aten(lambda x, w: _counts_its_calls(x @ w), torch.randn(8, 8), torch.randn(8, 8))
+    est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, warmup=1, repeats=2, progress=False)
+    report = est.calibrate(gm)
+    assert _SIDE_EFFECT_CALLS == []
+    assert report.measured == 1 and report.skipped == {"not a torch op: may have side effects": 1}

@@ -105,6 +105,12 @@ class CalibrationReport:
     seconds: float
 
 
+#: Op namespaces whose ops the profiler runs on random inputs: torch's own, free of side effects.
+#: Any other op (``dhelix::with_accumulated_grad`` clears a parameter's ``.grad``; a user's custom
+#: op may do anything) keeps the base estimate times ``compute_scale``.
+_PURE_NAMESPACES = ("aten", "prims")
+
+
 def _scaled(cost: NodeCost, scale: float | None) -> NodeCost:
     """``cost`` with its time (and time expression) multiplied by ``scale`` (unchanged for None)."""
     if scale is None:
@@ -250,6 +256,8 @@ class ProfiledEstimator(EstimatorBase):
         if kind == "compute":
             if is_schema_view(node):
                 return "free"
+            if getattr(node.target, "namespace", None) not in _PURE_NAMESPACES:
+                return "not a torch op: may have side effects"
             vals = [node.meta.get("val"), *(i.meta.get("val") for i in node.all_input_nodes)]
             for t in (t for v in vals for t in tensors_in(v)):
                 if t.device.type == "cuda" and not torch.cuda.is_available():

@@ -7,9 +7,9 @@ Contract
       seconds this process spent in each step (all its threads: compute, gloo's transport,
       the kernel's socket work done on their behalf). Interleaving puts every variant under
       the same conditions (link, machine load) instead of measuring one after another.
-    - ``record_collectives(module, loss_of)``: compiles ``module`` once through
-      AOTAutograd (eager codegen) and returns the collective issue nodes of its forward and
-      backward graphs, in order; ``replay_collectives(nodes)`` issues exactly those
+    - ``record_collectives(module, step_of)``: compiles ``module`` through AOTAutograd (eager
+      codegen), runs ``step_of(compiled)`` (a whole step) and returns the collective issue
+      nodes of the graphs it ran, in execution order; ``replay_collectives(nodes)`` issues exactly those
       collectives (same ops, shapes, dtypes, groups) back to back on the live process group and
       waits for each. Its time is ``T_comm``: the step's communication with no compute around.
     - ``ceiling_steps(replay, compute_s, agree)``: the same collectives, each hidden under a
@@ -73,16 +73,19 @@ def time_interleaved(
     return timings
 
 
-def record_collectives(
-    module: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor]
-) -> list[torch.fx.Node]:
-    """Collective issue nodes of ``module``'s forward and backward graphs, in execution order
-    (``loss_of(compiled_module)``: one micro-batch's loss)."""
+def record_collectives(module: torch.nn.Module, step_of: Callable[[torch.nn.Module], Any]) -> list[torch.fx.Node]:
+    """Collective issue nodes of the graphs ``step_of(compiled_module)`` runs (its forwards and
+    backwards, every micro-batch), in execution order: a graph run twice gives its nodes twice."""
     recorded: list[torch.fx.Node] = []
 
     def inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
-        recorded.extend(n for n in gm.graph.nodes if is_comm(kind_of(n)))
-        return compat.eager_partition(gm)
+        comms = [n for n in gm.graph.nodes if is_comm(kind_of(n))]
+
+        def recording(*args: Any) -> Any:
+            recorded.extend(comms)
+            return gm.forward(*args)
+
+        return compat.eager_partition(recording)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return compat.compile_with_aot_autograd(gm, example_inputs, inner)
@@ -90,7 +93,7 @@ def record_collectives(
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend)
     assert isinstance(compiled, torch.nn.Module), "torch.compile of a module is a module"
-    loss_of(compiled).backward()
+    step_of(compiled)
     torch._dynamo.reset()
     return recorded
 

@@ -77,6 +77,7 @@ def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
         "--microbatches",
         str(args.microbatches),
         *(["--pipeline", args.pipeline] if args.pipeline else []),
+        *(["--data-parallel", args.data_parallel] if args.data_parallel else []),
     ]
 
 
@@ -122,7 +123,7 @@ def _progress_bar(path: Path, label: str) -> Iterator[None]:
 
 
 #: The variants the others are compared with (speedups, the top-level T_compute), first found first.
-BASELINES = ("inductor", "pipeline_inductor")
+BASELINES = ("torch_inductor", "inductor", "pipeline_inductor")
 
 
 def _baseline(variants: dict[str, Any]) -> Any:
@@ -193,6 +194,7 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         "model": link_run["model"],
         "parallel": link_run["parallel"],
         "pipeline": link_run.get("pipeline"),
+        "data_parallel": link_run.get("data_parallel"),
         "world_size": link_run["world_size"],
         "microbatches": link_run.get("microbatches", 1),
         "repeats": link_run["repeats"],
@@ -226,7 +228,11 @@ def markdown(summary: dict[str, Any]) -> str:
     """The summary as a markdown table, ratios beside seconds."""
     limit = summary["limit_s"]
     base = (_baseline(summary["variants"]) or {}).get("step_s_median")
-    parallel = f"pipeline {summary['pipeline']}" if summary.get("pipeline") else summary["parallel"]
+    parallel = summary["parallel"]
+    if summary.get("pipeline"):
+        parallel = f"pipeline {summary['pipeline']}"
+    if summary.get("data_parallel"):
+        parallel = f"data parallel, {summary['data_parallel']}"
     lines = [
         f"link: {summary['link']}; model {summary['model']} ({parallel}), "
         f"{summary['world_size']} ranks, {summary.get('microbatches', 1)} micro-batches per step, "
@@ -298,6 +304,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``dhelix bench`` and ``python -m dhelix_compile.bench.run``)."""
+    from dhelix_compile.bench.data_parallel import DATA_PARALLEL_MODES, DATA_PARALLEL_VARIANTS
     from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS
     from dhelix_compile.bench.steps import STEP_VARIANTS
     from dhelix_compile.bench.variants import NOT_BY_DEFAULT
@@ -312,9 +319,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"over the ranks (variants {', '.join(PIPELINE_VARIANTS)}; bench.pipeline)",
     )
     parser.add_argument(
+        "--data-parallel",
+        choices=DATA_PARALLEL_MODES,
+        default=None,
+        help="run the model as written, data-parallel over the ranks in this mode: PyTorch's DDP/FSDP2 beside "
+        f"data_parallel (variants {', '.join(DATA_PARALLEL_VARIANTS)}; bench.data_parallel)",
+    )
+    parser.add_argument(
         "--variants",
         default=None,
-        help=f"comma-separated, from {', '.join(STEP_VARIANTS)} (with --pipeline: {', '.join(PIPELINE_VARIANTS)}); "
+        help=f"comma-separated, from {', '.join(STEP_VARIANTS)} (with --pipeline: {', '.join(PIPELINE_VARIANTS)}; "
+        f"with --data-parallel: {', '.join(DATA_PARALLEL_VARIANTS)}); "
         "each may carry dhelix options of its own in brackets: helix[cost_model=analytic,decompose=off]. "
         f"Default: {', '.join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT)}, or every pipeline variant",
     )
@@ -339,31 +354,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def default_variants(args: argparse.Namespace) -> str:
-    """``--variants`` as given, else the defaults for the run (every pipeline variant with ``--pipeline``)."""
-    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
+    """``--variants`` as given, else the defaults for the run (every pipeline or data-parallel
+    variant with ``--pipeline`` or ``--data-parallel``)."""
+    known = _known_variants(args)
+    if args.variants:
+        return str(args.variants)
+    if args.pipeline or args.data_parallel:
+        return ",".join(known)
     from dhelix_compile.bench.steps import STEP_VARIANTS
     from dhelix_compile.bench.variants import NOT_BY_DEFAULT
 
-    if args.variants:
-        return str(args.variants)
-    if args.pipeline:
-        return ",".join(PIPELINE_VARIANTS)
     return ",".join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT)
+
+
+def _known_variants(args: argparse.Namespace) -> tuple[str, ...]:
+    """The variants this kind of run knows (step, pipeline or data-parallel)."""
+    from dhelix_compile.bench.data_parallel import DATA_PARALLEL_VARIANTS
+    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
+    from dhelix_compile.bench.steps import STEP_VARIANTS
+
+    if args.pipeline:
+        return PIPELINE_VARIANTS
+    return DATA_PARALLEL_VARIANTS if args.data_parallel else STEP_VARIANTS
 
 
 def _check(args: argparse.Namespace) -> str | None:
     """A message naming the bad option, or None."""
-    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
-    from dhelix_compile.bench.steps import STEP_VARIANTS, parse_variants, split_variant
-    from dhelix_compile.bench.workloads import MODEL_NAMES, MODEL_SIZES
+    from dhelix_compile.bench.steps import parse_variants, split_variant
+    from dhelix_compile.bench.workloads import MODEL_NAMES, MODEL_SIZES, UNPARALLELIZED_MODELS
 
     if args.model not in MODEL_NAMES:
         return f"unknown model size {args.model!r}; choose from {', '.join(MODEL_NAMES)}"
     if args.pipeline and args.model not in MODEL_SIZES:
         return f"--pipeline cuts the reference transformer into stages: choose --model from {', '.join(MODEL_SIZES)}"
+    if args.data_parallel and args.model not in UNPARALLELIZED_MODELS:
+        return f"--data-parallel runs a model as written: choose --model from {', '.join(UNPARALLELIZED_MODELS)}"
+    if args.data_parallel and args.pipeline:
+        return "--data-parallel and --pipeline are separate benchmarks; choose one"
     try:
         for variant in parse_variants(args.variants):
-            split_variant(variant, PIPELINE_VARIANTS if args.pipeline else STEP_VARIANTS)
+            split_variant(variant, _known_variants(args))
     except ValueError as exc:
         return str(exc)
     if args.ranks < 1 or args.microbatches < 1 or args.repeats < 1:

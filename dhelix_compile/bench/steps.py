@@ -14,9 +14,11 @@ them; values are read as JSON where they parse, else as strings).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -71,9 +73,16 @@ def split_variant(name: str, known: Sequence[str] = STEP_VARIANTS) -> tuple[str,
 
 
 def step_function(
-    name: str, module: torch.nn.Module, loss_fn: LossFn, dhelix_options: Mapping[str, Any] | None = None
+    name: str,
+    module: torch.nn.Module,
+    loss_fn: LossFn,
+    dhelix_options: Mapping[str, Any] | None = None,
+    gradient_sync: Callable[[bool], AbstractContextManager[Any]] | None = None,
 ) -> Callable[[list[Microbatch]], None]:
-    """One training step of variant ``name`` over a list of micro-batches (gradients accumulate)."""
+    """One training step of variant ``name`` over a list of micro-batches (gradients accumulate).
+
+    ``gradient_sync(last)`` is entered around each micro-batch of the loop variants (data
+    parallelism: gradients reduced by the last backward only); ``helix`` does that itself."""
     name, own = split_variant(name)
     dhelix_options = {**dict(dhelix_options or {}), **own}
     if name in HELIX_VARIANTS:
@@ -88,7 +97,8 @@ def step_function(
     compiled = compile_variant(name, module, dhelix_options)
 
     def run_loop(microbatches: list[Microbatch]) -> None:
-        for mb in microbatches:
-            loss_fn(compiled, mb).backward()
+        for k, mb in enumerate(microbatches):
+            with gradient_sync(k == len(microbatches) - 1) if gradient_sync else contextlib.nullcontext():
+                loss_fn(compiled, mb).backward()
 
     return run_loop

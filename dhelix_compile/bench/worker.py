@@ -39,6 +39,11 @@ import torch
 import torch.distributed as dist
 
 from cost_model.rank_agreement import agree_max, all_agree, gather_floats
+from dhelix_compile.bench.data_parallel import (
+    DATA_PARALLEL_MODES,
+    data_parallel_collectives_step,
+    data_parallel_step,
+)
 from dhelix_compile.bench.measure import (
     ceiling_steps,
     record_collectives,
@@ -75,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=SCHEDULE_KINDS,
         default=None,
         help="the model as a pipeline under this torch schedule (bench.pipeline), its variants",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        choices=DATA_PARALLEL_MODES,
+        default=None,
+        help="the model as written, data-parallel over every rank in this mode (bench.data_parallel), its variants",
     )
     return parser.parse_args(argv)
 
@@ -174,6 +185,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "model": args.model,
         "parallel": args.parallel,
         "pipeline": args.pipeline,
+        "data_parallel": args.data_parallel,
         "model_config": setup.config,
         "batch": setup.batch,
         "seq_len": setup.seq_len,
@@ -256,6 +268,20 @@ def _setup(
             pipeline.batch,
             pipeline.seq_len,
         )
+    if args.data_parallel:
+        mode = args.data_parallel
+        workload = build_workload(args.model, "none", mesh, world_size, args.microbatches, gen)
+
+        def replay_data_parallel() -> Any:
+            return replay_collectives(record_collectives(*data_parallel_collectives_step(workload, mode, mesh)))
+
+        return _Setup(
+            lambda name: data_parallel_step(name, workload, mode, mesh, options(name)),
+            replay_data_parallel,
+            workload.config,
+            workload.batch,
+            workload.seq_len,
+        )
     workload = build_workload(args.model, args.parallel, mesh, world_size, args.microbatches, gen)
 
     def step(name: str) -> Callable[[], None]:
@@ -269,9 +295,10 @@ def _setup(
         return run
 
     def replay() -> Any:  # every micro-batch's collectives, back to back
-        first = workload.microbatches[0]
-        nodes = record_collectives(workload.make(), lambda model: workload.loss_fn(model, first))
-        return replay_collectives(nodes * len(workload.microbatches))
+        nodes = record_collectives(
+            workload.make(), lambda model: step_function("eager", model, workload.loss_fn)(workload.microbatches)
+        )
+        return replay_collectives(nodes)
 
     return _Setup(step, replay, workload.config, workload.batch, workload.seq_len)
 

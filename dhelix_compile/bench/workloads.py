@@ -1,7 +1,8 @@
 """The models a benchmark runs, by name: what to build, how to feed it, what its loss is.
 
     reference transformer  ``tiny`` ... ``large``: the Llama-style reference model
-                           (``testing.llama``), TP+SP or TP (``--parallel``)
+                           (``testing.llama``), TP+SP or TP (``--parallel``), or as written
+                           (``"none"``: the data-parallel benchmark)
     MLP block              ``mlp_*``: one TP+SP SwiGLU MLP (all-gather -> w1, w3 -> w2 ->
                            reduce-scatter), its input sequence-sharded and requiring grad, so
                            the backward has the mirror pair
@@ -54,6 +55,8 @@ MOE_SIZES: dict[str, tuple[int, int, int, Literal[1, 2], int]] = {
 HF_LLAMA_SIZES: dict[str, str] = {"hf_llama_tiny": "tiny", "hf_llama": "bench"}
 
 MODEL_NAMES: tuple[str, ...] = (*MODEL_SIZES, *MLP_SIZES, *MOE_SIZES, *HF_LLAMA_SIZES)
+#: The models that also run unparallelized (``parallel="none"``: the data-parallel benchmark).
+UNPARALLELIZED_MODELS: tuple[str, ...] = (*MODEL_SIZES, *HF_LLAMA_SIZES)
 
 
 @dataclasses.dataclass
@@ -72,7 +75,14 @@ class Workload:
 def build_workload(
     name: str, parallel: str, mesh: Any, world_size: int, microbatches: int, gen: torch.Generator
 ) -> Workload:
-    """The workload ``name`` (``MODEL_NAMES``) on ``mesh``, with ``microbatches`` micro-batches."""
+    """The workload ``name`` (``MODEL_NAMES``) on ``mesh``, with ``microbatches`` micro-batches.
+
+    ``parallel``: ``"tp_sp"``, ``"tp"``, or ``"none"`` (the model as written, for data parallelism:
+    the reference transformer and Hugging Face Llama only, ``UNPARALLELIZED_MODELS``)."""
+    if parallel == "none" and name not in UNPARALLELIZED_MODELS:
+        raise ValueError(
+            f"benchmark model {name!r} is tensor-parallel by construction; choose from {UNPARALLELIZED_MODELS}"
+        )
     if name in MLP_SIZES:
         return _mlp(name, mesh, world_size, microbatches, gen)
     if name in MOE_SIZES:
@@ -106,7 +116,7 @@ def _transformer(
     config, seq, batch = model_config(name)
     config.validate(world_size)
     vocab = config.vocab_size
-    parallelize = parallelize_tp_sp if parallel == "tp_sp" else parallelize_tp
+    parallelize = {"tp_sp": parallelize_tp_sp, "tp": parallelize_tp, "none": lambda model, _: model}[parallel]
 
     def make() -> torch.nn.Module:
         return parallelize(Transformer(config), mesh)
@@ -186,7 +196,10 @@ def _hf_llama(name: str, parallel: str, mesh: Any, microbatches: int, gen: torch
     size = HF_LLAMA_SIZES[name]
 
     def make() -> torch.nn.Module:
-        return hf_llama.parallelize_hf_llama(hf_llama.build_hf_llama(size), mesh, sequence_parallel=parallel == "tp_sp")
+        model = hf_llama.build_hf_llama(size)
+        if parallel == "none":
+            return model
+        return hf_llama.parallelize_hf_llama(model, mesh, sequence_parallel=parallel == "tp_sp")
 
     data = hf_llama.hf_llama_batches(size, microbatches, gen)
     config = hf_llama.HF_LLAMA_SIZES[size]

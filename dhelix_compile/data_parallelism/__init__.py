@@ -19,6 +19,13 @@ the forward graph and the reductions in the backward graph, where dhelix's passe
 strand of ``helix``, hide them. In ``helix``, micro-batch i's reduce-scatters share a merged
 graph with micro-batch i+1's forward and its all-gathers.
 
+Gradient accumulation: replicated gradients are all-reduced once per step when the runner turns
+gradient sync off for all micro-batches but the last
+(``model.dhelix_data_parallel.set_requires_gradient_sync``, FSDP2's name; ``helix`` does it
+itself). The last backward then all-reduces ``param.grad`` plus its own gradient, inside its
+graph, where the passes overlap the all-reduces with its remaining compute. Sharded gradients
+are reduce-scattered every micro-batch (they are kept sharded).
+
 Composition with tensor parallelism: apply the TP plan first (``parallelize_module`` over
 ``mesh["tp"]``), then ``data_parallel`` over ``mesh["dp"]`` of the same 2-D mesh. Parameters
 then live on the 2-D ``(dp, tp)`` mesh; a plain parameter of the TP model is ``Replicate()`` on tp.
@@ -44,7 +51,8 @@ on a mesh that is not the other dim of the DP mesh's root mesh, and placements o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +65,9 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.data_parallelism.layout import Mode, ParamLayout, store
+from dhelix_compile.data_parallelism.layout import GradientSync, Mode, ParamLayout, store
 
-__all__ = ["DataParallelError", "DataParallelInfo", "data_parallel"]
+__all__ = ["DataParallelError", "DataParallelInfo", "data_parallel", "gradient_sync_on_last"]
 
 _MODES = ("shard", "replicate")
 _LAYOUTS = "_dhelix_dp_layouts"
@@ -78,6 +86,23 @@ class DataParallelInfo:
     mesh: DeviceMesh  #: the mesh the parameters live on: ``dp_mesh``, or ``(dp, tp)``
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    gradient_sync: GradientSync
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Whether the next forwards' backwards reduce the replicated parameters' gradients.
+
+        As FSDP2's method of that name (DDP's ``no_sync``): turn it off for every micro-batch
+        but the last, and gradients are all-reduced once per step; the others accumulate
+        locally in ``param.grad``. ``helix`` does this itself. Parameters stored as shards
+        (``mode="shard"``) reduce-scatter every backward regardless.
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise DataParallelError(
+                f"set_requires_gradient_sync takes a bool, got {type(requires_gradient_sync).__name__}"
+            )
+        self.gradient_sync.enabled = requires_gradient_sync
+        if not requires_gradient_sync:
+            self.gradient_sync.accumulating = True
 
 
 def data_parallel(
@@ -106,18 +131,35 @@ def data_parallel(
             )
     mesh = _parameter_mesh(dp_mesh, owners)
 
+    sync = GradientSync()
     stored: dict[int, tuple[nn.Parameter, ParamLayout]] = {}  # by the original's id: a tied parameter stays one
     layouts: dict[nn.Module, dict[str, ParamLayout]] = {}
     for _, module, name, param in owners:
         if id(param) not in stored:
-            stored[id(param)] = store(param, dp_mesh, mesh, mode, param_dtype, reduce_dtype)
+            stored[id(param)] = store(param, dp_mesh, mesh, mode, param_dtype, reduce_dtype, sync)
         module._parameters[name], layouts.setdefault(module, {})[name] = stored[id(param)]
     for module, by_name in layouts.items():
         _compute_parameters_on_read(module, by_name)
-    vars(model)["dhelix_data_parallel"] = DataParallelInfo(mode, dp_mesh, mesh, param_dtype, reduce_dtype)
+    vars(model)["dhelix_data_parallel"] = DataParallelInfo(mode, dp_mesh, mesh, param_dtype, reduce_dtype, sync)
     if param_dtype is not None:
         model.register_forward_pre_hook(_inputs_cast_to(param_dtype), with_kwargs=True)
     return model
+
+
+@contextlib.contextmanager
+def gradient_sync_on_last(model: nn.Module) -> Iterator[Callable[[bool], None]]:
+    """For a runner of micro-batches: yields ``before_forward(last)``, which turns gradient sync
+    on for the last micro-batch only (if the user left it on); the user's setting is restored on
+    exit. For a model not wrapped by ``data_parallel`` ``before_forward`` does nothing."""
+    info: DataParallelInfo | None = vars(model).get("dhelix_data_parallel")
+    if info is None:
+        yield lambda last: None
+        return
+    requested = info.gradient_sync.enabled
+    try:
+        yield lambda last: info.set_requires_gradient_sync(requested and last)
+    finally:
+        info.gradient_sync.enabled = requested
 
 
 # ---------------------------------------------------------------------------- checks

@@ -3,7 +3,9 @@
     gather_shards(shard, dim, group)        forward: all-gather the DP ranks' shards along ``dim``
                                             backward: reduce-scatter the gradient (mean over ranks)
     replicate_with_reduced_grad(x, group)   forward: ``x`` itself (cast to the compute dtype)
-                                            backward: all-reduce the gradient (mean over ranks)
+                                            backward: all-reduce the gradient (mean over ranks), or
+                                            leave it local to accumulate (gradient sync off), or
+                                            all-reduce it plus the locally accumulated one
 
 Both are ``torch.autograd.Function`` s over ``torch.distributed._functional_collectives``, so
 Dynamo traces them: the all-gather lands in the forward graph and the reduction in the backward
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+
+from dhelix_compile.ops.accumulated_grad import with_accumulated_grad
 
 if TYPE_CHECKING:
     from dhelix_compile._torch_compat import GroupName
@@ -54,16 +58,29 @@ class _GatherShards(torch.autograd.Function):
 class _ReplicateWithReducedGrad(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, group: GroupName, ranks: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype
+        ctx: Any,
+        x: torch.Tensor,
+        group: GroupName,
+        ranks: int,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        reduce_now: bool,
+        accumulated_slot: int | None,
     ) -> torch.Tensor:
-        ctx.meta = (group, ranks, x.dtype, reduce_dtype)
+        ctx.meta = (group, ranks, x.dtype, reduce_dtype, reduce_now, accumulated_slot)
         return x.to(compute_dtype) if compute_dtype != x.dtype else x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        group, ranks, dtype, reduce_dtype = ctx.meta
-        reduced = funcol.wait_tensor(funcol.all_reduce(grad.to(reduce_dtype) / ranks, "sum", group))
-        return reduced.to(dtype), None, None, None, None
+        group, ranks, dtype, reduce_dtype, reduce_now, accumulated_slot = ctx.meta
+        none = (None,) * 6
+        if not reduce_now:  # accumulates locally in param.grad until a backward reduces it
+            return grad.to(dtype), *none
+        total = grad.to(reduce_dtype)
+        if accumulated_slot is not None:
+            total = with_accumulated_grad(total, accumulated_slot)
+        reduced = funcol.wait_tensor(funcol.all_reduce(total / ranks, "sum", group))
+        return reduced.to(dtype), *none
 
 
 def gather_shards(
@@ -75,8 +92,22 @@ def gather_shards(
 
 
 def replicate_with_reduced_grad(
-    x: torch.Tensor, group: GroupName, ranks: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype
+    x: torch.Tensor,
+    group: GroupName,
+    ranks: int,
+    compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    *,
+    reduce_now: bool = True,
+    accumulated_slot: int | None = None,
 ) -> torch.Tensor:
-    """``x`` (in ``compute_dtype``), whose gradient is averaged over the ranks of ``group``."""
-    out: torch.Tensor = _ReplicateWithReducedGrad.apply(x, group, ranks, compute_dtype, reduce_dtype)
+    """``x`` (in ``compute_dtype``), whose gradient is averaged over the ranks of ``group``.
+
+    ``reduce_now=False``: the gradient is returned unreduced (it accumulates locally in
+    ``param.grad``). ``accumulated_slot``: the parameter's ``accumulator_slot``; the reduction
+    then includes what ``param.grad`` accumulated (``dhelix::with_accumulated_grad``).
+    """
+    out: torch.Tensor = _ReplicateWithReducedGrad.apply(
+        x, group, ranks, compute_dtype, reduce_dtype, reduce_now, accumulated_slot
+    )
     return out

@@ -32,13 +32,14 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.data_parallelism.collectives import gather_shards, replicate_with_reduced_grad
+from dhelix_compile.ops.accumulated_grad import accumulator_slot
 
 if TYPE_CHECKING:
     from dhelix_compile._torch_compat import GroupName
 
 Mode = Literal["shard", "replicate"]
 
-__all__ = ["Mode", "ParamLayout", "TensorParallelSpec", "shard_dim", "store"]
+__all__ = ["GradientSync", "Mode", "ParamLayout", "TensorParallelSpec", "shard_dim", "store"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,22 @@ class TensorParallelSpec:
     stride: tuple[int, ...]
 
 
+@dataclass(eq=False)
+class GradientSync:
+    """Whether backwards reduce replicated gradients now; one per model, shared by its layouts.
+
+    ``enabled=False`` (``DataParallelInfo.set_requires_gradient_sync``): replicated parameters'
+    gradients accumulate locally in ``param.grad``; ``accumulating`` then stays set, and from
+    then on a reducing backward reduces ``param.grad`` plus its own gradient (right whether
+    ``param.grad`` is local or was reduced already: the mean of ``acc + g_r`` over ranks is
+    ``acc + mean(g)`` when ``acc`` is the same on every rank). Read when the forward runs (or is
+    traced: Dynamo guards on both fields), so it decides the backward of that forward.
+    """
+
+    enabled: bool = True
+    accumulating: bool = False
+
+
 @dataclass(frozen=True)
 class ParamLayout:
     """What a module's parameter attribute computes from the stored parameter (see the module doc)."""
@@ -61,6 +78,8 @@ class ParamLayout:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     tensor_parallel: TensorParallelSpec | None
+    sync: GradientSync  #: the model's gradient sync switch (replicated parameters only)
+    slot: int  #: the stored parameter's ``accumulator_slot``
 
     def compute(self, param: torch.Tensor) -> torch.Tensor:
         assert isinstance(param, DTensor), "data_parallel stores every parameter as a DTensor"
@@ -68,7 +87,15 @@ class ParamLayout:
         if self.dim is not None:
             full = gather_shards(local, self.dim, self.group, self.ranks, self.compute_dtype, self.reduce_dtype)
         else:
-            full = replicate_with_reduced_grad(local, self.group, self.ranks, self.compute_dtype, self.reduce_dtype)
+            full = replicate_with_reduced_grad(
+                local,
+                self.group,
+                self.ranks,
+                self.compute_dtype,
+                self.reduce_dtype,
+                reduce_now=self.sync.enabled,
+                accumulated_slot=self.slot if self.sync.accumulating else None,
+            )
         tp = self.tensor_parallel
         if tp is None:
             return full
@@ -87,6 +114,7 @@ def store(
     mode: Mode,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    sync: GradientSync,
 ) -> tuple[nn.Parameter, ParamLayout]:
     """``original`` (a plain tensor or a DTensor on the TP dim of ``mesh``) as stored by ``data_parallel``."""
     tp: TensorParallelSpec | None = None
@@ -113,6 +141,7 @@ def store(
     stored = DTensor.from_local(
         local, mesh, (dp_placement, *tp_placements), run_check=False, shape=shape, stride=stride
     )
+    param = nn.Parameter(stored, requires_grad=original.requires_grad)
     floating = original.is_floating_point()
     compute_dtype = param_dtype if param_dtype is not None and floating else original.dtype
     layout = ParamLayout(
@@ -122,5 +151,7 @@ def store(
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype if reduce_dtype is not None and floating else compute_dtype,  # FSDP2's default
         tensor_parallel=tp,
+        sync=sync,
+        slot=accumulator_slot(param),
     )
-    return nn.Parameter(stored, requires_grad=original.requires_grad), layout
+    return param, layout

@@ -11,7 +11,8 @@ Contract
       ``.loss`` (Hugging Face style); otherwise ``loss_fn(model, mb)`` returns it.
     - After a step every parameter's ``.grad`` holds what ``for mb in microbatches:
       loss(mb).backward()`` would leave: gradients accumulate onto existing ``.grad``, in
-      micro-batch order.
+      micro-batch order. A ``data_parallel`` model's replicated gradients are all-reduced once,
+      by the last backward (gradient sync is off for the other micro-batches' forwards).
     - Execution: F(1), M(2,1), M(3,2), ..., M(n,n-1), B(n), where M is the merged graph
       ordered by the ``interleave`` pass (``dhelix_compile.helix_runtime.strands`` explains the mechanics).
       n = 1 is F then B.
@@ -36,6 +37,7 @@ import torch
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.data_parallelism import gradient_sync_on_last
 from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -71,12 +73,15 @@ class HelixStep:
     def __call__(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
         items = self._check(microbatches)
         losses: list[torch.Tensor] = []
-        loss = self._forward(items[0])
-        for item in items[1:]:
-            next_loss = self._forward_beside_backward(item, loss)
-            losses.append(loss.detach())
-            loss = next_loss
-        loss.backward()
+        with gradient_sync_on_last(self.model) as before_forward:
+            before_forward(len(items) == 1)
+            loss = self._forward(items[0])
+            for index, item in enumerate(items[1:], start=2):
+                before_forward(index == len(items))
+                next_loss = self._forward_beside_backward(item, loss)
+                losses.append(loss.detach())
+                loss = next_loss
+            loss.backward()
         losses.append(loss.detach())
         return losses
 

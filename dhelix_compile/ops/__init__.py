@@ -1,8 +1,10 @@
 """Custom ops dhelix's rewritten graphs call; importing this package registers them with torch.
 
-exchange.py   ``dhelix::exchange``: a send and a receive in one asynchronous, functional op
+exchange.py            ``dhelix::exchange``: a send and a receive in one asynchronous, functional op
+accumulated_grad.py    ``dhelix::with_accumulated_grad``: a gradient plus its parameter's accumulated one
 """
 
+from dhelix_compile.ops.accumulated_grad import WITH_ACCUMULATED_GRAD, accumulator_slot, with_accumulated_grad
 from dhelix_compile.ops.exchange import P2P_EXCHANGE, p2p_exchange
 
-__all__ = ["P2P_EXCHANGE", "p2p_exchange"]
+__all__ = ["P2P_EXCHANGE", "WITH_ACCUMULATED_GRAD", "accumulator_slot", "p2p_exchange", "with_accumulated_grad"]

@@ -13,6 +13,8 @@ rank of an initialised default process group (``run_on_ranks``) and
    ``MixedPrecisionPolicy`` when ``param_dtype`` is given; loop ``loss(mb).backward()``;
 4. dhelix: ``data_parallel(model, mesh["dp"], mode, ...)`` run by ``runner``: ``"eager"`` (the same
    loop), ``"dhelix"`` (the loop over ``torch.compile(model, backend="dhelix")``) or ``"helix"``;
+   both loops reduce replicated gradients once per step (DDP's ``no_sync`` /
+   ``set_requires_gradient_sync`` on every micro-batch but the last), as ``helix`` does itself;
 5. compares losses, full gradients (``full_tensor``) and, after one ``AdamW`` step on each, full
    parameters; checks that names and order are the unwrapped model's, and that each parameter and
    its gradient are DTensors of one layout on the DP mesh (2-D with TP).
@@ -22,6 +24,7 @@ It returns a picklable report and raises ``AssertionError`` naming every mismatc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -97,12 +100,36 @@ def _train(model: nn.Module, run: Callable[[list[Any]], list[torch.Tensor]], mbs
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def _loop(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> Callable[[list[Any]], list[torch.Tensor]]:
+def sync_on_last(model: nn.Module | None) -> Callable[[bool], contextlib.AbstractContextManager[Any]]:
+    """``sync(last)``, entered around each micro-batch's forward and backward, so that ``model``'s
+    gradients are reduced by the last backward only, as users accumulate gradients: DDP's
+    ``no_sync`` before it, ``set_requires_gradient_sync`` for ``data_parallel``; a no-op for any
+    other model (FSDP2's reduce-scatter runs every micro-batch)."""
+
+    def sync(last: bool) -> contextlib.AbstractContextManager[Any]:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext() if last else model.no_sync()
+        info = vars(model).get("dhelix_data_parallel") if model is not None else None
+        if info is not None:
+            info.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    return sync
+
+
+def _loop(
+    model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], sync_once: nn.Module | None = None
+) -> Callable[[list[Any]], list[torch.Tensor]]:
+    """``loss(mb).backward()`` for each micro-batch, gradients reduced by the last backward of
+    ``sync_once`` (``sync_on_last``)."""
+    sync = sync_on_last(sync_once)
+
     def run(mbs: list[Any]) -> list[torch.Tensor]:
         losses = []
-        for mb in mbs:
-            loss = loss_fn(model, mb)
-            loss.backward()
+        for k, mb in enumerate(mbs):
+            with sync(k == len(mbs) - 1):
+                loss = loss_fn(model, mb)
+                loss.backward()
             losses.append(loss)
         return losses
 
@@ -154,7 +181,8 @@ def check_data_parallel(
 
     base_model, blocks = _build(model, mesh, tp)
     wrapped = torch_data_parallel(base_model, blocks, dp_mesh, mode, tp, mp)
-    want = _train(wrapped, _loop(wrapped, loss_fn), mbs)
+    ddp = wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None  # FSDP2: every micro-batch
+    want = _train(wrapped, _loop(wrapped, loss_fn, sync_once=ddp), mbs)
     if isinstance(wrapped, nn.parallel.DistributedDataParallel):
         want["grads"] = {k.removeprefix("module."): v for k, v in want["grads"].items()}
         want["params"] = {k.removeprefix("module."): v for k, v in want["params"].items()}
@@ -166,9 +194,9 @@ def check_data_parallel(
         run: Callable[[list[Any]], list[torch.Tensor]] = dhelix_compile.helix(ours, loss_fn, **options)
     elif runner == "dhelix":
         compiled: Any = torch.compile(ours, backend=dhelix_compile.backend(**options), fullgraph=True)
-        run = _loop(compiled, loss_fn)
+        run = _loop(compiled, loss_fn, sync_once=ours)
     else:
-        run = _loop(ours, loss_fn)
+        run = _loop(ours, loss_fn, sync_once=ours)
     got = _train(ours, run, mbs)
 
     problems = _layout_problems(ours, names, mesh.ndim)
@@ -304,8 +332,10 @@ def check_data_parallel_cases(rank: int, world_size: int, cases: list[dict[str, 
 def graph_collectives(
     rank: int, world_size: int, modes: list[Literal["shard", "replicate"]]
 ) -> list[dict[str, dict[str, int]]]:
-    """For each mode, the functional collectives in the forward and backward graphs AOTAutograd
-    captures from a ``data_parallel`` reference model (by graph kind and op name)."""
+    """For each mode, the collectives (and ``dhelix::with_accumulated_grad``) in the graphs
+    AOTAutograd captures from a ``data_parallel`` reference model over two micro-batches,
+    gradient sync off for the first: ``"forward"``, ``"backward_accumulating"`` (the first
+    micro-batch's backward) and ``"backward"`` (the last's), by op name."""
     return [_graph_collectives(rank, world_size, mode) for mode in modes]
 
 
@@ -317,15 +347,17 @@ def _graph_collectives(rank: int, world_size: int, mode: Literal["shard", "repli
     torch._dynamo.reset()
     mesh = _mesh(world_size, 1)
     model = data_parallel(_build("reference", mesh, 1)[0], mesh["dp"], mode)
-    found: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    graphs: dict[str, list[dict[str, int]]] = {"forward": [], "backward": []}
 
     def keeper(kind: str) -> Callable[..., Any]:
         def keep(gm: torch.fx.GraphModule, _: Any) -> Any:
+            found: dict[str, int] = {}
             for node in gm.graph.nodes:
                 name = str(node.target)
-                if "_c10d_functional" in name and "wait" not in name:
+                if ("_c10d_functional" in name and "wait" not in name) or "with_accumulated_grad" in name:
                     op = name.split(".")[1]
-                    found[kind][op] = found[kind].get(op, 0) + 1
+                    found[op] = found.get(op, 0) + 1
+            graphs[kind].append(found)
             return gm.forward
 
         return keep
@@ -333,9 +365,13 @@ def _graph_collectives(rank: int, world_size: int, mode: Literal["shard", "repli
     compiled: Any = torch.compile(
         model, backend=aot_autograd(fw_compiler=keeper("forward"), bw_compiler=keeper("backward"))
     )
-    mbs, loss_fn = _microbatches("reference", rank, 1)
-    loss_fn(compiled, mbs[0]).backward()
-    return found
+    mbs, loss_fn = _microbatches("reference", rank, 2)
+    _loop(compiled, loss_fn, sync_once=model)(mbs)
+    return {
+        "forward": graphs["forward"][0],
+        "backward_accumulating": graphs["backward"][0],
+        "backward": graphs["backward"][-1],
+    }
 
 
 def mesh_wrappers(rank: int, world_size: int) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``dhelix::exchange`` (dhelix_compile.ops.exchange), the P2P op the per-peer decomposition emits."""
+"""dhelix's custom ops (``dhelix_compile.ops``): ``dhelix::exchange``, the P2P op the per-peer
+decomposition emits, and ``dhelix::with_accumulated_grad``."""
 
 from __future__ import annotations
 
@@ -27,3 +28,20 @@ def test_exchange_on_the_fake_group_keeps_nothing_in_flight() -> None:
             c10d.wait_tensor(received)
             assert received.shape == (8,)
     assert exchange._IN_FLIGHT_SENDS == []
+
+
+def test_with_accumulated_grad_adds_the_parameters_grad_and_clears_it() -> None:
+    """``dhelix::with_accumulated_grad`` (data_parallel's once-per-step all-reduce reads what the
+    earlier micro-batches accumulated through it)."""
+    from dhelix_compile.ops import WITH_ACCUMULATED_GRAD, accumulator_slot
+
+    param = torch.nn.Parameter(torch.zeros(3))
+    slot = accumulator_slot(param)
+    grad = torch.ones(3)
+    alone = WITH_ACCUMULATED_GRAD(grad, slot)  # nothing accumulated: a copy, never the input itself
+    assert torch.equal(alone, grad) and alone.data_ptr() != grad.data_ptr()
+    param.grad = torch.full((3,), 2.0)
+    assert torch.equal(WITH_ACCUMULATED_GRAD(grad, slot), torch.full((3,), 3.0))
+    assert param.grad is None
+    del param  # the slot holds its parameter weakly
+    assert torch.equal(WITH_ACCUMULATED_GRAD(grad, slot), grad)
