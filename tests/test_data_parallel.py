@@ -35,12 +35,15 @@ def _run(world_size: int, cases: list[dict[str, Any]], timeout_s: float = 600) -
 
 
 def test_two_ranks_match_ddp_and_fsdp2_eager() -> None:
+    """And helix on a replicated model: it turns gradient sync off for all micro-batches but the
+    last by itself, and equals DDP with ``no_sync`` (eager codegen here; Inductor under FULL)."""
     _run(
         2,
         [
             {"mode": "shard", "runner": "eager"},
             {"mode": "replicate", "runner": "eager"},
             {"mode": "shard", "runner": "eager", "param_dtype": "bfloat16", "reduce_dtype": "float32"},
+            {"mode": "replicate", "runner": "helix", "microbatches": 3, "codegen": "eager"},
         ],
     )
 
