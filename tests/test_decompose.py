@@ -618,7 +618,9 @@ def test_tp_reference_model_with_decomposed_all_reduces(mode: str) -> None:
     [
         (2, "eager"),
         pytest.param(4, "eager", marks=pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1")),
-        pytest.param(2, "inductor", marks=pytest.mark.inductor),
+        pytest.param(
+            2, "inductor", marks=[pytest.mark.inductor, pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1")]
+        ),
     ],
 )
 def test_moe_reference_model_with_per_peer_all_to_alls(world_size: int, codegen: str) -> None:

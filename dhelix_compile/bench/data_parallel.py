@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dhelix_compile.bench.steps import HELIX_VARIANTS, split_variant, step_function
 from dhelix_compile.bench.workloads import Workload
+from dhelix_compile.own_code import with_own_code
 
 DATA_PARALLEL_VARIANTS: tuple[str, ...] = ("torch_eager", "torch_inductor", "eager", "inductor", "dhelix", "helix")
 DATA_PARALLEL_MODES: tuple[str, ...] = ("shard", "replicate")
@@ -56,6 +57,9 @@ def data_parallel_step(
 
     base, own = split_variant(variant, DATA_PARALLEL_VARIANTS)
     module = workload.make()
+    # each variant's forward its own Dynamo cache: FSDP2's compiled forward graph-breaks at once,
+    # and its cache entry would send every later variant's model through it in pieces (own_code.py)
+    module.forward = with_own_code(module.forward, f"{base}_forward")
     if base.startswith("torch_"):
         model = torch_data_parallel(module, _blocks(module), mesh, mode)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and dist.get_backend() == "fake":

@@ -27,8 +27,6 @@ Contract
 
 from __future__ import annotations
 
-import itertools
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +37,7 @@ from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.data_parallelism import gradient_sync_on_last
 from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
+from dhelix_compile.own_code import with_own_code
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -67,7 +66,7 @@ class HelixStep:
         self.config = config
         self._strands = Strands(config, self)
         self._compiled = torch.compile(
-            _with_own_code(self._loss), backend=self._strands.backend, fullgraph=True, dynamic=False
+            with_own_code(self._loss, "helix_loss"), backend=self._strands.backend, fullgraph=True, dynamic=False
         )
 
     def __call__(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
@@ -135,21 +134,3 @@ class HelixStep:
         if not any(p.requires_grad for p in self.model.parameters()):
             raise HelixError("helix: the model has no parameter that requires grad; there is nothing to train")
         return items
-
-
-_step_ids = itertools.count()
-
-
-def _with_own_code(method: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
-    """``method`` as a function with a code object of its own.
-
-    Dynamo caches compiled code, and counts recompiles against ``recompile_limit``, per code
-    object. Every ``HelixStep`` would otherwise share ``_loss``'s: a few steps over different
-    models would exhaust the limit, and ``fullgraph=True`` turns that into an error.
-    """
-    assert isinstance(method, types.MethodType), "a bound method (HelixStep._loss)"
-    function = method.__func__
-    assert isinstance(function, types.FunctionType), "a method written in Python"
-    code = function.__code__.replace(co_name=f"helix_loss_{next(_step_ids)}")
-    fresh = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
-    return types.MethodType(fresh, method.__self__)
