@@ -137,7 +137,8 @@ def _data_parallel_peaks(
 
     from dhelix_compile.bench.steps import step_function
     from dhelix_compile.data_parallelism import data_parallel
-    from dhelix_compile.testing.data_parallel_checks import torch_data_parallel
+    from dhelix_compile.own_code import with_own_code
+    from dhelix_compile.testing.data_parallel_checks import sync_on_last, torch_data_parallel
     from dhelix_compile.testing.llama import Transformer
 
     config, mbs, loss_fn = _token_microbatches(model, microbatches, 1234 + rank)
@@ -145,11 +146,13 @@ def _data_parallel_peaks(
     peaks = {}
     for name in variants:
         module: torch.nn.Module = Transformer(config)
+        module.forward = with_own_code(module.forward)  # each variant its own Dynamo cache (own_code.py)
         if name == "torch":
             module = torch_data_parallel(module, list(module.layers), mesh, mode)  # type: ignore[arg-type]
         else:
             data_parallel(module, mesh, mode)  # type: ignore[arg-type]
-        step = step_function("eager" if name == "torch" else name, module, loss_fn)
+        sync = sync_on_last(module)  # gradients reduced once per step (DDP: no_sync before the last)
+        step = step_function("eager" if name == "torch" else name, module, loss_fn, gradient_sync=sync)
         step(mbs)  # compile, and the gradients exist: later steps accumulate into them
         torch.distributed.barrier()
         peaks[name] = peak_allocated_bytes(functools.partial(step, mbs))
