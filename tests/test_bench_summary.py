@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from dhelix_compile.bench.run import hidden_share, markdown
@@ -62,43 +60,31 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
     assert rows["*ceiling*"][3:] == ["1.43x", "1.05", "1.00", "80%", "95.0", "", "104.0", "1.0", "", ""]
 
 
-@pytest.mark.multirank
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1 (the data-parallel run below)")
-def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
+def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:
+    """``dhelix bench`` on loopback with ``variants`` (3 repeats): its summary, checked for what
+    every run measures."""
     import json
 
     from dhelix_compile.bench.run import main
 
-    out = tmp_path / "moe.json"
-    argv = [
-        "--model",
-        "moe_small",
-        "--rate",
-        "none",
-        "--variants",
-        "eager,dhelix_eager[decompose=off]",
-        "--repeats",
-        "3",
-        "--warmup",
-        "1",
-        "--time-limit-s",
-        "30",
-        "--timeout-s",
-        "240",
-        "--out",
-        str(out),
-    ]
-    assert main(argv) == 0
+    out = tmp_path / "bench.json"
+    argv = [*argv, "--rate", "none", "--variants", ",".join(variants), "--repeats", "3", "--warmup", "1"]
+    assert main([*argv, "--time-limit-s", "30", "--timeout-s", "240", "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
-    assert set(summary["variants"]) == {"eager", "dhelix_eager[decompose=off]"} and not summary["errors"]
-    assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0
-    assert summary["t_comm_cpu_s"] > 0
+    assert set(summary["variants"]) == set(variants) and not summary["errors"]
+    assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0 and summary["t_comm_cpu_s"] > 0
     ceiling = summary["ceiling"]  # the step's collectives under synthetic compute of about T_compute
     assert ceiling["step_s_median"] > 0 and ceiling["t_compute_s"] > 0 and ceiling["cpu_s_median"] > 0
     for v in summary["variants"].values():  # a step's CPU time is measured beside its wall time
         assert v["cpu_s_median"] > 0 and v["idle_s"] == pytest.approx(max(v["step_s_median"] - v["cpu_s_median"], 0.0))
         assert v["first_step_s"] > 0  # the compiling first step, timed apart
+    return summary
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
+    summary = _bench_end_to_end(tmp_path, ["--model", "moe_small"], ["eager", "dhelix_eager[decompose=off]"])
     dhelix = summary["variants"]["dhelix_eager[decompose=off]"]
     assert dhelix["plan_s"] > 0 and dhelix["profile_s"] > 0  # on a live 2-rank group the default profiles
     assert summary["variants"]["eager"]["plan_s"] == 0  # no dhelix graph: no passes
@@ -132,27 +118,9 @@ def test_the_demo_prints_losses_and_speed_beside_the_ceiling(capsys, tmp_path) -
 def test_the_data_parallel_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
     """``--data-parallel``: PyTorch's DDP beside ``data_parallel`` on the unparallelized model,
     gradients reduced once per step; T_comm is the step's all-reduces replayed."""
-    import json
-
-    from dhelix_compile.bench.run import main
-
-    out = tmp_path / "dp.json"
-    argv = ["--model", "tiny", "--data-parallel", "replicate", "--microbatches", "2", "--rate", "none"]
-    variants = "torch_eager,dhelix[codegen=eager]"
-    argv += ["--variants", variants, "--repeats", "3", "--warmup", "1", "--time-limit-s", "30"]
-    assert main([*argv, "--timeout-s", "240", "--out", str(out)]) == 0
-    summary = json.loads(out.read_text())
-    assert summary["data_parallel"] == "replicate" and not summary["errors"]
-    assert set(summary["variants"]) == set(variants.split(","))
-    assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0 and summary["t_comm_cpu_s"] > 0
-    ceiling = summary["ceiling"]  # the step's collectives under synthetic compute of about T_compute
-    assert ceiling["step_s_median"] > 0 and ceiling["t_compute_s"] > 0 and ceiling["cpu_s_median"] > 0
-    for v in summary["variants"].values():  # a step's CPU time is measured beside its wall time
-        assert v["cpu_s_median"] > 0 and v["idle_s"] == pytest.approx(max(v["step_s_median"] - v["cpu_s_median"], 0.0))
-        assert v["first_step_s"] > 0  # the compiling first step, timed apart
-    dhelix = summary["variants"]["dhelix[codegen=eager]"]
-    assert dhelix["plan_s"] > 0 and dhelix["profile_s"] > 0  # on a live 2-rank group the default profiles
-    assert summary["variants"]["torch_eager"]["plan_s"] == 0  # no dhelix graph: no passes
+    argv = ["--model", "tiny", "--data-parallel", "replicate", "--microbatches", "2"]
+    summary = _bench_end_to_end(tmp_path, argv, ["torch_eager", "eager"])
+    assert summary["data_parallel"] == "replicate"
 
 
 @pytest.mark.parametrize(
