@@ -72,11 +72,12 @@ class HelixStep:
     def __call__(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
         items = self._check(microbatches)
         losses: list[torch.Tensor] = []
+        last = len(items) - 1
         with gradient_sync_on_last(self.model) as before_forward:
-            before_forward(len(items) == 1)
+            before_forward(last == 0)
             loss = self._forward(items[0])
-            for index, item in enumerate(items[1:], start=2):
-                before_forward(index == len(items))
+            for index, item in enumerate(items[1:], start=1):
+                before_forward(index == last)
                 next_loss = self._forward_beside_backward(item, loss)
                 losses.append(loss.detach())
                 loss = next_loss
