@@ -4,7 +4,9 @@ Reads ``WORKDIR/job.pkl`` (``fn, args, kwargs, pg_timeout_s, num_threads``), joi
 group through ``env://`` (the launcher set ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``),
 calls ``fn(rank, world_size, *args, **kwargs)`` and writes ``("ok", pickled result, time)`` or
 ``("exception", traceback, time)`` to ``WORKDIR/rank<r>.result``. SIGUSR1 dumps every thread's
-stack to ``WORKDIR/rank<r>.stacks`` (the launcher sends it to a rank it is about to kill).
+stack to ``WORKDIR/rank<r>.stacks`` (the launcher sends it to a rank it is about to kill); a
+fatal signal (a segfault, glibc's abort on heap corruption) prints them to stderr, which the
+launcher reports with the crash.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main(workdir: Path) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     stack_file = open(workdir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash (SIGSEGV, SIGABRT) shows where
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     result_path = workdir / f"rank{rank}.result"
     import torch
