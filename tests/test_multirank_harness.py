@@ -61,6 +61,16 @@ def _crash_unpicklable_and_stuck(rank: int, world_size: int) -> object:
     return rank
 
 
+def _abort_in_named_helper() -> None:
+    os.abort()  # what glibc does on heap corruption: SIGABRT, no Python exception
+
+
+def _rank1_aborts(rank: int, world_size: int) -> int:
+    if rank == 1:
+        _abort_in_named_helper()
+    return rank
+
+
 # ---- helpers ----------------------------------------------------------------------------------
 
 
@@ -160,6 +170,18 @@ def test_crash_unpicklable_result_and_stuck_rank_are_reported() -> None:
     assert "_crash_unpicklable_and_stuck" in by_rank[3].stack
     _assert_reaped(err.pids)
     assert _zombie_children() == []
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_fatal_signal_reports_the_python_stack() -> None:
+    with pytest.raises(MultiRankError) as info:
+        run_on_ranks(_rank1_aborts, 2, timeout_s=60)
+    (failure,) = info.value.failures
+    assert (failure.rank, failure.kind) == (1, "crashed")
+    assert "code -6" in failure.detail
+    assert "_abort_in_named_helper" in failure.detail  # faulthandler's stack, on the rank's stderr
+    _assert_reaped(info.value.pids)
 
 
 def test_unpicklable_function_fails_fast_without_leaving_workers() -> None:
