@@ -4,7 +4,7 @@ Contract
 --------
 An :class:`Estimator` maps one FX node to a :class:`NodeCost`; which model stands behind it
 (analytic, profiled, a table in a test) is the caller's choice. Besides ``node_cost`` every
-estimator answers three questions, with a neutral answer where it has no real one::
+estimator answers four questions, with a neutral answer where it has no real one::
 
     member                        answers                                        neutral answer
     node_cost(node)               the node's cost                                (required)
@@ -15,11 +15,14 @@ estimator answers three questions, with a neutral answer where it has no real on
                                   (None: no segment of that strand)              formula
     measure_new(nodes)            measures nodes a pass created after            nothing
                                   calibration, before they are priced
+    segment_times(segments)       seconds of each node list run for real, with   [None, ...]: nothing
+                                  its dataflow, on the live group (the           measured
+                                  decompose pass's candidates)
 
 Callers call them directly; nothing is probed with ``getattr``. :class:`EstimatorBase` holds the
 neutral answers: :class:`AnalyticEstimator` and :class:`TableEstimator` inherit them (and set
-their own contention factor), :class:`MemoizedEstimator` forwards all four to the estimator it
-wraps, and :class:`cost_model.profile.ProfiledEstimator` has real answers for all three.
+their own contention factor), :class:`MemoizedEstimator` forwards all of them to the estimator it
+wraps, and :class:`cost_model.profile.ProfiledEstimator` has real answers for all of them.
 
 :class:`AnalyticEstimator` -- the roofline / alpha-beta model::
 
@@ -108,7 +111,7 @@ class NodeCost:
 
 @runtime_checkable
 class Estimator(Protocol):
-    """Anything that prices a node, and answers the three questions of the module docstring."""
+    """Anything that prices a node, and answers the questions of the module docstring."""
 
     @property
     def contention_factor(self) -> float:
@@ -129,6 +132,11 @@ class Estimator(Protocol):
     def measure_new(self, nodes: Sequence[torch.fx.Node]) -> object:
         """Measure ``nodes``, created by a pass after calibration, before they are priced; every
         rank calls it with the same nodes in the same order. The return value is for logs only."""
+        ...
+
+    def segment_times(self, segments: Sequence[Sequence[torch.fx.Node]]) -> list[float | None]:
+        """Measured seconds of each node list run in order with its dataflow (None: not measured);
+        every rank calls it with the same segments in the same order."""
         ...
 
 
@@ -152,6 +160,10 @@ class EstimatorBase:
     def measure_new(self, nodes: Sequence[torch.fx.Node]) -> object:
         """Nothing to measure: None."""
         return None
+
+    def segment_times(self, segments: Sequence[Sequence[torch.fx.Node]]) -> list[float | None]:
+        """Nothing measured: None for each."""
+        return [None] * len(segments)
 
 
 def _allocated_bytes(node: torch.fx.Node) -> SizeExpr:
@@ -376,6 +388,9 @@ class MemoizedEstimator:
 
     def measure_new(self, nodes: Sequence[torch.fx.Node]) -> object:
         return self.base.measure_new(nodes)
+
+    def segment_times(self, segments: Sequence[Sequence[torch.fx.Node]]) -> list[float | None]:
+        return self.base.segment_times(segments)
 
 
 #: Alias: the stub estimator tests hand to passes.

@@ -100,7 +100,8 @@ class DHelixConfig:
         "auto",
         "Collective decomposition (all-gather->matmul, matmul->reduce-scatter, matmul->all-reduce, "
         "all-to-all<->bmm as per-peer P2P steps or k chunks over partitioned matmuls): 'auto' (the "
-        "default) rewrites a site only where the cost model predicts the graph faster that way, "
+        "default) rewrites a site only where it is faster that way (with cost_model='profile': the "
+        "site and its rewrites run on the live group; else predicted), "
         "'per_peer' / 'chunked' force that family wherever it applies, 'off' leaves every site alone.",
         env="DHELIX_DECOMPOSE",
     )
@@ -113,11 +114,12 @@ class DHelixConfig:
         "than per-peer steps (BENCHMARKS.md).",
     )
     decompose_pieces: int = _option(
-        1,
+        0,
         "How many pieces each per-peer transfer is split into, so that the compute on one piece "
-        "runs while the next is in flight: 1..16 forces it, 0 lets the cost model pick 1, 2 or 4 "
-        "(it misses the overhead of small pieces: measured faster on a dim-512 MLP block, slower "
-        "on a dim-256 model; see BENCHMARKS.md).",
+        "runs while the next is in flight: 1..16 forces it; 0 (the default) picks 1, 2 or 4 per "
+        "site: with cost_model='profile' by running each candidate on the live group (pieces "
+        "measured faster on a dim-512 MLP block, slower on a dim-256 model, where the per-op "
+        "model cannot tell them apart; see BENCHMARKS.md), else by prediction.",
     )
     decompose_chains: bool = _option(
         False,
@@ -129,7 +131,9 @@ class DHelixConfig:
         "tell them apart reliably (BENCHMARKS.md).",
     )
     decompose_min_gain_ratio: float = _option(
-        0.02, "decompose='auto' rewrites a site only if its predicted time drops by at least this fraction ([0, 1))."
+        0.02,
+        "decompose='auto' rewrites a site only if its time (measured where the candidates run, else "
+        "predicted) drops by at least this fraction ([0, 1)).",
     )
     interleave_memory_budget_ratio: float = _option(
         1.15,

@@ -21,7 +21,7 @@ from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes.decompose import CHAIN, DecomposeOptions
 from graph_passes.decompose.chain import Rows, locate
 from tests.test_collective_matches import _swiglu_backward_graph
-from tests.test_decompose import _decompose_stats, _ops, _p2p_peers, _run, _tp_sp, _traced
+from tests.test_decompose import _decompose_stats, _ops, _p2p_peers, _run, _tp_sp, _traced, per_peer_sites
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -230,6 +230,6 @@ def test_tp_sp_reference_model_with_chains() -> None:
     """Every MLP block (2 layers, forward and backward) as one chain; attention's all-gather feeds
     attention, not a row-wise chain, so its two collectives stay sites of their own."""
     for stats in run_on_ranks(_chains_forced, 2, _tp_sp, "per_peer", "eager", decompose_chains=True, timeout_s=540):
-        assert stats.get("all_gather_chain: per_peer", 0) >= 4, stats
-        assert stats.get("all_gather_matmul: per_peer", 0) >= 4, stats
-        assert stats.get("matmul_reduce_scatter: per_peer", 0) >= 4, stats
+        assert per_peer_sites(stats, "all_gather_chain") >= 4, stats
+        assert per_peer_sites(stats, "all_gather_matmul") >= 4, stats
+        assert per_peer_sites(stats, "matmul_reduce_scatter") >= 4, stats

@@ -41,7 +41,8 @@ With the measured time ``t`` and the base estimate ``b(sizes)``, ``time_expr`` b
 The pieces: signatures :mod:`cost_model.profile.signatures`, the disk cache
 :mod:`cost_model.profile.cache`, running a node alone :mod:`cost_model.profile.running`, the
 contention factor :mod:`cost_model.profile.contention`, segment pairs
-(``segment_pair_times``) :mod:`cost_model.profile.pairs`.
+(``segment_pair_times``) :mod:`cost_model.profile.pairs`, segments run with their dataflow
+(``segment_times``, the decompose pass's candidates) :mod:`cost_model.profile.segments`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from cost_model.profile.cache import MeasurementCache, device_key
 from cost_model.profile.contention import measure_contention
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
 from cost_model.profile.running import device_of_nodes, median_run_s, real_args
+from cost_model.profile.segments import segment_times
 from cost_model.profile.signatures import collective_signature, compute_signature, is_collective_signature
 from cost_model.progress import item_label, progress_bar
 from cost_model.rank_agreement import agree_max, backend_name, check_same_signatures
@@ -179,6 +181,8 @@ class ProfiledEstimator(EstimatorBase):
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
         #: measured segment pairs (cost_model.profile.pairs), kept for later compiles in this process
         self.pair_measurements: dict[tuple[SegmentSignature, SegmentSignature], float] = {}
+        #: measured segments (cost_model.profile.segments), kept for later compiles in this process
+        self.segment_measurements: dict[SegmentSignature, float] = {}
 
     # ------------------------------------------------------------------ estimator API
 
@@ -228,6 +232,10 @@ class ProfiledEstimator(EstimatorBase):
     ) -> dict[Pair, float]:
         """Measured co-execution time of segment pairs (:mod:`cost_model.profile.pairs`)."""
         return segment_pair_times(self, fwd, bwd, runner=self.runner)
+
+    def segment_times(self, segments: Sequence[Sequence[torch.fx.Node]]) -> list[float | None]:
+        """Measured seconds of each segment run with its dataflow (:mod:`cost_model.profile.segments`)."""
+        return segment_times(self, segments, runner=self.runner)
 
     def signature(self, node: torch.fx.Node) -> str | None:
         """The node's measurement key (:mod:`cost_model.profile.signatures`), or None for nodes

@@ -35,11 +35,13 @@ is in ``ctx.notes["decompose"][code]``)::
     <pattern>: skipped: no estimator      mode "auto" without a cost model
     <pattern>: skipped: no variant applies
     <pattern>: <family> skipped: <SkipCode>   one family (per_peer, chunked) does not apply
-    <pattern>: kept: no predicted gain    mode "auto": no variant beats the original by min_gain_ratio
+    <pattern>: kept: no gain              mode "auto": no variant beats the original by min_gain_ratio
     all_gather_chain: left to the single sites   the graph predicts less with the two sites
     not matched: <finder code>            a collective no pattern matched (``collective_matches``)
 
-``ctx.records["decompose"]``: ``<site>_original_s``, ``<site>_<variant>_s``, ``<site>_chosen_s``,
+``ctx.records["decompose"]``: ``<site>_original_s``, ``<site>_<variant>_s`` (predicted),
+``<site>_original_measured_s``, ``<site>_<variant>_measured_s`` (run on the live group, where
+there was a choice and the estimator measures), ``<site>_chosen_s``,
 ``<site>_graph_chain_s`` / ``<site>_graph_single_sites_s`` (chains), ``predicted_saved_s`` and
 ``sites_rewritten``; ``<site>`` is the pattern and the site's index (``all_gather_matmul0``).
 """
@@ -153,7 +155,7 @@ class _Decomposer:
         def variant_skipped(family: str, why: SkipSite) -> None:
             self.ctx.explain(PASS, f"{label}: {family} skipped: {why.code}", f"{name}: {why.detail}")
 
-        variants, original_s = selection.variants(
+        variants, original_s, original_measured_s = selection.variants(
             site, group_name, TAG_BASE + index * TAG_STRIDE, strand, variant_skipped
         )
         if not variants:
@@ -164,9 +166,15 @@ class _Decomposer:
         self.ctx.record(
             PASS, **{f"{name}_original_s": original_s}, **{f"{name}_{v.name}_s": v.predicted_s for v in variants}
         )
-        best = selection.choose(variants, original_s)
-        why_not = "kept: no predicted gain"
+        measured = {f"{name}_{v.name}_measured_s": v.measured_s for v in variants if not math.isnan(v.measured_s)}
+        if not math.isnan(original_measured_s):
+            measured[f"{name}_original_measured_s"] = original_measured_s
+        self.ctx.record(PASS, **measured)
+        best = selection.choose(variants, original_s, original_measured_s)
+        why_not = "kept: no gain"
         detail = f"{name}: the original predicts {original_s:.4g} s, the fastest variant {min(v.predicted_s for v in variants):.4g} s"
+        if measured:
+            detail += f" (measured: {', '.join(f'{k[len(name) + 1 : -2]} {v:.4g} s' for k, v in measured.items())})"
         if chain is not None and best is not None and rivals:
             chain_s, sites_s = selection.chain_and_single_sites_s(best, chain, variants, rivals)
             self.ctx.record(PASS, **{f"{name}_graph_chain_s": chain_s, f"{name}_graph_single_sites_s": sites_s})

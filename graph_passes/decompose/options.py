@@ -54,9 +54,11 @@ class DecomposeOptions:
     """How many pieces each per-peer transfer is split into: ``P >= 1`` forces P, ``0`` lets the
     cost model pick among ``AUTO_PIECES`` (those that divide the shape). The compute on piece p
     of a peer's shard runs while piece p+1 is in flight, and a remote partial's piece is sent as
-    soon as it is computed. One piece by default: measured, pieces pay on the dim-512 MLP block
-    and cost more than they hide on the dim-256 TP+SP model, where the cost model misses the
-    overhead of the smaller kernels (BENCHMARKS.md)."""
+    soon as it is computed. Measured, pieces pay on the dim-512 MLP block and cost more than they
+    hide on the dim-256 TP+SP model, where the per-op model misses what transfers in pieces cost
+    on CPU cores; with an estimator that measures (``Estimator.segment_times``) the candidates
+    are run and the measurements decide (``selection``). The backend's default is 0
+    (``DHelixConfig.decompose_pieces``); this dataclass keeps 1, what the pass does unmeasured."""
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
     patterns: tuple[str, ...] = SINGLE_SITE_PATTERNS

@@ -17,11 +17,18 @@ Variants per mode::
     chunked    chunked(k) for k = 2 .. max_chunks
     auto       per_peer, and chunked too with ``options.auto_chunked``
 
-Choice::
+Measured candidates: where there is a choice (``auto``: the original against its variants;
+a forced mode with several variants), the estimator also runs each candidate on the live group
+with its dataflow (``Estimator.segment_times``; the profiled estimator does, others measure
+nothing). When every candidate was measured, the choice goes by the measured times: on a
+machine whose transfers take CPU from the compute, a transfer in flight and each extra piece
+cost more than the per-op model sees (``cost_model.profile.segments``).
+
+Choice (by measured times where every candidate has one, else by predicted times)::
 
     no estimator (forced modes only)   chunked: the largest k; per_peer: the first (fewest pieces)
-    forced mode                        the variant with the least predicted time (first of equals)
-    auto                               that variant only if predicted < original x (1 - min_gain_ratio)
+    forced mode                        the variant with the least time (first of equals)
+    auto                               that variant only if its time < original's x (1 - min_gain_ratio)
 
 A chain (``chain.ChainSite``) competes with its two collectives decomposed on their own: each
 single site at the variant ``choose`` picks for it (``single_site_rivals``, emitted, not
@@ -74,9 +81,11 @@ class Selection:
 
     def variants(
         self, site: Site, group_name: str, tag: int, strand: int | None, skipped: OnSkip | None = None
-    ) -> tuple[list[Variant], float]:
+    ) -> tuple[list[Variant], float, float]:
         """The site's variants for the configured mode, emitted (not committed), their new ops
-        measured and each priced; and the original's predicted time (NaN without an estimator)."""
+        measured and each priced (``predicted_s``, and ``measured_s`` where there is a choice
+        and the estimator measures); the original's predicted time (NaN without an estimator)
+        and its measured time (NaN when not measured)."""
         mode = self.options.mode
         variants: list[Variant] = []
 
@@ -106,18 +115,41 @@ class Selection:
             for k in range(2, self.options.max_chunks + 1):
                 build("chunked", site.chunked, k)
         if not variants:
-            return [], math.nan
+            return [], math.nan, math.nan
         self._measure([n for v in variants for n in v.emitter.nodes])
         for v in variants:
             v.predicted_s = self.simulate_s(v.emitter.nodes)
-        return variants, self.simulate_s(site.old_nodes)
+        original_measured_s = self._run_candidates(site, variants)
+        return variants, self.simulate_s(site.old_nodes), original_measured_s
 
-    def choose(self, variants: Sequence[Variant], original_s: float) -> Variant | None:
-        """The variant to commit, or None to keep the original (``auto`` and no predicted gain)."""
+    def _run_candidates(self, site: Site, variants: Sequence[Variant]) -> float:
+        """Where there is a choice, each candidate run on the live group (``measured_s``); the
+        original's measured time (NaN when not measured)."""
+        auto = self.options.mode == "auto"
+        if self.ctx.estimator is None or not (auto or len(variants) > 1):
+            return math.nan
+        segments = [v.emitter.nodes for v in variants] + ([list(site.old_nodes)] if auto else [])
+        times = self.ctx.estimator.segment_times(segments)
+        for v, t in zip(variants, times, strict=False):
+            v.measured_s = math.nan if t is None else t
+        original = times[-1] if auto else None
+        return math.nan if original is None else original
+
+    def choose(
+        self, variants: Sequence[Variant], original_s: float, original_measured_s: float = math.nan
+    ) -> Variant | None:
+        """The variant to commit, or None to keep the original (``auto`` and no gain); by measured
+        times where every candidate has one, else by predicted times (module docstring)."""
         if self.estimator is None:  # forced mode without costs: the largest k, or per-peer in one piece
             return variants[-1] if self.options.mode == "chunked" else variants[0]
-        best = min(variants, key=lambda v: v.predicted_s)  # stable: first of equals
-        if self.options.mode != "auto" or best.predicted_s < original_s * (1.0 - self.options.min_gain_ratio):
+        auto = self.options.mode == "auto"
+        measured = all(not math.isnan(v.measured_s) for v in variants) and not (
+            auto and math.isnan(original_measured_s)
+        )
+        time_of = (lambda v: v.measured_s) if measured else (lambda v: v.predicted_s)
+        original = original_measured_s if measured else original_s
+        best = min(variants, key=time_of)  # stable: first of equals
+        if not auto or time_of(best) < original * (1.0 - self.options.min_gain_ratio):
             return best
         return None
 
@@ -128,8 +160,8 @@ class Selection:
         patterns build them again)."""
         rivals: list[Rival] = []
         for _, site in chain.single_sites():
-            variants, original_s = self.variants(site, group_name, TAG_BASE, strand)
-            best = self.choose(variants, original_s) if variants else None
+            variants, original_s, original_measured_s = self.variants(site, group_name, TAG_BASE, strand)
+            best = self.choose(variants, original_s, original_measured_s) if variants else None
             discard_all_but(variants, best)
             if best is not None:
                 rivals.append((best, site.old_nodes))

@@ -106,12 +106,14 @@ class SkipSite(Exception):
 @dataclasses.dataclass
 class Variant:
     """One rewrite of a site, emitted but not committed: its name (``per_peer``, ``per_peer_2``,
-    ``chunked_3``), the emitter holding its nodes, and ``(old node, its replacement)`` pairs."""
+    ``chunked_3``), the emitter holding its nodes, and ``(old node, its replacement)`` pairs;
+    its simulated time and, where the estimator ran it on the live group, its measured time."""
 
     name: str
     emitter: Emitter
     replace: list[tuple[torch.fx.Node, torch.fx.Node]]
     predicted_s: float = math.inf
+    measured_s: float = math.nan
 
     def discard(self) -> None:
         for node in reversed(self.emitter.nodes):
