@@ -68,6 +68,17 @@ def materialize(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> torch.Tens
     return t
 
 
+def real_value(node: torch.fx.Node, hints: dict[sympy.Symbol, int]) -> Any:
+    """A real stand-in for ``node``'s output: random tensors of its ``meta["val"]`` (each tensor
+    of a list or tuple), its other values at ``hints``."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return materialize(val, hints)
+    if isinstance(val, (list, tuple)):
+        return type(val)(materialize(v, hints) if isinstance(v, torch.Tensor) else concretize(v, hints) for v in val)
+    return concretize(val, hints)
+
+
 def real_args(
     node: torch.fx.Node, hints: dict[sympy.Symbol, int], group: Any = None
 ) -> tuple[list[Any], dict[str, Any]]:
@@ -78,15 +89,7 @@ def real_args(
     def real(value: Any) -> Any:
         if isinstance(value, torch.fx.Node):
             if value not in made:
-                val = value.meta.get("val")
-                if isinstance(val, torch.Tensor):
-                    made[value] = materialize(val, hints)
-                elif isinstance(val, (list, tuple)):
-                    made[value] = type(val)(
-                        materialize(v, hints) if isinstance(v, torch.Tensor) else concretize(v, hints) for v in val
-                    )
-                else:
-                    made[value] = concretize(val, hints)
+                made[value] = real_value(value, hints)
             return made[value]
         if isinstance(value, list):
             return [real(v) for v in value]
@@ -109,4 +112,4 @@ def real_args(
     return args, kwargs
 
 
-__all__ = ["device_of_nodes", "materialize", "median_run_s", "real_args", "synchronize"]
+__all__ = ["device_of_nodes", "materialize", "median_run_s", "real_args", "real_value", "synchronize"]

@@ -17,7 +17,7 @@ Contract
 * ``segments``: node lists, each in an order valid for running (a graph's order, or a pass's
   emitted order). A segment runs as a graph would: each node's inputs are the outputs of the
   nodes before it in the segment, inputs from outside it are random tensors of their shapes
-  (``running.materialize``), collectives and P2P exchanges run on their live groups, waits
+  (``running.real_value``), collectives and P2P exchanges run on their live groups, waits
   wait. Anything still in flight at the end is waited for. The time is the median of
   ``repeats`` runs after ``warmup``, after a barrier, agreed across ranks by
   ``all_reduce(MAX)``.
@@ -41,9 +41,9 @@ import torch.fx
 from cost_model.nodes import call_target
 from cost_model.op_kinds import kind_of
 from cost_model.profile.pairs import PairProfiler, Segment, SegmentSignature, segment_signature
-from cost_model.profile.running import device_of_nodes, materialize, median_run_s
+from cost_model.profile.running import device_of_nodes, median_run_s, real_value
 from cost_model.rank_agreement import agree_max, check_same_signatures
-from cost_model.symbolic import concretize, size_hints
+from cost_model.symbolic import size_hints
 
 c10d = torch.ops._c10d_functional
 
@@ -127,17 +127,8 @@ def _outside_inputs(nodes: Segment) -> dict[torch.fx.Node, Any]:
     made: dict[torch.fx.Node, Any] = {}
     for node in nodes:
         for inp in node.all_input_nodes:
-            if inp in inside or inp in made:
-                continue
-            val = inp.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                made[inp] = materialize(val, hints)
-            elif isinstance(val, (list, tuple)):
-                made[inp] = type(val)(
-                    materialize(v, hints) if isinstance(v, torch.Tensor) else concretize(v, hints) for v in val
-                )
-            else:
-                made[inp] = concretize(val, hints)
+            if inp not in inside and inp not in made:
+                made[inp] = real_value(inp, hints)
     return made
 
 
