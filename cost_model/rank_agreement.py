@@ -5,6 +5,7 @@ be the same on every rank or the ranks issue different collectives and deadlock.
 tensor collective on float64 values, so it needs nothing beyond torch (no pickling, no numpy):
 
     agree_max(values, group)        element-wise max over ranks (a step ends when its slowest rank ends)
+    agree_max_s(times, group)       measured seconds the same way; failed (NaN) on every rank -> FAILED_S
     all_agree(flag, group)          True on every rank iff it is True on every rank
     gather_floats(values, group)    every rank's list, in rank order (NaN stands for "none")
     check_same_signatures(sigs)     raise, never hang, when ranks are about to measure different lists
@@ -60,6 +61,17 @@ def agree_max(values: Sequence[float], group: Any) -> list[float]:
     return [float(v) for v in t.cpu().tolist()]
 
 
+#: The agreed time of a measurement that failed (NaN) on every rank: below every real time.
+FAILED_S: float = -1.0
+
+
+def agree_max_s(times: Sequence[float], group: Any) -> list[float]:
+    """Measured seconds, element-wise max over the ranks, a failed measurement (NaN) counting as
+    :data:`FAILED_S`: the ranks that measured set the time, and it is ``FAILED_S`` only where
+    every rank failed. Every rank gets the same list either way."""
+    return agree_max([FAILED_S if math.isnan(t) else t for t in times], group)
+
+
 def all_agree(flag: bool, group: Any) -> bool:
     """Whether ``flag`` holds on every rank of ``group`` (the same answer on every rank)."""
     return agree_max([0.0 if flag else 1.0], group)[0] == 0.0
@@ -97,4 +109,13 @@ def check_same_signatures(sigs: Sequence[str], group: Any) -> None:
         )
 
 
-__all__ = ["agree_max", "all_agree", "backend_name", "check_same_signatures", "comm_device", "gather_floats"]
+__all__ = [
+    "FAILED_S",
+    "agree_max",
+    "agree_max_s",
+    "all_agree",
+    "backend_name",
+    "check_same_signatures",
+    "comm_device",
+    "gather_floats",
+]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
 
-from cost_model.rank_agreement import agree_max, all_agree, check_same_signatures, gather_floats
+from cost_model.rank_agreement import FAILED_S, agree_max, agree_max_s, all_agree, check_same_signatures, gather_floats
 from dhelix_compile.testing.multirank import MultiRankError, run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -22,6 +23,8 @@ def _agree_on(rank: int, world_size: int) -> dict[str, object]:
         "all_true": all_agree(True, group),
         "one_false": all_agree(rank != world_size - 1, group),
         "gathered": gather_floats([float(rank), None if rank == 0 else 2.0 * rank], group),
+        # seconds: failed on rank 0 only, and failed everywhere
+        "times": agree_max_s([math.nan if rank == 0 else 0.25, math.nan], group),
     }
 
 
@@ -36,6 +39,7 @@ def test_ranks_agree_with_tensors_only(world_size: int) -> None:
             "all_true": True,
             "one_false": False,
             "gathered": expected_rows,
+            "times": [0.25, FAILED_S],  # the ranks that measured set the time
         }
 
 
@@ -54,6 +58,7 @@ def test_different_signatures_raise_on_every_rank() -> None:
 
 def test_without_a_group_each_rank_keeps_its_own() -> None:
     assert agree_max([1.0, 2.0], None) == [1.0, 2.0]
+    assert agree_max_s([1.0, math.nan], None) == [1.0, FAILED_S]
     assert all_agree(False, None) is False
     assert gather_floats([1.0, None], None) == [[1.0, None]]
     check_same_signatures(["x"], None)

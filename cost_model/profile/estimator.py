@@ -70,19 +70,17 @@ from cost_model.op_kinds import kind_of, op_name
 from cost_model.profile.cache import MeasurementCache, device_key
 from cost_model.profile.contention import measure_contention
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
-from cost_model.profile.running import device_of_nodes, median_run_s, real_args
+from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args
 from cost_model.profile.segments import segment_times
 from cost_model.profile.signatures import collective_signature, compute_signature, is_collective_signature
 from cost_model.progress import item_label, progress_bar
-from cost_model.rank_agreement import agree_max, backend_name, check_same_signatures
+from cost_model.rank_agreement import FAILED_S, agree_max, agree_max_s, backend_name, check_same_signatures
 from cost_model.strand_plan import Pair
 from cost_model.symbolic import size_hints, tensors_in
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-#: A signature's agreed time when its measurement failed on some rank.
-_FAILED: float = -1.0
 #: ``progress=None`` shows the bar from this many measurements on (and only on a terminal).
 PROGRESS_MIN_MEASUREMENTS: int = 8
 
@@ -370,11 +368,11 @@ class ProfiledEstimator(EstimatorBase):
                 else:
                     t = known[item.sig]
                     cached += 1
-                times.append(t if not math.isnan(t) else _FAILED)
-        times = agree_max(times, agree_group)
+                times.append(t)
+        times = agree_max_s(times, agree_group)
 
         for item, t in zip(items, times, strict=True):
-            if t == _FAILED:
+            if t == FAILED_S:
                 skipped["measurement failed"] = skipped.get("measurement failed", 0) + 1
                 continue
             self.measurements[item.sig] = t
@@ -392,9 +390,9 @@ class ProfiledEstimator(EstimatorBase):
                 [
                     (t, it.sig, it.node)
                     for it, t in zip(items, times, strict=True)
-                    if not it.is_collective and t != _FAILED
+                    if not it.is_collective and t != FAILED_S
                 ],
-                [(t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != _FAILED],
+                [(t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != FAILED_S],
                 agree_group,
                 cache,
                 self.repeats,
@@ -429,7 +427,6 @@ class ProfiledEstimator(EstimatorBase):
             return math.nan
         if item.is_collective:
             group = self._group_of(node)
-            import torch.distributed as dist
 
             def run() -> object:
                 out = call_target(node)(*args, **kwargs)
@@ -437,19 +434,12 @@ class ProfiledEstimator(EstimatorBase):
                     c10d.wait_tensor(t)
                 return out
 
-            try:
-                dist.barrier(group=group)
-                return median_run_s(run, self.warmup, self.repeats, device)
-            except Exception:  # noqa: BLE001 - a collective that fails to run is priced by the base model
-                return math.nan
+            return median_run_or_nan_s(run, self.warmup, self.repeats, device, group)  # NaN: the base model prices it
 
         def run_compute() -> object:
             return call_target(node)(*args, **kwargs)
 
-        try:
-            return median_run_s(run_compute, self.warmup, self.repeats, device)
-        except Exception:  # noqa: BLE001 - an op that fails to run is priced by the base model
-            return math.nan
+        return median_run_or_nan_s(run_compute, self.warmup, self.repeats, device)
 
 
 def _rank(group: Any) -> int:

@@ -50,9 +50,9 @@ import torch.fx
 from cost_model.comm_nodes import bound_args, resolve_process_group
 from cost_model.nodes import call_target
 from cost_model.op_kinds import kind_of
-from cost_model.profile.running import device_of_nodes, median_run_s, real_args
+from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args
 from cost_model.profile.signatures import p2p_signature
-from cost_model.rank_agreement import agree_max, backend_name, check_same_signatures
+from cost_model.rank_agreement import FAILED_S, agree_max_s, backend_name, check_same_signatures
 from cost_model.strand_plan import Pair
 from cost_model.symbolic import size_hints
 
@@ -68,7 +68,7 @@ class PairProfiler(Protocol):
     warmup: int
     repeats: int
     pair_measurements: dict[tuple[SegmentSignature, SegmentSignature], float]
-    """Seconds by (forward, backward) segment signature; -1.0: the measurement failed."""
+    """Seconds by (forward, backward) segment signature; ``FAILED_S``: the measurement failed on every rank."""
 
     def signature(self, node: torch.fx.Node) -> str | None: ...
 
@@ -149,18 +149,16 @@ def segment_pair_times(
             for sig in todo:
                 i, j = first_of[sig]
                 times.append(_measure_pair(profiled, fwd[i] if i is not None else (), bwd[j] if j is not None else ()))
-            return agree_max([t if not math.isnan(t) else -1.0 for t in times], group)
+            return agree_max_s(times, group)
 
         measured = runner(measure_all) if runner is not None else measure_all()
         for sig, t in zip(todo, measured, strict=True):
             cache[sig] = t
-    return {key: cache[sig] for key, sig in key_of.items() if cache.get(sig, -1.0) >= 0}
+    return {key: cache[sig] for key, sig in key_of.items() if cache.get(sig, FAILED_S) != FAILED_S}
 
 
 def _measure_pair(profiled: PairProfiler, fwd: Segment, bwd: Segment) -> float:
     """Median seconds of B's nodes then F's, collectives in flight until the end; NaN on failure."""
-    import torch.distributed as dist
-
     calls: list[tuple[torch.fx.Node, list[Any], dict[str, Any], bool]] = []
     try:
         for node in (*bwd, *fwd):
@@ -186,13 +184,7 @@ def _measure_pair(profiled: PairProfiler, fwd: Segment, bwd: Segment) -> float:
         for t in in_flight:
             c10d.wait_tensor(t)
 
-    try:
-        group = profiled.agreement_group()
-        if group is not None:
-            dist.barrier(group=group)
-        return median_run_s(run, profiled.warmup, profiled.repeats, device)
-    except Exception:  # noqa: BLE001
-        return math.nan
+    return median_run_or_nan_s(run, profiled.warmup, profiled.repeats, device, profiled.agreement_group())
 
 
 __all__ = ["PairProfiler", "Segment", "SegmentSignature", "segment_pair_times", "segment_signature"]

@@ -7,7 +7,8 @@ Contract
   size hints (:func:`materialize`: normal floats, zero integers -- valid indices and masks);
   given a live ``group``, a collective's ``group_name`` argument names that group.
 * :func:`median_run_s` -- ``warmup`` untimed calls, then the median wall time of ``repeats``
-  calls, the device synchronized after each.
+  calls, the device synchronized after each; :func:`median_run_or_nan_s` -- the same after a
+  barrier on a group that runs it together, NaN when it raises (the profiler's failure value).
 * :func:`device_of_nodes` -- where the nodes' tensors live (the first one found; CPU if none).
 
 Nothing here knows estimators: :mod:`cost_model.profile.estimator` (ops and collectives alone)
@@ -16,6 +17,7 @@ and :mod:`cost_model.profile.pairs` (two segments together) both build on it.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -54,6 +56,21 @@ def median_run_s(fn: Callable[[], object], warmup: int, repeats: int, device: to
         synchronize(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def median_run_or_nan_s(
+    fn: Callable[[], object], warmup: int, repeats: int, device: torch.device, barrier_group: Any = None
+) -> float:
+    """:func:`median_run_s`, after a barrier on ``barrier_group`` (when given: ranks that run
+    transfers together start together); NaN when the barrier or a call raises."""
+    try:
+        if barrier_group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=barrier_group)
+        return median_run_s(fn, warmup, repeats, device)
+    except Exception:  # noqa: BLE001 - a failed measurement is NaN; the caller's agreement marks it failed
+        return math.nan
 
 
 def materialize(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> torch.Tensor:
@@ -112,4 +129,12 @@ def real_args(
     return args, kwargs
 
 
-__all__ = ["device_of_nodes", "materialize", "median_run_s", "real_args", "real_value", "synchronize"]
+__all__ = [
+    "device_of_nodes",
+    "materialize",
+    "median_run_or_nan_s",
+    "median_run_s",
+    "real_args",
+    "real_value",
+    "synchronize",
+]

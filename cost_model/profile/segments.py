@@ -23,7 +23,8 @@ Contract
   ``all_reduce(MAX)``.
 * ``None`` for a segment that cannot be measured: an op outside torch's namespaces (it may
   have side effects), a collective or exchange without a live group (a fake group), or a run
-  that raised on some rank (agreed: every rank gets ``None`` for it).
+  that raised on every rank (``rank_agreement.agree_max_s``: the ranks that measured set the
+  time; every rank gets the same answer).
 * Every rank must call it with the same segments (same signatures, same order): checked, a
   mismatch raises before anything is sent. Results are memoized by signature in
   ``profiled.segment_measurements`` (never on disk: they include the link).
@@ -41,21 +42,18 @@ import torch.fx
 from cost_model.nodes import call_target
 from cost_model.op_kinds import kind_of
 from cost_model.profile.pairs import PairProfiler, Segment, SegmentSignature, segment_signature
-from cost_model.profile.running import device_of_nodes, median_run_s, real_value
-from cost_model.rank_agreement import agree_max, check_same_signatures
+from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_value
+from cost_model.rank_agreement import FAILED_S, agree_max_s, check_same_signatures
 from cost_model.symbolic import size_hints
 
 c10d = torch.ops._c10d_functional
-
-#: The agreed time of a segment whose run failed on some rank.
-_FAILED = -1.0
 
 
 class SegmentProfiler(PairProfiler, Protocol):
     """What measuring segments needs of the profiled estimator."""
 
     segment_measurements: dict[SegmentSignature, float]
-    """Seconds by segment signature; -1.0: the run failed on some rank."""
+    """Seconds by segment signature; ``FAILED_S``: the run failed on every rank."""
 
 
 def segment_times(
@@ -75,13 +73,12 @@ def segment_times(
 
     def measure_all() -> list[float]:  # the agreements too: a pass may call this under a fake-tensor mode
         check_same_signatures(["|".join(sig) for sig, _ in todo], group)
-        times = [_measure(profiled, segment) for _, segment in todo]
-        return agree_max([_FAILED if math.isnan(t) else t for t in times], group)
+        return agree_max_s([_measure(profiled, segment) for _, segment in todo], group)
 
     measured = runner(measure_all) if runner is not None else measure_all()
     for (sig, _), t in zip(todo, measured, strict=True):
         cache[sig] = t
-    return [None if sig is None or cache[sig] < 0 else cache[sig] for sig in sigs]
+    return [None if sig is None or cache[sig] == FAILED_S else cache[sig] for sig in sigs]
 
 
 def _signature(profiled: PairProfiler, nodes: Segment) -> SegmentSignature | None:
@@ -92,8 +89,6 @@ def _signature(profiled: PairProfiler, nodes: Segment) -> SegmentSignature | Non
 
 def _measure(profiled: PairProfiler, nodes: Segment) -> float:
     """Median seconds of running ``nodes`` with their dataflow; NaN if a run raised."""
-    import torch.distributed as dist
-
     try:
         outside = _outside_inputs(nodes)
     except Exception:  # noqa: BLE001 - an input that cannot be made: not measurable
@@ -111,13 +106,8 @@ def _measure(profiled: PairProfiler, nodes: Segment) -> float:
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 c10d.wait_tensor(t)
 
-    try:
-        group = profiled.agreement_group()
-        if group is not None:
-            dist.barrier(group=group)
-        return median_run_s(run, profiled.warmup, profiled.repeats, device_of_nodes(nodes))
-    except Exception:  # noqa: BLE001 - the other ranks finish theirs; the agreement marks it failed
-        return math.nan
+    device = device_of_nodes(nodes)
+    return median_run_or_nan_s(run, profiled.warmup, profiled.repeats, device, profiled.agreement_group())
 
 
 def _outside_inputs(nodes: Segment) -> dict[torch.fx.Node, Any]:

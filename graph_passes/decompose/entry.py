@@ -166,15 +166,17 @@ class _Decomposer:
         self.ctx.record(
             PASS, **{f"{name}_original_s": original_s}, **{f"{name}_{v.name}_s": v.predicted_s for v in variants}
         )
-        measured = {f"{name}_{v.name}_measured_s": v.measured_s for v in variants if not math.isnan(v.measured_s)}
-        if not math.isnan(original_measured_s):
-            measured[f"{name}_original_measured_s"] = original_measured_s
-        self.ctx.record(PASS, **measured)
+        measured = {
+            candidate: t
+            for candidate, t in [*((v.name, v.measured_s) for v in variants), ("original", original_measured_s)]
+            if not math.isnan(t)
+        }
+        self.ctx.record(PASS, **{f"{name}_{candidate}_measured_s": t for candidate, t in measured.items()})
         best = selection.choose(variants, original_s, original_measured_s)
         why_not = "kept: no gain"
         detail = f"{name}: the original predicts {original_s:.4g} s, the fastest variant {min(v.predicted_s for v in variants):.4g} s"
         if measured:
-            detail += f" (measured: {', '.join(f'{k[len(name) + 1 : -2]} {v:.4g} s' for k, v in measured.items())})"
+            detail += f" (measured: {', '.join(f'{candidate} {t:.4g} s' for candidate, t in measured.items())})"
         if chain is not None and best is not None and rivals:
             chain_s, sites_s = selection.chain_and_single_sites_s(best, chain, variants, rivals)
             self.ctx.record(PASS, **{f"{name}_graph_chain_s": chain_s, f"{name}_graph_single_sites_s": sites_s})

@@ -129,11 +129,10 @@ class Selection:
         if self.ctx.estimator is None or not (auto or len(variants) > 1):
             return math.nan
         segments = [v.emitter.nodes for v in variants] + ([list(site.old_nodes)] if auto else [])
-        times = self.ctx.estimator.segment_times(segments)
-        for v, t in zip(variants, times, strict=False):
-            v.measured_s = math.nan if t is None else t
-        original = times[-1] if auto else None
-        return math.nan if original is None else original
+        times = [math.nan if t is None else t for t in self.ctx.estimator.segment_times(segments)]
+        for v, t in zip(variants, times[: len(variants)], strict=True):
+            v.measured_s = t
+        return times[-1] if auto else math.nan
 
     def choose(
         self, variants: Sequence[Variant], original_s: float, original_measured_s: float = math.nan
