@@ -226,6 +226,10 @@ def test_chain_through_inductor_codegen() -> None:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not os.environ.get("DHELIX_TEST_FULL"),
+    reason="DHELIX_TEST_FULL=1: opt-in chains on the whole model, the budget (the chain's numerics run by default above)",
+)
 def test_tp_sp_reference_model_with_chains() -> None:
     """Every MLP block (2 layers, forward and backward) as one chain; attention's all-gather feeds
     attention, not a row-wise chain, so its two collectives stay sites of their own."""
