@@ -58,6 +58,15 @@ P2P_OP_NAMES: tuple[str, ...] = ("dhelix::exchange",)
 
 WAIT_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (c10d.wait_tensor,)
 
+#: Ops that read a tensor's shape, strides or offset, never its data: they may read a collective's
+#: output before its wait (a graph traced with dynamic shapes does).
+SHAPE_READS: tuple[torch._ops.OpOverloadPacket, ...] = (
+    aten.sym_size,
+    aten.sym_stride,
+    aten.sym_numel,
+    aten.sym_storage_offset,
+)
+
 #: Ops that never move data: metadata changes and aliasing views. Costed as free.
 VIEW_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     aten.view,
@@ -82,11 +91,13 @@ VIEW_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     aten.unflatten,
     aten.flatten,
     aten.narrow,
-    aten.sym_size,
-    aten.sym_stride,
-    aten.sym_numel,
-    aten.sym_storage_offset,
+    *SHAPE_READS,
 )
+
+
+def reads_only_shape(node: torch.fx.Node) -> bool:
+    """Whether ``node`` reads only the shape (strides, offset) of its input (``SHAPE_READS``)."""
+    return node.op == "call_function" and _packet(node.target) in SHAPE_READS
 
 
 def _packet(target: object) -> object:

@@ -25,6 +25,7 @@ from torch._inductor import ir as _inductor_ir
 from torch._inductor.choices import InductorChoices as _InductorChoices
 from torch._inductor.compile_fx import compile_fx as _compile_fx
 from torch._inductor.compile_fx import compile_fx_inner as _compile_fx_inner
+from torch._inductor.custom_graph_pass import CustomGraphPass as _CustomGraphPass
 from torch._inductor.virtualized import V as _V
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ def compile_with_aot_autograd(
     inner_compile: InnerCompile,
     *,
     inductor_config_patches: dict[str, Any] | None = None,
+    joint_pass: Callable[[torch.fx.Graph], object] | None = None,
 ) -> Callable[..., Any]:
     """Capture ``gm`` exactly as Inductor does and hand each partition to ``inner_compile``.
 
@@ -59,12 +61,40 @@ def compile_with_aot_autograd(
     AOTAutograd's cache is off for these compiles: its key covers the Dynamo graph and torch's
     configs but not ``inner_compile``, so a hit would return code compiled without (or with
     other) dhelix passes. Inductor's FX-graph cache stays on: its key is the graph we pass it.
+
+    ``joint_pass(graph)``: run on the joint graph before it is partitioned (Inductor's
+    ``joint_custom_pre_pass``, after any the user set), e.g. to mark nodes for recompute.
     """
+    patches = dict(inductor_config_patches or {})
+    if joint_pass is not None:
+        patches["joint_custom_pre_pass"] = _JointPass(joint_pass, _inductor_config.joint_custom_pre_pass)
     with _functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
-        compiled = _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=inductor_config_patches)
+        compiled = _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     # compile_fx returns source paths or weights only when compiling ahead of time (AOTInductor)
     assert callable(compiled), f"compile_fx returned {type(compiled).__name__}, not a callable"
     return compiled
+
+
+class _JointPass(_CustomGraphPass):
+    """A joint-graph pass in Inductor's custom-pass form (its ``uuid`` keys Inductor's caches)."""
+
+    def __init__(self, fn: Callable[[torch.fx.Graph], object], before: Any) -> None:
+        self.fn, self.before = fn, before
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.before is not None:
+            self.before(graph)
+        self.fn(graph)
+
+    def uuid(self) -> Any:
+        before = self.before.uuid() if isinstance(self.before, _CustomGraphPass) else self.before
+        return (f"{self.fn.__module__}.{self.fn.__qualname__}", before)
+
+
+def annotated(annotation: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """``torch.fx.traceback.annotate``: the nodes traced inside carry ``annotation`` in
+    ``meta["custom"]``, through Dynamo and AOTAutograd (into the joint graph)."""
+    return torch.fx.traceback.annotate(annotation)
 
 
 def into_one_fake_mode(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:

@@ -39,6 +39,7 @@ from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator, resolve_cost_model
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
+from graph_passes.regather import mark_regathers
 
 if TYPE_CHECKING:  # observe/ is imported only when a dump or a profile is asked for
     from dhelix_compile.observe.dumps import GraphDumper
@@ -59,7 +60,11 @@ def capture(
     """Compile a Dynamo graph with dhelix; returns what ``torch.compile`` expects of a backend."""
     inner = functools.partial(compile_partition, config=config)
     return compat.compile_with_aot_autograd(
-        gm, example_inputs, inner, inductor_config_patches=compat.inductor_mode_options(mode)
+        gm,
+        example_inputs,
+        inner,
+        inductor_config_patches=compat.inductor_mode_options(mode),
+        joint_pass=mark_regathers,
     )
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch.fx
 
 from graph_passes.annotate import annotate_pass
+from graph_passes.collapse_waits import collapse_waits_pass
 from graph_passes.combine_all_reduces import combine_all_reduces_pass
 from graph_passes.context import PassContext
 from graph_passes.decompose import decompose_pass
@@ -62,6 +63,11 @@ class UnknownPassError(ValueError):
 
 #: The pipeline, in order. Add a pass by inserting a ``GraphPass`` at the right position.
 PASSES: tuple[GraphPass, ...] = (
+    GraphPass(
+        "collapse_waits",
+        collapse_waits_pass,
+        "wait_tensor of a tensor already waited on (funcol waits when traced) -> that tensor",
+    ),
     GraphPass(
         "combine_all_reduces",
         combine_all_reduces_pass,

@@ -7,7 +7,7 @@ Contract
        a valid topological order);
     2. every collective / P2P issue is completed by at least one ``wait_tensor``, and every
        output of a multi-output issue (coalesced collectives, ``batch_p2p_ops``) that is used
-       is waited on before anything else reads it;
+       is waited on before anything else reads it (reading only its shape, ``sym_size``, is no read);
     3. every ``wait_tensor`` completes an issue node (directly or through ``getitem``) that
        comes before it.
 
@@ -27,7 +27,7 @@ import operator
 
 import torch.fx
 
-from cost_model.op_kinds import is_comm, kind_of
+from cost_model.op_kinds import is_comm, kind_of, reads_only_shape
 from graph_passes.annotate import issue_of
 from graph_passes.context import PassContext
 
@@ -56,7 +56,7 @@ def verify_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
             readers = _readers(node)
             if not any(kind_of(r) == "wait" for r in readers):
                 raise VerifyError(f"{ctx.graph_name}: {kind} '{node.name}' ({node.target}) has no wait_tensor")
-            unwaited = [r.name for r in readers if kind_of(r) != "wait"]
+            unwaited = [r.name for r in readers if kind_of(r) != "wait" and not reads_only_shape(r)]
             if unwaited:
                 raise VerifyError(
                     f"{ctx.graph_name}: {kind} '{node.name}' is read by {unwaited} before its wait_tensor"

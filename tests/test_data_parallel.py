@@ -102,6 +102,18 @@ def test_collectives_are_in_the_forward_and_backward_graphs() -> None:
     assert replicate["backward"] == {"all_reduce": params, "with_accumulated_grad": params}
 
 
+def test_reshard_after_forward_gathers_again_in_the_backward_and_keeps_the_gradients() -> None:
+    """``reshard_after_forward=True`` (FSDP2's name): the backward gathers every weight its
+    gradients read again (all but the embedding table, whose backward needs only the token ids)
+    instead of keeping the forward's; gradients and the optimizer step still equal FSDP2's."""
+    (regathered,) = run_on_ranks(graph_collectives, 2, ["shard"], True, timeout_s=180)[0]
+    params = 21
+    assert regathered["forward"] == {"all_gather_into_tensor": params}
+    for backward in ("backward_accumulating", "backward"):
+        assert regathered[backward] == {"all_gather_into_tensor": params - 1, "reduce_scatter_tensor": params}
+    _run(2, [{"mode": "shard", "runner": "dhelix", "codegen": "eager", "reshard_after_forward": True}])
+
+
 @pytest.mark.parametrize(
     "mode,world_size,tp",
     [("shard", 2, 1), pytest.param("replicate", 2, 1, marks=full_only), pytest.param("shard", 4, 2, marks=full_only)],

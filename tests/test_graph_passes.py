@@ -214,7 +214,7 @@ def _train_once(options: dict) -> torch.Tensor:
 
 
 def _pass_stems() -> list[str]:
-    """Dump file stems of the pipeline's passes: ``01_combine_all_reduces``, ``02_annotate``, ..."""
+    """Dump file stems of the pipeline's passes: ``01_collapse_waits``, ``02_combine_all_reduces``, ..."""
     return [f"{i:02d}_{name}" for i, name in enumerate(pass_names(), start=1)]
 
 
@@ -254,7 +254,7 @@ def failing_pipeline(monkeypatch):
 @pytest.mark.inductor
 def test_failing_pass_falls_back_to_plain_inductor_with_a_warning(failing_pipeline, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="dhelix"):
-        out = _train_once({"codegen": "eager"})
+        out = _train_once({"codegen": "eager", "fallback": "inductor"})
     assert "dhelix pass 'boom' failed" in caplog.text
     assert "falling back to plain Inductor" in caplog.text
     torch.manual_seed(0)

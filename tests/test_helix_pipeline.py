@@ -24,6 +24,7 @@ pytestmark = pytest.mark.multirank
 #: The default suite's budget (15 minutes on 2 cores) keeps 1F1B out of the 4-rank run and
 #: DualPipeV through Inductor out; DHELIX_TEST_FULL=1 runs them.
 FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
+full_only = pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
 
 
 def _assert_no_problems(results: list[dict[str, list[str]]]) -> None:
@@ -74,6 +75,38 @@ def test_pp2_x_tp2_stages_equal_their_eager_run_and_merge_both_strands_collectiv
         merged = sorted(p.name for p in (tmp_path / f"rank{rank}").glob("*_merged"))
         want = 2 if rank < 2 else 1
         assert len([m for m in merged if ("_with_" in m) == (rank < 2)]) >= want, f"rank {rank}: {merged}"
+
+
+@pytest.mark.parametrize("mode", ["replicate", pytest.param("shard", marks=full_only)])
+def test_pp2_x_dp2_data_parallel_stages_equal_eager_averaged_over_dp(tmp_path: Path, mode: str) -> None:
+    """4 ranks, a (pp=2, dp=2) mesh, every stage chunk wrapped by ``data_parallel`` over its DP
+    pair: torch's schedule and ``helix_pipeline`` over them give each DP rank's own losses and the
+    gradients of plain eager stages averaged over DP. Replicated gradients are all-reduced once
+    per step: only the graph of each stage's last backward holds all-reduces, and those reduce
+    what the earlier micro-batches accumulated (``dhelix::with_accumulated_grad``)."""
+    kinds = ["dualpipev", "1f1b"] if FULL else ["dualpipev"]
+    results = run_on_ranks(
+        check_pipelines,
+        4,
+        kinds,
+        4,
+        dp=2,
+        dp_mode=mode,
+        codegen="eager",
+        fallback="error",
+        dump_dir=str(tmp_path),
+        timeout_s=400,
+    )
+    _assert_no_problems(results)
+    if mode == "replicate":
+        for rank in range(4):
+            graphs = {p.parent.name: p.read_text() for p in (tmp_path / f"rank{rank}").glob("*/00_input.txt")}
+            reducing = [name for name, code in graphs.items() if "_c10d_functional.all_reduce" in code]
+            assert reducing, f"rank {rank}: no graph all-reduces: {sorted(graphs)}"
+            once = [name for name in reducing if "with_accumulated_grad" in graphs[name]]
+            assert once == reducing, (
+                f"rank {rank}: graphs reducing one micro-batch's gradient: {set(reducing) - set(once)}"
+            )
 
 
 def test_a_split_hugging_face_llama_equals_its_eager_run() -> None:

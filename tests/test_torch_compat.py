@@ -50,6 +50,44 @@ def test_aot_autograd_cache_never_bypasses_our_inner_compile() -> None:
     assert len(calls) == 2
 
 
+def test_joint_pass_sees_annotated_nodes_and_its_recompute_marks_reach_the_partitioner() -> None:
+    """``annotated`` tags survive Dynamo and AOTAutograd into the joint graph that ``joint_pass``
+    sees, and a ``MUST_RECOMPUTE`` it sets there makes the partitioner recompute the node in the
+    backward (what ``graph_passes.regather`` relies on)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    tagged: list[str] = []
+    backward_ops: list[str] = []
+
+    def joint(graph: torch.fx.Graph) -> None:
+        for node in graph.nodes:
+            if (node.meta.get("custom") or {}).get("test") == "cos":
+                tagged.append(str(node.target))  # the cos, and its backward (traced in the same region)
+                if node.target is torch.ops.aten.cos.default:
+                    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                    node.meta["ac_graph_id"] = 1
+
+    def inner(gm, example_inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            backward_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return compat.eager_partition(gm)
+
+    def f(x):
+        with compat.annotated({"test": "cos"}):
+            c = x.cos()
+        return (c * x).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        f, backend=lambda gm, ex: compat.compile_with_aot_autograd(gm, ex, inner, joint_pass=joint)
+    )
+    x = torch.randn(5, requires_grad=True)
+    compiled(x).backward()
+    assert tagged[0] == "aten.cos.default" and "aten.sin.default" in tagged
+    assert "aten.cos.default" in backward_ops  # recomputed, not saved
+    torch.testing.assert_close(x.grad, x.cos() - x * x.sin())
+
+
 def test_eager_partition_is_boxed() -> None:
     gm = torch.fx.symbolic_trace(lambda a, b: a + b)
     fn = compat.eager_partition(gm)

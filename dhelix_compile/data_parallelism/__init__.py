@@ -30,12 +30,26 @@ Composition with tensor parallelism: apply the TP plan first (``parallelize_modu
 ``mesh["tp"]``), then ``data_parallel`` over ``mesh["dp"]`` of the same 2-D mesh. Parameters
 then live on the 2-D ``(dp, tp)`` mesh; a plain parameter of the TP model is ``Replicate()`` on tp.
 
+Composition with pipeline parallelism: wrap each stage's module over ``mesh["dp"]`` of a
+``(pp, dp)`` mesh before building its ``PipelineStage`` (on ``mesh["pp"]``'s group). Torch's
+schedules run such stages as they are (replicated gradients all-reduced by every backward);
+``helix_pipeline`` turns gradient sync on for each stage's last backward only.
+
 What stays as in the unwrapped model: ``named_parameters()`` (names and order; a tied parameter
 stays one parameter), ``state_dict()`` keys (values are the DTensors, so
 ``torch.distributed.checkpoint`` saves and loads them, and its checkpoints load into the unwrapped
 model), buffers (untouched), and each rank's own losses. Reading a parameter attribute
 (``module.weight``) runs the all-gather, a collective: every DP rank must read it; the stored
 parameter is ``module._parameters[name]``.
+
+Gathering again in the backward (``reshard_after_forward``, FSDP2's name): by default a compiled
+graph keeps each gathered weight from the forward to the backward (AOTAutograd's partitioner saves
+it, or the transpose its matmul's backward reads), which costs one gathered copy of the model's
+weights per micro-batch in flight. ``reshard_after_forward=True`` traces the gathers annotated,
+and dhelix's capture (``graph_passes.regather``, a joint-graph pass) has the partitioner
+recompute them: the backward all-gathers each weight again from the stored shard, as FSDP2 does,
+and the passes schedule those gathers like any collective. Only dhelix's backends (``backend="dhelix"``,
+``helix``, ``helix_pipeline``) do this; eager code and plain Inductor keep the gathered weights.
 
 Mixed precision as FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` is the dtype floating-point
 parameters are gathered and computed in (the root's floating-point inputs are cast to it too);
@@ -87,6 +101,7 @@ class DataParallelInfo:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     gradient_sync: GradientSync
+    reshard_after_forward: bool = False
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Whether the next forwards' backwards reduce the replicated parameters' gradients.
@@ -112,8 +127,13 @@ def data_parallel(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = False,
 ) -> nn.Module:
     """Make ``model`` data-parallel over ``dp_mesh`` in place and return it; see the module doc."""
+    if not isinstance(reshard_after_forward, bool):
+        raise DataParallelError(
+            f"data_parallel reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}"
+        )
     _check_model(model)
     _check_mesh(dp_mesh)
     if mode not in _MODES:
@@ -136,11 +156,15 @@ def data_parallel(
     layouts: dict[nn.Module, dict[str, ParamLayout]] = {}
     for _, module, name, param in owners:
         if id(param) not in stored:
-            stored[id(param)] = store(param, dp_mesh, mesh, mode, param_dtype, reduce_dtype, sync)
+            stored[id(param)] = store(
+                param, dp_mesh, mesh, mode, param_dtype, reduce_dtype, sync, regather=reshard_after_forward
+            )
         module._parameters[name], layouts.setdefault(module, {})[name] = stored[id(param)]
     for module, by_name in layouts.items():
         _compute_parameters_on_read(module, by_name)
-    vars(model)["dhelix_data_parallel"] = DataParallelInfo(mode, dp_mesh, mesh, param_dtype, reduce_dtype, sync)
+    vars(model)["dhelix_data_parallel"] = DataParallelInfo(
+        mode, dp_mesh, mesh, param_dtype, reduce_dtype, sync, reshard_after_forward
+    )
     if param_dtype is not None:
         model.register_forward_pre_hook(_inputs_cast_to(param_dtype), with_kwargs=True)
     return model

@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 __all__ = ["gather_shards", "replicate_with_reduced_grad"]
 
 
+def _waited(result: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, complete: eager code gets an ``AsyncCollectiveTensor``
+    (waited here), traced code its ``wait_tensor`` already (one wait in the graph, not two)."""
+    return result.wait() if isinstance(result, funcol.AsyncCollectiveTensor) else result
+
+
 class _GatherShards(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -46,13 +52,13 @@ class _GatherShards(torch.autograd.Function):
         reduce_dtype: torch.dtype,
     ) -> torch.Tensor:
         ctx.meta = (dim, group, ranks, shard.dtype, reduce_dtype)
-        return funcol.wait_tensor(funcol.all_gather_single(shard.to(compute_dtype), dim, group))
+        return _waited(funcol.all_gather_single(shard.to(compute_dtype), dim, group))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         dim, group, ranks, shard_dtype, reduce_dtype = ctx.meta
         reduced = funcol.reduce_scatter_single(grad.to(reduce_dtype) / ranks, "sum", dim, group)
-        return funcol.wait_tensor(reduced).to(shard_dtype), None, None, None, None, None
+        return _waited(reduced).to(shard_dtype), None, None, None, None, None
 
 
 class _ReplicateWithReducedGrad(torch.autograd.Function):
@@ -79,7 +85,7 @@ class _ReplicateWithReducedGrad(torch.autograd.Function):
         total = grad.to(reduce_dtype)
         if accumulated_slot is not None:
             total = with_accumulated_grad(total, accumulated_slot)
-        reduced = funcol.wait_tensor(funcol.all_reduce(total / ranks, "sum", group))
+        reduced = _waited(funcol.all_reduce(total / ranks, "sum", group))
         return reduced.to(dtype), *none
 
 

@@ -12,7 +12,8 @@ block of the TP tile, as FSDP2 lays it out (``_StridedShard``), so the forward g
 tile with one all-gather over the DP ranks.
 
 Computed (``ParamLayout.compute``): the stored local tensor gathered over the DP ranks (or used as
-is, when replicated) and, for a TP parameter, wrapped back into the DTensor on the TP mesh that
+is, when replicated; with ``regather``, the gather is traced annotated ``graph_passes.regather.REGATHER``
+and dhelix's capture gathers it again in the backward instead of keeping it) and, for a TP parameter, wrapped back into the DTensor on the TP mesh that
 the TP plan's modules expect. The gradient flows back through the same two steps: reduced over
 the DP ranks (reduce-scatter or all-reduce, averaged), so ``param.grad`` is a DTensor of the
 stored layout.
@@ -20,6 +21,7 @@ stored layout.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -33,6 +35,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.data_parallelism.collectives import gather_shards, replicate_with_reduced_grad
 from dhelix_compile.ops.accumulated_grad import accumulator_slot
+from graph_passes.regather import REGATHER
 
 if TYPE_CHECKING:
     from dhelix_compile._torch_compat import GroupName
@@ -80,12 +83,14 @@ class ParamLayout:
     tensor_parallel: TensorParallelSpec | None
     sync: GradientSync  #: the model's gradient sync switch (replicated parameters only)
     slot: int  #: the stored parameter's ``accumulator_slot``
+    regather: bool = False  #: gather again in the backward (``reshard_after_forward``)
 
     def compute(self, param: torch.Tensor) -> torch.Tensor:
         assert isinstance(param, DTensor), "data_parallel stores every parameter as a DTensor"
         local = param.to_local()
         if self.dim is not None:
-            full = gather_shards(local, self.dim, self.group, self.ranks, self.compute_dtype, self.reduce_dtype)
+            with compat.annotated(REGATHER) if self.regather else contextlib.nullcontext():
+                full = gather_shards(local, self.dim, self.group, self.ranks, self.compute_dtype, self.reduce_dtype)
         else:
             full = replicate_with_reduced_grad(
                 local,
@@ -115,6 +120,7 @@ def store(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     sync: GradientSync,
+    regather: bool = False,
 ) -> tuple[nn.Parameter, ParamLayout]:
     """``original`` (a plain tensor or a DTensor on the TP dim of ``mesh``) as stored by ``data_parallel``."""
     tp: TensorParallelSpec | None = None
@@ -153,5 +159,6 @@ def store(
         tensor_parallel=tp,
         sync=sync,
         slot=accumulator_slot(param),
+        regather=regather and dim is not None,
     )
     return param, layout

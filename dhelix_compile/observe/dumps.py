@@ -4,10 +4,10 @@ With ``dump_dir`` set, every compiled partition gets a folder::
 
     <dump_dir>/[rank<r>/]<graph_name>/
         00_input.txt                  the graph as AOTAutograd handed it to dhelix
-        01_combine_all_reduces.before.txt   the graph before the pipeline's first pass
-        01_combine_all_reduces.after.txt    ... and after it
-        01_combine_all_reduces.opcount.txt  op-count diff: which ops the pass added or removed
-        02_annotate.before.txt        the same for every later pass, numbered in pipeline order
+        01_collapse_waits.before.txt  the graph before the pipeline's first pass
+        01_collapse_waits.after.txt   ... and after it
+        01_collapse_waits.opcount.txt op-count diff: which ops the pass added or removed
+        02_combine_all_reduces.before.txt   the same for every later pass, numbered in pipeline order
         ...
         graph.dot, graph.svg          the final graph, nodes filled by kind, outlined by strand
                                       (Graphviz's rendering, or a node list without ``dot``)

@@ -31,6 +31,12 @@ Which schedules pair what (``pairing`` has the rules)
     A schedule's split backwards (``I`` then ``W``: zero-bubble steps of DualPipeV) run as one
     full backward at the ``I`` step: a compiled stage computes both gradients in one graph.
 
+Data parallelism: stage modules wrapped by ``data_parallel`` over the DP dim of a ``(pp, dp)``
+mesh carry their all-gathers and gradient reductions inside their graphs, so a merged step hides
+one strand's DP collectives under the other's compute. Replicated gradients are all-reduced
+once per step, by each stage's last backward (gradient sync off for the other micro-batches'
+forwards, as ``helix`` does; the user's setting is restored after the step).
+
 Refused with :class:`~dhelix_compile.helix_runtime.strands.HelixError`: another schedule type
 (the message names the supported ones), a stage module already compiled, a stage module with
 dropout in training mode (random ops found only when compiling fail the first step the same
@@ -42,6 +48,7 @@ different stage graphs at different times; ``"auto"`` means the analytic model h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, Literal
@@ -51,6 +58,7 @@ import torch
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.data_parallelism import gradient_sync_on_last
 from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
 from dhelix_compile.pipeline_runtime.pairing import (
     Compute,
@@ -93,8 +101,9 @@ def helix_pipeline(schedule: Any, *, order: PipelineOrder = "schedule", **option
     for stage in stages:
         _check_stage_module(stage.submod, stage.stage_index)
     runtime = schedule if compat.is_runtime_schedule(schedule) else compat.single_stage_runtime(schedule)
-    compat.set_pipeline_compute_order(runtime, _to_torch(helix_order(schedule, eager_1f1b=order == "eager_1f1b")))
-    _HelixStages(runtime, stages, config)
+    steps = helix_order(schedule, eager_1f1b=order == "eager_1f1b")
+    compat.set_pipeline_compute_order(runtime, _to_torch(steps))
+    _HelixStages(runtime, stages, config, _last_backwards(steps))
     return runtime
 
 
@@ -142,16 +151,46 @@ def _check_stage_module(module: torch.nn.Module, stage_index: int) -> None:
 class _HelixStages:
     """The stage modules compiled with one set of strands, and the schedule's compute steps."""
 
-    def __init__(self, runtime: Any, stages: list[Any], config: DHelixConfig) -> None:
+    def __init__(self, runtime: Any, stages: list[Any], config: DHelixConfig, last_backwards: dict[int, int]) -> None:
         self.strands = Strands(config, runtime, merge_across_graphs=True)
         self.steps = compat.PipelineSteps(runtime)
         for stage in stages:
             stage.submod.compile(backend=self.strands.backend, fullgraph=True, dynamic=False)
         self.steps.install(self.forward, self.backward, self.overlap)
+        self.last_backwards = last_backwards
+        self.modules = {stage.stage_index: stage.submod for stage in stages}
+        self.before_forward: dict[int, Callable[[bool], None]] = {}
         splits = compat.schedule_microbatches(runtime) if compat.splits_batch_on_dim0(runtime) else 1
-        runtime.step = _raising_helix_errors(runtime.step, splits)
+        runtime.step = self._syncing_once(_raising_helix_errors(runtime.step, splits))
+
+    def _syncing_once(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """``step`` with each ``data_parallel`` stage module's replicated gradients reduced by its
+        last backward only (``gradient_sync_on_last``, as ``helix`` does; torch's own schedules do
+        the same for DDP and FSDP2 modules): the forward of the micro-batch whose backward comes
+        last turns sync on, the others off, and the user's setting is back after the step."""
+
+        @functools.wraps(step)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with contextlib.ExitStack() as stack:
+                self.before_forward = {
+                    index: stack.enter_context(gradient_sync_on_last(module)) for index, module in self.modules.items()
+                }
+                for sync_if_last in self.before_forward.values():
+                    # off from the start: torch's metadata inference (a real forward and backward on
+                    # the first step, input gradients only) then runs the graphs of the early
+                    # micro-batches, not a third variant per stage that Dynamo would compile
+                    sync_if_last(False)
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    self.before_forward = {}
+
+        return run
 
     def forward(self, action: Any, ctx: Any) -> None:
+        _, stage, microbatch, _ = compat.pipeline_action_fields(action)
+        if stage in self.before_forward:
+            self.before_forward[stage](microbatch == self.last_backwards[stage])
         with compat.logging_calls_ignored_by_dynamo():  # a model's log line is no graph break
             self.steps.forward(action, ctx)
 
@@ -196,6 +235,17 @@ def _check_batch(args: tuple[Any, ...], kwargs: dict[str, Any], n_microbatches: 
                 f"{n_microbatches} micro-batches: pass a multiple of {n_microbatches} rows (the stages are compiled "
                 "for one micro-batch shape), or build the schedule with another micro-batch count"
             )
+
+
+def _last_backwards(order: Order) -> dict[int, int]:
+    """Each stage's micro-batch whose backward runs last (in an ``Overlap`` too)."""
+    last: dict[int, int] = {}
+    for steps in order.values():
+        for step in steps:
+            backward = step.backward if isinstance(step, Overlap) else step
+            if backward.kind in ("B", "I"):
+                last[backward.stage] = backward.microbatch
+    return last
 
 
 def _from_torch(action: Any) -> Step:

@@ -163,9 +163,11 @@ def check_data_parallel(
     microbatches: int = 2,
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
+    reshard_after_forward: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
-    """See the module docstring; ``options`` go to ``helix`` or the backend (e.g. ``codegen="eager"``)."""
+    """See the module docstring; ``options`` go to ``helix`` or the backend (e.g. ``codegen="eager"``;
+    ``fallback="error"`` unless given: a pass that fails must fail the check, not fall back)."""
     import dhelix_compile
     from dhelix_compile.data_parallelism import data_parallel
 
@@ -189,7 +191,15 @@ def check_data_parallel(
 
     ours, _ = _build(model, mesh, tp)
     names = [name for name, _ in ours.named_parameters()]
-    data_parallel(ours, dp_mesh, mode, param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    data_parallel(
+        ours,
+        dp_mesh,
+        mode,
+        param_dtype=_DTYPES[param_dtype],
+        reduce_dtype=_DTYPES[reduce_dtype],
+        reshard_after_forward=reshard_after_forward,
+    )
+    options.setdefault("fallback", "error")
     if runner == "helix":
         run: Callable[[list[Any]], list[torch.Tensor]] = dhelix_compile.helix(ours, loss_fn, **options)
     elif runner == "dhelix":
@@ -210,7 +220,10 @@ def check_data_parallel(
             if (g is None) != (w is None) or (g is not None and not torch.allclose(g, w, atol=atol, rtol=rtol)):
                 diff = "missing" if g is None or w is None else f"max abs diff {(g - w).abs().max().item():.3g}"
                 problems.append(f"{what[:-1]} {name}: {diff}")
-    label = f"rank {rank}/{world_size} {model} mode={mode} runner={runner} tp={tp} param_dtype={param_dtype}"
+    label = (
+        f"rank {rank}/{world_size} {model} mode={mode} runner={runner} tp={tp} param_dtype={param_dtype} "
+        f"reshard_after_forward={reshard_after_forward}"
+    )
     if problems:
         raise AssertionError(f"{label}: " + "; ".join(problems))
     placements = {name: str(tuple(p.placements)) for name, p in ours.named_parameters()}  # type: ignore[attr-defined]
@@ -330,41 +343,43 @@ def check_data_parallel_cases(rank: int, world_size: int, cases: list[dict[str, 
 
 
 def graph_collectives(
-    rank: int, world_size: int, modes: list[Literal["shard", "replicate"]]
+    rank: int, world_size: int, modes: list[Literal["shard", "replicate"]], reshard_after_forward: bool = False
 ) -> list[dict[str, dict[str, int]]]:
-    """For each mode, the collectives (and ``dhelix::with_accumulated_grad``) in the graphs
-    AOTAutograd captures from a ``data_parallel`` reference model over two micro-batches,
-    gradient sync off for the first: ``"forward"``, ``"backward_accumulating"`` (the first
-    micro-batch's backward) and ``"backward"`` (the last's), by op name."""
-    return [_graph_collectives(rank, world_size, mode) for mode in modes]
+    """For each mode, the collectives (and ``dhelix::with_accumulated_grad``) in the partitions
+    dhelix's capture (AOTAutograd with dhelix's joint pass, ``graph_passes.regather``) makes of a
+    ``data_parallel`` reference model over two micro-batches, gradient sync off for the first:
+    ``"forward"``, ``"backward_accumulating"`` (the first micro-batch's backward) and
+    ``"backward"`` (the last's), by op name."""
+    return [_graph_collectives(rank, world_size, mode, reshard_after_forward) for mode in modes]
 
 
-def _graph_collectives(rank: int, world_size: int, mode: Literal["shard", "replicate"]) -> dict[str, dict[str, int]]:
-    from torch._dynamo.backends.common import aot_autograd
-
+def _graph_collectives(
+    rank: int, world_size: int, mode: Literal["shard", "replicate"], reshard_after_forward: bool
+) -> dict[str, dict[str, int]]:
+    from dhelix_compile import _torch_compat as compat
     from dhelix_compile.data_parallelism import data_parallel
+    from graph_passes.regather import mark_regathers
 
     torch._dynamo.reset()
     mesh = _mesh(world_size, 1)
-    model = data_parallel(_build("reference", mesh, 1)[0], mesh["dp"], mode)
+    model = _build("reference", mesh, 1)[0]
+    data_parallel(model, mesh["dp"], mode, reshard_after_forward=reshard_after_forward)
     graphs: dict[str, list[dict[str, int]]] = {"forward": [], "backward": []}
 
-    def keeper(kind: str) -> Callable[..., Any]:
-        def keep(gm: torch.fx.GraphModule, _: Any) -> Any:
-            found: dict[str, int] = {}
-            for node in gm.graph.nodes:
-                name = str(node.target)
-                if ("_c10d_functional" in name and "wait" not in name) or "with_accumulated_grad" in name:
-                    op = name.split(".")[1]
-                    found[op] = found.get(op, 0) + 1
-            graphs[kind].append(found)
-            return gm.forward
+    def keep(gm: torch.fx.GraphModule, _: Any, *, is_backward: bool = False, **__: Any) -> Any:
+        found: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            name = str(node.target)
+            if ("_c10d_functional" in name and "wait" not in name) or "with_accumulated_grad" in name:
+                op = name.split(".")[1]
+                found[op] = found.get(op, 0) + 1
+        graphs["backward" if is_backward else "forward"].append(found)
+        return compat.eager_partition(gm)
 
-        return keep
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return compat.compile_with_aot_autograd(gm, example_inputs, keep, joint_pass=mark_regathers)
 
-    compiled: Any = torch.compile(
-        model, backend=aot_autograd(fw_compiler=keeper("forward"), bw_compiler=keeper("backward"))
-    )
+    compiled: Any = torch.compile(model, backend=backend)
     mbs, loss_fn = _microbatches("reference", rank, 2)
     _loop(compiled, loss_fn, sync_once=model)(mbs)
     return {

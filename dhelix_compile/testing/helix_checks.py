@@ -101,6 +101,16 @@ def local_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return grads
 
 
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient, DTensors as full tensors (a collective over their mesh)."""
+    return {
+        name: None
+        if p.grad is None
+        else (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().float()
+        for name, p in model.named_parameters()
+    }
+
+
 def check_helix(
     rank: int,
     world_size: int,

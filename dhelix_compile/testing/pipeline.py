@@ -29,12 +29,14 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dhelix_compile.testing.helix_checks import local_grads
+from dhelix_compile.testing.helix_checks import full_grads, local_grads
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 
 ScheduleKind = Literal["1f1b", "interleaved_1f1b", "dualpipev"]
+DataParallelMode = Literal["shard", "replicate"]
 
 __all__ = ["ScheduleKind", "TransformerChunk", "build_schedule", "check_pipeline", "chunks", "stage_layout"]
 
@@ -142,29 +144,30 @@ def _model_chunks(model: PipelineModel, n_layers: int, seq_len: int) -> tuple[Ca
 def _run(
     kind: ScheduleKind,
     rank: int,
-    world_size: int,
-    tp: int,
+    mesh: Any,
     n_microbatches: int,
     make_chunks: Callable[[int], list[nn.Module]],
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     helix_options: dict[str, Any] | None,
+    dp_mode: DataParallelMode | None,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
+    """One rank's losses and gradients; with ``dp_mode``, the gradients of the chunks wrapped by
+    ``data_parallel`` over ``mesh["dp"]`` (full tensors), else the plain chunks' (local tensors)."""
     from torch.distributed.pipelining import PipelineStage
 
-    pp = world_size // tp
-    group = None
-    if tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
-        group = mesh["pp"].get_group()
-    layout = stage_layout(kind, pp, rank // tp)
+    pp = mesh["pp"].size() if mesh is not None else dist.get_world_size()
+    group = mesh["pp"].get_group() if mesh is not None else None
+    layout = stage_layout(kind, pp, mesh["pp"].get_local_rank() if mesh is not None else rank)
     num_stages = pp * len(layout)
     pieces = make_chunks(num_stages)
     modules = {index: pieces[index] for index in layout}
-    if tp > 1:
-        for module in modules.values():
+    for module in modules.values():
+        if _size(mesh, "tp") > 1:
             _parallelize_tp(module, mesh["tp"])
+        if dp_mode is not None:
+            from dhelix_compile import data_parallel
+
+            data_parallel(module, mesh["dp"], dp_mode)
     stages = [PipelineStage(modules[i], i, num_stages, torch.device("cpu"), group=group) for i in layout]
     schedule = build_schedule(kind, stages, n_microbatches, lm_loss)
     if helix_options is not None:
@@ -178,8 +181,41 @@ def _run(
         args = (tokens,) if holds_first else ()
         schedule.step(*args, target=targets if holds_last else None, losses=step_losses if holds_last else None)
         losses.extend(loss.detach() for loss in step_losses)
-    grads = {f"stage{index}.{name}": g for index, module in modules.items() for name, g in local_grads(module).items()}
+    grads = {
+        f"stage{index}.{name}": g
+        for index, module in modules.items()
+        for name, g in (full_grads(module) if dp_mode is not None else local_grads(module)).items()
+    }
     return losses, grads
+
+
+def _size(mesh: Any, dim: str) -> int:
+    return 1 if mesh is None or dim not in (mesh.mesh_dim_names or ()) else int(mesh[dim].size())
+
+
+def _mesh(world_size: int, tp: int, dp: int) -> Any:
+    """``None`` (the default group is the pipeline's) or the ``(pp, dp, tp)`` mesh, dims of size 1 left out."""
+    if world_size % (tp * dp):
+        raise ValueError(f"world_size {world_size} is not a multiple of dp={dp} x tp={tp}")
+    if tp == dp == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = [("pp", world_size // (tp * dp)), ("dp", dp), ("tp", tp)]
+    kept = [(name, size) for name, size in dims if size > 1 or name == "pp"]
+    return init_device_mesh("cpu", tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
+
+
+def _dp_average(grads: dict[str, torch.Tensor | None], mesh: Any) -> dict[str, torch.Tensor | None]:
+    """Gradients averaged over the DP ranks, as DDP and FSDP2 leave them."""
+    if _size(mesh, "dp") == 1:
+        return grads
+    group, ranks = mesh["dp"].get_group(), mesh["dp"].size()
+    for grad in grads.values():
+        if grad is not None:
+            dist.all_reduce(grad, group=group)
+            grad /= ranks
+    return grads
 
 
 def check_pipeline(
@@ -190,6 +226,8 @@ def check_pipeline(
     *,
     model: PipelineModel = "reference",
     tp: int = 1,
+    dp: int = 1,
+    dp_mode: DataParallelMode = "shard",
     steps: int = 2,
     batch: int = 8,
     seq_len: int = 8,
@@ -199,8 +237,11 @@ def check_pipeline(
     **options: Any,
 ) -> list[str]:
     """Mismatches between torch's schedule eager and through helix_pipeline (module docstring)."""
+    if dp > 1 and tp > 1:
+        raise ValueError("check_pipeline: dp and tp together need a (pp, dp, tp) mesh of 8 ranks; not checked here")
+    mesh = _mesh(world_size, tp, dp)
     make_chunks, vocab_size = _model_chunks(model, n_layers, seq_len)
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(1234 + (mesh["dp"].get_local_rank() if dp > 1 else 0))
     batches = [
         (
             torch.randint(0, vocab_size, (batch, seq_len), generator=gen),
@@ -208,14 +249,38 @@ def check_pipeline(
         )
         for _ in range(steps)
     ]
-    want_losses, want_grads = _run(kind, rank, world_size, tp, n_microbatches, make_chunks, batches, None)
-    got_losses, got_grads = _run(kind, rank, world_size, tp, n_microbatches, make_chunks, batches, options)
+    want_losses, want_grads = _run(kind, rank, mesh, n_microbatches, make_chunks, batches, None, None)
+    want_grads = _dp_average(want_grads, mesh)
+    mode = dp_mode if dp > 1 else None
+    # with data parallelism, torch's own schedule over the data_parallel chunks is checked too
+    runs = {"helix_pipeline": options} if mode is None else {"torch's schedule": None, "helix_pipeline": options}
+    return [
+        f"{run}: {problem}"
+        for run, run_options in runs.items()
+        for problem in _mismatches(
+            rank,
+            (want_losses, want_grads),
+            _run(kind, rank, mesh, n_microbatches, make_chunks, batches, run_options, mode),
+            rtol,
+            atol,
+        )
+    ]
+
+
+def _mismatches(
+    rank: int,
+    want: tuple[list[torch.Tensor], dict[str, torch.Tensor | None]],
+    got: tuple[list[torch.Tensor], dict[str, torch.Tensor | None]],
+    rtol: float,
+    atol: float,
+) -> list[str]:
+    (want_losses, want_grads), (got_losses, got_grads) = want, got
     problems: list[str] = []
     if len(got_losses) != len(want_losses):
         problems.append(f"rank {rank}: {len(got_losses)} losses, eager has {len(want_losses)}")
-    for k, (got, want) in enumerate(zip(got_losses, want_losses, strict=False)):
-        if not torch.allclose(got, want, rtol=rtol, atol=atol):
-            problems.append(f"rank {rank}: loss {k}: {got.item():.6g} vs eager {want.item():.6g}")
+    for k, (got_loss, want_loss) in enumerate(zip(got_losses, want_losses, strict=False)):
+        if not torch.allclose(got_loss, want_loss, rtol=rtol, atol=atol):
+            problems.append(f"rank {rank}: loss {k}: {got_loss.item():.6g} vs eager {want_loss.item():.6g}")
     for name, want_grad in want_grads.items():
         got_grad = got_grads[name]
         if got_grad is None or want_grad is None:
