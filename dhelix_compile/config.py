@@ -93,6 +93,12 @@ class DHelixConfig:
         "the original order's peak (>= 1).",
     )
     max_in_flight: int = _option(2, "At most this many collectives issued and not yet waited on (>= 1).")
+    bucket_mb: float = _option(
+        25.0,
+        "Parameter all-gathers and gradient reductions (data_parallel's) of one group and dtype are "
+        "moved in buckets of at most this many MB, as DDP's buckets: one collective's fixed cost "
+        "instead of one per parameter. 0 keeps one collective per parameter.",
+    )
     max_issue_distance: int = _option(
         512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."
     )
@@ -203,6 +209,7 @@ class DHelixConfig:
             raise ConfigError(f"dhelix option disable_passes={self.disable_passes!r}: expected pass names")
         _check_number("memory_budget_ratio", self.memory_budget_ratio, float, minimum=1.0)
         _check_number("max_in_flight", self.max_in_flight, int, minimum=1)
+        _check_number("bucket_mb", self.bucket_mb, float, minimum=0)
         _check_number("max_issue_distance", self.max_issue_distance, int, minimum=1)
         _check_number("consistency_timeout_s", self.consistency_timeout_s, float, minimum=1e-3)
         _check_number("decompose_max_chunks", self.decompose_max_chunks, int, minimum=1)

@@ -12,12 +12,14 @@ import dataclasses
 from typing import Any
 
 from dhelix_compile.config import DHelixConfig
+from graph_passes.bucket_collectives import BucketOptions
 from graph_passes.decompose import CHAIN, DecomposeOptions
 from graph_passes.interleave import InterleaveOptions
 from graph_passes.reorder import ReorderOptions
 
 #: pass name -> (its options class, {options field: config field}).
 FIELDS: dict[str, tuple[type, dict[str, str]]] = {
+    "bucket_collectives": (BucketOptions, {"cap_mb": "bucket_mb"}),
     "reorder": (
         ReorderOptions,
         {

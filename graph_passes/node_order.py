@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import torch.fx
@@ -30,3 +31,25 @@ def apply_order(graph: torch.fx.Graph, body: Sequence[torch.fx.Node]) -> int:
             previous.append(node)
         previous = node
     return moved
+
+
+def stable_topological_order(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's body nodes (no placeholders, no output) in a topological order that keeps
+    each node's place where its inputs allow (Kahn's algorithm, earliest original position first)."""
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    position = {node: i for i, node in enumerate(body)}
+    missing = {node: sum(1 for source in node.all_input_nodes if source in position) for node in body}
+    ready = [position[node] for node in body if missing[node] == 0]
+    heapq.heapify(ready)
+    ordered: list[torch.fx.Node] = []
+    while ready:
+        node = body[heapq.heappop(ready)]
+        ordered.append(node)
+        for user in node.users:
+            if user in missing:
+                missing[user] -= 1
+                if missing[user] == 0:
+                    heapq.heappush(ready, position[user])
+    if len(ordered) != len(body):
+        raise ValueError("stable_topological_order: the graph has a cycle")
+    return ordered

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch.fx
 
 from graph_passes.annotate import annotate_pass
+from graph_passes.bucket_collectives import bucket_collectives_pass
 from graph_passes.collapse_waits import collapse_waits_pass
 from graph_passes.combine_all_reduces import combine_all_reduces_pass
 from graph_passes.context import PassContext
@@ -72,6 +73,11 @@ PASSES: tuple[GraphPass, ...] = (
         "combine_all_reduces",
         combine_all_reduces_pass,
         "all-reduces whose results are only summed -> one all-reduce of the summed partials",
+    ),
+    GraphPass(
+        "bucket_collectives",
+        bucket_collectives_pass,
+        "parameter all-gathers and gradient reductions of one group and dtype -> one per bucket of <= bucket_mb",
     ),
     GraphPass("annotate", annotate_pass, "tag every node with meta['dhelix'] (kind, phase, strand)"),
     GraphPass("decompose", decompose_pass, "all-gather/reduce-scatter next to matmuls -> per-peer or chunked steps"),

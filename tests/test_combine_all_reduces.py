@@ -222,4 +222,4 @@ def test_megatron_tp_reference_model_combines_its_input_gradient_all_reduces() -
 
 def test_runs_before_annotate_so_annotate_tags_what_it_adds() -> None:
     names = pass_names()
-    assert names.index(PASS) + 1 == names.index("annotate")
+    assert names.index(PASS) < names.index("annotate")

@@ -18,6 +18,9 @@ users do (reduced once per step where the method allows: DDP's ``no_sync``,
     helix            ``data_parallel`` under ``dhelix_compile.helix``: micro-batch i's reductions
                      in one graph with micro-batch i+1's forward and its all-gathers
 
+Bracket options go to the backend, except ``data_parallel``'s own (``WRAPPER_OPTIONS``):
+``dhelix[reshard_after_forward=true]`` gathers the weights again in the backward.
+
 ``T_comm`` replays the collectives ``data_parallel``'s step runs (every micro-batch's all-gathers
 and reduce-scatters; one all-reduce per parameter per step in ``replicate``); PyTorch's own move
 the same bytes in other pieces (DDP buckets, FSDP2's per-block groups).
@@ -48,6 +51,17 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+#: Bracket options of a variant that go to ``data_parallel``, not to the backend.
+WRAPPER_OPTIONS: tuple[str, ...] = ("reshard_after_forward",)
+
+
+def wrapper_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A variant's bracket options split into ``data_parallel``'s (``WRAPPER_OPTIONS``: e.g.
+    ``dhelix[reshard_after_forward=true]``) and the backend's."""
+    wrap = {k: v for k, v in options.items() if k in WRAPPER_OPTIONS}
+    return wrap, {k: v for k, v in options.items() if k not in WRAPPER_OPTIONS}
+
+
 def data_parallel_step(
     variant: str, workload: Workload, mode: str, mesh: DeviceMesh, options: Mapping[str, Any]
 ) -> Callable[[], None]:
@@ -56,6 +70,7 @@ def data_parallel_step(
     from dhelix_compile.testing.data_parallel_checks import sync_on_last, torch_data_parallel
 
     base, own = split_variant(variant, DATA_PARALLEL_VARIANTS)
+    wrap, own = wrapper_options(own)
     module = workload.make()
     # each variant's forward its own Dynamo cache: FSDP2's compiled forward graph-breaks at once,
     # and its cache entry would send every later variant's model through it in pieces (own_code.py)
@@ -69,7 +84,7 @@ def data_parallel_step(
             model.register_comm_hook(None, noop_hook)
         base = base.removeprefix("torch_")
     else:
-        model = data_parallel(module, mesh, mode)  # type: ignore[arg-type]
+        model = data_parallel(module, mesh, mode, **wrap)  # type: ignore[arg-type]
     assert base in ("eager", "inductor", "dhelix") or base in HELIX_VARIANTS
     run_step = step_function(base, model, workload.loss_fn, {**options, **own}, gradient_sync=sync_on_last(model))
 

@@ -11,8 +11,8 @@ strand, and helix. With ``--pipeline``, the model as a pipeline (``bench.pipelin
 schedule named: torch's schedule eager, with Inductor-compiled stages, and ``helix_pipeline``.
 With ``--data-parallel shard`` (or ``replicate``), the reference model data-parallel over the
 ranks: torch's own eager FSDP2 ``fully_shard`` (DDP for ``replicate``) beside ``data_parallel``
-run eagerly, through ``backend="dhelix"`` and by ``helix``; a ``+regather`` variant
-(``--variants dhelix+regather,helix+regather``) wraps with ``reshard_after_forward=True``.
+run eagerly, through ``backend="dhelix"`` and by ``helix``; bracket options as ``dhelix bench``'s
+(``--variants 'dhelix[reshard_after_forward=true]'`` gathers the weights again in the backward).
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def _data_parallel_peaks(
 ) -> dict[str, int]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dhelix_compile.bench.steps import step_function
+    from dhelix_compile.bench.data_parallel import wrapper_options
+    from dhelix_compile.bench.steps import split_variant, step_function
     from dhelix_compile.data_parallelism import data_parallel
     from dhelix_compile.own_code import with_own_code
     from dhelix_compile.testing.data_parallel_checks import sync_on_last, torch_data_parallel
@@ -146,17 +147,16 @@ def _data_parallel_peaks(
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     peaks = {}
     for name in variants:
-        runner, _, extra = name.partition("+")
-        if extra not in ("", "regather"):
-            raise ValueError(f"data-parallel variant {name!r}: the only suffix is '+regather'")
+        runner, options = split_variant(name, DATA_PARALLEL_VARIANTS)
+        wrap, options = wrapper_options(options)
         module: torch.nn.Module = Transformer(config)
         module.forward = with_own_code(module.forward)  # each variant its own Dynamo cache (own_code.py)
         if runner == "torch":
             module = torch_data_parallel(module, list(module.layers), mesh, mode)  # type: ignore[arg-type]
         else:
-            data_parallel(module, mesh, mode, reshard_after_forward=extra == "regather")  # type: ignore[arg-type]
+            data_parallel(module, mesh, mode, **wrap)  # type: ignore[arg-type]
         sync = sync_on_last(module)  # gradients reduced once per step (DDP: no_sync before the last)
-        step = step_function("eager" if runner == "torch" else runner, module, loss_fn, gradient_sync=sync)
+        step = step_function("eager" if runner == "torch" else runner, module, loss_fn, options, gradient_sync=sync)
         step(mbs)  # compile, and the gradients exist: later steps accumulate into them
         torch.distributed.barrier()
         peaks[name] = peak_allocated_bytes(functools.partial(step, mbs))
