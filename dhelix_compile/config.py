@@ -94,10 +94,11 @@ class DHelixConfig:
     )
     max_in_flight: int = _option(2, "At most this many collectives issued and not yet waited on (>= 1).")
     bucket_mb: float = _option(
-        25.0,
+        0.0,
         "Parameter all-gathers and gradient reductions (data_parallel's) of one group and dtype are "
         "moved in buckets of at most this many MB, as DDP's buckets: one collective's fixed cost "
-        "instead of one per parameter. 0 keeps one collective per parameter.",
+        "instead of one per parameter, issued when its last input exists. 0 (the default: measured "
+        "faster with gloo on 2 CPU cores, BENCHMARKS.md) keeps one collective per parameter.",
     )
     max_issue_distance: int = _option(
         512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."

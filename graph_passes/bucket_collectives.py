@@ -32,7 +32,9 @@ Contract
     relative order (the members' readers move after the bucket's wait). Values are unchanged:
     the same elements are reduced or gathered, in the same places.
 
-    Counts (``ctx.stats["bucket_collectives"]``): ``buckets`` and ``collectives removed``;
+    Counts (``ctx.stats["bucket_collectives"]``): ``buckets`` and ``collectives removed`` (also
+    recorded, ``ctx.records["bucket_collectives"]["collectives_removed"]``: ``helix`` weighs a
+    merged graph of bucketed strands against one of plain strands);
     ``left alone: over the cap`` for a candidate larger than the cap. New nodes get the
     ``phase`` and ``strand`` of the bucket's first member.
 
@@ -80,7 +82,7 @@ __all__ = ["PASS", "BucketOptions", "Candidate", "bucket_collectives_pass", "fin
 class BucketOptions:
     """``cap_mb``: the most megabytes one bucket moves (its input's bytes); 0 turns bucketing off."""
 
-    cap_mb: float = 25.0
+    cap_mb: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +227,9 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch
             f"{op_label(bucket[0])} of {sum(c.nbytes for c in bucket) / 2**20:.2f} MB",
         )
         _rewrite(gm.graph, bucket)
-    ctx.count(PASS, "collectives removed", sum(len(b) - 1 for b in buckets))
+    removed = sum(len(b) - 1 for b in buckets)
+    ctx.count(PASS, "collectives removed", removed)
+    ctx.record(PASS, collectives_removed=float(removed))
     apply_order(gm.graph, stable_topological_order(gm.graph))
     return gm
 

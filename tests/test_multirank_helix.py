@@ -205,7 +205,7 @@ def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path, dumps: boo
         assert sum(rewritten) > 0, "the strands were not decomposed: this test would show nothing"
         merged = summaries["merged"]
         candidates = merged["records"]["merge"]
-        decomposed_s, undecomposed_s = candidates["decomposed_strands_s"], candidates["undecomposed_strands_s"]
+        decomposed_s, undecomposed_s = candidates["rewritten_strands_s"], candidates["plain_strands_s"]
         assert 0 < min(decomposed_s, undecomposed_s) < float("inf"), candidates
         assert ("exchange" in merged["comm_order"]) == (decomposed_s <= undecomposed_s), (
             candidates,

@@ -81,6 +81,13 @@ def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
     ]
 
 
+def _tail(stderr: str, chars: int = 3000) -> str:
+    """The end of a worker's stderr, or from its fatal error on (a crash's Python stacks, which
+    ``faulthandler`` prints before the long list of loaded extension modules)."""
+    fatal = stderr.find("Fatal Python error")
+    return stderr[fatal : fatal + 2 * chars] if fatal >= 0 else stderr[-chars:]
+
+
 def _launch(
     out: Path, mode: str, link: LinkSpec, args: argparse.Namespace, extra: Sequence[str] = ()
 ) -> tuple[dict[str, Any], LaunchResult]:
@@ -89,7 +96,7 @@ def _launch(
     with _progress_bar(progress, label=f"{mode:>7} steps"):
         result = launch_ranks(argv, args.ranks, link, timeout_s=args.timeout_s)
     if any(result.returncodes) or not out.exists():
-        tails = "\n".join(f"--- rank {r} ---\n{err[-3000:]}" for r, err in enumerate(result.stderr))
+        tails = "\n".join(f"--- rank {r} ---\n{_tail(err)}" for r, err in enumerate(result.stderr))
         raise RuntimeError(f"benchmark workers ({mode}) failed: return codes {result.returncodes}\n{tails}")
     return json.loads(out.read_text()), result
 

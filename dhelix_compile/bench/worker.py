@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import faulthandler
 import json
 import os
 import re
@@ -350,6 +351,7 @@ class _overlap_scheduler_on_cpu:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash (SIGSEGV, SIGABRT) shows the Python stacks
     args = parse_args(argv)
     result = run(args)
     if result:

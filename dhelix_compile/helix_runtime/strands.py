@@ -62,9 +62,18 @@ BoxedCallable = Callable[[list[Any]], Any]
 _T = TypeVar("_T")
 
 
-#: ``ctx.records`` group of a merged graph whose strands were decomposed: the predicted makespans
-#: of M from the decomposed strands and from the undecomposed ones (the lower was compiled).
+#: ``ctx.records`` group of a merged graph whose strands were rewritten by a pass's own choice
+#: (decomposed, or bucketed): the predicted makespans of M from the strands as scheduled
+#: (``rewritten_strands_s``) and from the strands without those passes (``plain_strands_s``);
+#: the lower was compiled.
 MERGE_RECORDS = "merge"
+
+#: Passes that rewrite a strand by their own choice for the strand running alone, weighed again
+#: in the merged graph (a strand's record that says it rewrote something).
+_CHOSEN_REWRITES: dict[str, tuple[str, str]] = {
+    "decompose": ("decompose", "sites_rewritten"),
+    "bucket_collectives": ("bucket_collectives", "collectives_removed"),
+}
 
 
 class HelixError(RuntimeError):
@@ -111,7 +120,7 @@ class _Strand:
     name: str  # the partition's graph name (Dynamo's compile id), for the merged graphs' names
     gm: torch.fx.GraphModule  # as scheduled for running alone
     raw: torch.fx.GraphModule  # the partition as AOTAutograd gave it
-    decomposed: bool  # the decompose pass rewrote sites of ``gm`` by its own cost-model choice
+    rewritten: tuple[str, ...]  # the passes of ``_CHOSEN_REWRITES`` that rewrote ``gm``
     example_inputs: Sequence[Any]
     inductor_kwargs: dict[str, Any]
     compiled: BoxedCallable
@@ -175,12 +184,14 @@ def _compile_merged(
     graph inputs, so one graph serves every stage module of the same structure (DualPipeV's
     middle chunks), and F of one stage may meet B of another through the same graph.
 
-    Decomposition was decided for F and B each running alone. When ``decompose="auto"``
-    rewrote a site of either, M is also planned from the undecomposed strands (decompose
-    off), and the merged graph with the lower predicted makespan is compiled: in a merged
-    graph the other strand's compute may hide a whole collective, and the per-peer steps
-    then only add their overheads (HF Llama with PyTorch's TP plan measured 999 ms
-    decomposed against 922 ms undecomposed).
+    Decomposition and bucketing were decided for F and B each running alone. When either
+    rewrote one of them (``_CHOSEN_REWRITES``), M is also planned from the plain strands (those
+    passes off), and the merged graph with the lower predicted makespan is compiled: in a merged
+    graph the other strand's compute may hide a whole collective, and per-peer steps then only
+    add their overheads (HF Llama with PyTorch's TP plan measured 999 ms decomposed against
+    922 ms undecomposed), and one bucket of all the next forward's parameter gathers holds that
+    forward back until the last weight arrives (data_parallel's small model: 1293 ms bucketed
+    against 1127 ms per parameter).
     """
     name = f"{forward.name}_merged" if same_graph else f"{forward.name}_with_{backward.name}_merged"
     shared = (forward.inductor_kwargs.get("static_input_idxs") or ()) if share_parameters else ()
@@ -195,21 +206,23 @@ def _compile_merged(
     merged, inputs = merge(forward.gm, backward.gm)
     records: dict[str, dict[str, float]] = {}
     planned = None
-    if _undecomposed_rival_applies(config, forward, backward):
+    rival_off = _rival_disables(config, forward, backward)
+    if rival_off:
         rival, rival_inputs = merge(forward.raw, backward.raw)
-        rival_config = config.patch(disable_passes=(*config.disable_passes, "decompose"))
-        decomposed, decomposed_s = _plan(merged.gm, inputs, config, name)
-        undecomposed, undecomposed_s = _plan(rival.gm, rival_inputs, rival_config, name)
-        records[MERGE_RECORDS] = {"decomposed_strands_s": decomposed_s, "undecomposed_strands_s": undecomposed_s}
-        planned = decomposed
-        if undecomposed_s < decomposed_s:
+        rival_config = config.patch(disable_passes=(*config.disable_passes, *rival_off))
+        rewritten, rewritten_s = _plan(merged.gm, inputs, config, name)
+        plain, plain_s = _plan(rival.gm, rival_inputs, rival_config, name)
+        records[MERGE_RECORDS] = {"rewritten_strands_s": rewritten_s, "plain_strands_s": plain_s}
+        planned = rewritten
+        if plain_s < rewritten_s:
             log.info(
-                "%s: the undecomposed strands predict a shorter merged graph (%.4g s < %.4g s); compiling that one",
+                "%s: the strands without %s predict a shorter merged graph (%.4g s < %.4g s); compiling that one",
                 name,
-                undecomposed_s,
-                decomposed_s,
+                " and ".join(rival_off),
+                plain_s,
+                rewritten_s,
             )
-            merged, inputs, config, planned = rival, rival_inputs, rival_config, undecomposed
+            merged, inputs, config, planned = rival, rival_inputs, rival_config, plain
     compiled = compile_partition(
         merged.gm,
         inputs,
@@ -222,13 +235,13 @@ def _compile_merged(
     return _Merged(merged, compiled)
 
 
-def _undecomposed_rival_applies(config: DHelixConfig, forward: _Strand, backward: _Strand) -> bool:
-    options = pass_options(config)["decompose"]
-    return (
-        options.mode == "auto"
-        and "decompose" not in config.disable_passes
-        and (forward.decomposed or backward.decomposed)
-    )
+def _rival_disables(config: DHelixConfig, forward: _Strand, backward: _Strand) -> tuple[str, ...]:
+    """The passes the plain rival of a merged graph turns off: those that rewrote F or B by their
+    own choice (``decompose`` only in ``auto`` mode: a forced mode is the user's choice)."""
+    rewritten = {*forward.rewritten, *backward.rewritten} - set(config.disable_passes)
+    if pass_options(config)["decompose"].mode != "auto":
+        rewritten.discard("decompose")
+    return tuple(name for name in _CHOSEN_REWRITES if name in rewritten)
 
 
 def _plan(
@@ -455,13 +468,17 @@ def compile_strand_partition(
     compiled = compile_partition(
         gm, example_inputs, config=config, on_scheduled=lambda g, ctx: scheduled.append((g, ctx)), **inductor_kwargs
     )
-    decomposed = bool(scheduled) and scheduled[0][1].records.get("decompose", {}).get("sites_rewritten", 0) > 0
+    rewritten = tuple(
+        name
+        for name, (group, count) in _CHOSEN_REWRITES.items()
+        if scheduled and scheduled[0][1].records.get(group, {}).get(count, 0) > 0
+    )
     compile_id = compat.current_compile_id()
     strand = _Strand(
         compile_id.replace("/", "_") if compile_id else f"graph{id(pair):x}",
         scheduled[0][0] if scheduled else gm,
         gm,
-        decomposed,
+        rewritten,
         example_inputs,
         dict(inductor_kwargs),
         compiled,
