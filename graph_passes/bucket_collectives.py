@@ -22,7 +22,7 @@ Contract
 
     So no candidate's input depends on another's result, and activations' collectives (tensor
     and sequence parallelism, which ``decompose`` pairs with their matmuls) are left alone.
-    Candidates with equal keys (op, group, reduce op, group size, dtype), in graph order, fill
+    Candidates with equal keys (op, group, reduce op, group size, dtype, strand), in graph order, fill
     buckets of at most ``cap_mb`` (a candidate larger than the cap stays alone); a bucket of one
     is left alone. Each bucket becomes one collective of the members' inputs flattened and
     concatenated (a reduce-scatter's as ``(ranks, -1)`` rows, so that each rank's chunk stays
@@ -99,8 +99,10 @@ class Candidate:
     @property
     def key(self) -> tuple[object, ...]:
         """Equal keys may share a bucket: the op, its scalar arguments (reduce op, group size,
-        group), the input's dtype."""
-        return (self.issue.target, *self.issue.args[1:], val(self.input).dtype)
+        group), the input's dtype, and the strand (a merged helix graph's two micro-batches
+        keep their own buckets, so that ``interleave`` can still place each strand's)."""
+        strand = self.issue.meta.get("dhelix", {}).get("strand")
+        return (self.issue.target, *self.issue.args[1:], val(self.input).dtype, strand)
 
     @property
     def nbytes(self) -> int:

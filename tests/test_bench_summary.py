@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dhelix_compile.bench.run import hidden_share, markdown
@@ -83,6 +85,9 @@ def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
+)
 def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
     summary = _bench_end_to_end(tmp_path, ["--model", "moe_small"], ["eager", "dhelix_eager[decompose=off]"])
     dhelix = summary["variants"]["dhelix_eager[decompose=off]"]

@@ -111,3 +111,14 @@ def _on_ranks(rank: int, world_size: int) -> float:
 def test_bucketed_values_equal_the_unbucketed_graph_on_gloo_ranks(world_size: int) -> None:
     for diff in run_on_ranks(_on_ranks, world_size, timeout_s=240):
         assert diff < 1e-6
+
+
+def test_the_two_strands_of_a_merged_graph_keep_their_own_buckets() -> None:
+    with fake_world(2) as group:
+        gm = _traced(group, 2)
+        reductions = [n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default]
+        for strand, node in enumerate(reductions):  # one reduce-scatter per strand: nothing to share
+            node.meta["dhelix"] = {"strand": strand}
+        buckets = find_buckets(gm.graph, 2**30)
+    kinds = sorted(str(bucket[0].issue.target) for bucket in buckets)
+    assert kinds == ["_c10d_functional.all_gather_into_tensor.default", "_c10d_functional.all_reduce.default"]

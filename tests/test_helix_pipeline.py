@@ -80,7 +80,7 @@ def test_pp2_x_tp2_stages_equal_their_eager_run_and_merge_both_strands_collectiv
 @pytest.mark.parametrize("mode", ["replicate", pytest.param("shard", marks=full_only)])
 def test_pp2_x_dp2_data_parallel_stages_equal_eager_averaged_over_dp(tmp_path: Path, mode: str) -> None:
     """4 ranks, a (pp=2, dp=2) mesh, every stage chunk wrapped by ``data_parallel`` over its DP
-    pair: torch's schedule and ``helix_pipeline`` over them give each DP rank's own losses and the
+    pair: ``helix_pipeline`` over them (and torch's own schedule, under DHELIX_TEST_FULL=1) give each DP rank's own losses and the
     gradients of plain eager stages averaged over DP. Replicated gradients are all-reduced once
     per step: only the graph of each stage's last backward holds all-reduces, and those reduce
     what the earlier micro-batches accumulated (``dhelix::with_accumulated_grad``)."""
@@ -92,6 +92,7 @@ def test_pp2_x_dp2_data_parallel_stages_equal_eager_averaged_over_dp(tmp_path: P
         4,
         dp=2,
         dp_mode=mode,
+        with_torch_schedule=FULL,
         codegen="eager",
         fallback="error",
         dump_dir=str(tmp_path),

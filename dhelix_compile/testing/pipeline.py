@@ -19,7 +19,11 @@ Contract
   seeded model and batch, torch's schedule eager and ``helix_pipeline(schedule, **options)``, two steps each
   (gradients accumulate across steps as torch leaves them), and returns a list of mismatches
   (empty when the losses of the last stage and every parameter gradient agree) and the
-  compile counts.
+  compile counts. With ``dp=2`` (``tp`` 1) the mesh is ``(pp, dp)``: each DP rank its own
+  batches, every stage chunk wrapped by ``data_parallel(chunk, mesh["dp"], dp_mode)``, and the
+  reference is the plain chunks' eager run with gradients averaged over DP (full tensors
+  compared); torch's own schedule over the wrapped chunks is checked too unless
+  ``with_torch_schedule=False``.
 """
 
 from __future__ import annotations
@@ -228,6 +232,7 @@ def check_pipeline(
     tp: int = 1,
     dp: int = 1,
     dp_mode: DataParallelMode = "shard",
+    with_torch_schedule: bool = True,
     steps: int = 2,
     batch: int = 8,
     seq_len: int = 8,
@@ -253,7 +258,9 @@ def check_pipeline(
     want_grads = _dp_average(want_grads, mesh)
     mode = dp_mode if dp > 1 else None
     # with data parallelism, torch's own schedule over the data_parallel chunks is checked too
-    runs = {"helix_pipeline": options} if mode is None else {"torch's schedule": None, "helix_pipeline": options}
+    # (unless with_torch_schedule=False)
+    with_torch = mode is not None and with_torch_schedule
+    runs = {"torch's schedule": None, "helix_pipeline": options} if with_torch else {"helix_pipeline": options}
     return [
         f"{run}: {problem}"
         for run, run_options in runs.items()
