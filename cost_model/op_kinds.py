@@ -95,6 +95,16 @@ VIEW_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
 )
 
 
+#: Dtype conversions: no layout change, but a copy (``kind_of`` calls them compute).
+CAST_OPS: tuple[torch._ops.OpOverload, ...] = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def reshapes_or_casts(node: torch.fx.Node) -> bool:
+    """Whether ``node`` only views or casts its input: what a value keeps being through a chain
+    of them (a parameter through its transpose and dtype cast, a gradient on its way out)."""
+    return node.op == "call_function" and (kind_of(node) == "view" or node.target in CAST_OPS)
+
+
 def reads_only_shape(node: torch.fx.Node) -> bool:
     """Whether ``node`` reads only the shape (strides, offset) of its input (``SHAPE_READS``)."""
     return node.op == "call_function" and _packet(node.target) in SHAPE_READS

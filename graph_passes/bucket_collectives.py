@@ -57,7 +57,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
-from cost_model.op_kinds import kind_of
+from cost_model.op_kinds import op_name, reshapes_or_casts
 from graph_passes._torch_compat import fake_mode_of
 from graph_passes.context import PassContext
 from graph_passes.decompose.emit import Emitter, val
@@ -68,7 +68,6 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 PASS = "bucket_collectives"
-_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 _GATHER, _SCATTER, _REDUCE = (
     c10d.all_gather_into_tensor.default,
     c10d.reduce_scatter_tensor.default,
@@ -110,14 +109,10 @@ class Candidate:
         return int(value.numel() * value.element_size())
 
 
-def _passes_through(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (kind_of(node) == "view" or node.target in _CASTS)
-
-
 def _from_graph_input(node: torch.fx.Node) -> bool:
     """``node`` is a graph input, or casts and views of one."""
     while node.op != "placeholder":
-        if not _passes_through(node) or len(node.all_input_nodes) != 1:
+        if not reshapes_or_casts(node) or len(node.all_input_nodes) != 1:
             return False
         node = node.all_input_nodes[0]
     return True
@@ -125,7 +120,7 @@ def _from_graph_input(node: torch.fx.Node) -> bool:
 
 def _only_to_output(node: torch.fx.Node) -> bool:
     """Every reader of ``node`` is the output, or a cast or view whose readers are."""
-    return all(user.op == "output" or (_passes_through(user) and _only_to_output(user)) for user in node.users)
+    return all(user.op == "output" or (reshapes_or_casts(user) and _only_to_output(user)) for user in node.users)
 
 
 def _candidate(wait: torch.fx.Node) -> Candidate | None:
@@ -153,6 +148,7 @@ def find_buckets(
     """The buckets of two or more candidates (see the module docstring), in graph order of their
     first member. Changes nothing; candidates over the cap go to ``skipped``."""
     by_key: dict[tuple[object, ...], list[list[Candidate]]] = {}
+    filled_bytes: dict[tuple[object, ...], int] = {}  # the last bucket's, by key
     for node in graph.nodes:
         candidate = _candidate(node)
         if candidate is None:
@@ -162,9 +158,12 @@ def find_buckets(
                 skipped.append(candidate)
             continue
         buckets = by_key.setdefault(candidate.key, [[]])
-        if sum(c.nbytes for c in buckets[-1]) + candidate.nbytes > cap_bytes:
+        filled = filled_bytes.get(candidate.key, 0)
+        if filled + candidate.nbytes > cap_bytes:
             buckets.append([])
+            filled = 0
         buckets[-1].append(candidate)
+        filled_bytes[candidate.key] = filled + candidate.nbytes
     found = [bucket for buckets in by_key.values() for bucket in buckets if len(bucket) > 1]
     order = {node: i for i, node in enumerate(graph.nodes)}
     return sorted(found, key=lambda bucket: order[bucket[0].wait])
@@ -226,7 +225,7 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch
             PASS,
             "buckets",
             f"{ctx.graph_name}: {', '.join(c.issue.name for c in bucket)} in one "
-            f"{op_label(bucket[0])} of {sum(c.nbytes for c in bucket) / 2**20:.2f} MB",
+            f"{op_name(bucket[0].issue)} of {sum(c.nbytes for c in bucket) / 2**20:.2f} MB",
         )
         _rewrite(gm.graph, bucket)
     removed = sum(len(b) - 1 for b in buckets)
@@ -234,7 +233,3 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch
     ctx.record(PASS, collectives_removed=float(removed))
     apply_order(gm.graph, stable_topological_order(gm.graph))
     return gm
-
-
-def op_label(candidate: Candidate) -> str:
-    return str(candidate.issue.target).split(".")[1]

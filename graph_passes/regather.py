@@ -35,14 +35,13 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from cost_model.op_kinds import kind_of
+from cost_model.op_kinds import reshapes_or_casts
 
 __all__ = ["REGATHER", "mark_regathers"]
 
 #: The annotation (``torch.fx.traceback.annotate``) of a parameter's gather to do again in the backward.
 REGATHER: dict[str, str] = {"dhelix": "regather"}
 
-_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 _AC_GRAPH_ID = 1_000_000  # one region of its own, as selective checkpointing numbers its regions
 
 
@@ -71,9 +70,8 @@ def mark_regathers(graph: torch.fx.Graph) -> int:
     for node in graph.nodes:
         if node in backward or node.op != "call_function":
             continue
-        reshapes = kind_of(node) == "view" or node.target in _CASTS
         inputs = node.all_input_nodes
-        if _annotated(node) or (reshapes and inputs and all(source in marked for source in inputs)):
+        if _annotated(node) or (reshapes_or_casts(node) and inputs and all(source in marked for source in inputs)):
             marked.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = _AC_GRAPH_ID

@@ -69,11 +69,8 @@ _T = TypeVar("_T")
 MERGE_RECORDS = "merge"
 
 #: Passes that rewrite a strand by their own choice for the strand running alone, weighed again
-#: in the merged graph (a strand's record that says it rewrote something).
-_CHOSEN_REWRITES: dict[str, tuple[str, str]] = {
-    "decompose": ("decompose", "sites_rewritten"),
-    "bucket_collectives": ("bucket_collectives", "collectives_removed"),
-}
+#: in the merged graph: pass name -> the field of its ``ctx.records[pass]`` that counts rewrites.
+_CHOSEN_REWRITES: dict[str, str] = {"decompose": "sites_rewritten", "bucket_collectives": "collectives_removed"}
 
 
 class HelixError(RuntimeError):
@@ -470,8 +467,8 @@ def compile_strand_partition(
     )
     rewritten = tuple(
         name
-        for name, (group, count) in _CHOSEN_REWRITES.items()
-        if scheduled and scheduled[0][1].records.get(group, {}).get(count, 0) > 0
+        for name, count in _CHOSEN_REWRITES.items()
+        if scheduled and scheduled[0][1].records.get(name, {}).get(count, 0) > 0
     )
     compile_id = compat.current_compile_id()
     strand = _Strand(

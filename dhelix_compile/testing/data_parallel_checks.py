@@ -33,6 +33,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from dhelix_compile.testing.helix_checks import full_grads, full_tensor
+
 Runner = Literal["eager", "dhelix", "helix"]
 ModelName = Literal["reference", "hf_llama"]
 
@@ -85,18 +87,14 @@ def _microbatches(model: ModelName, dp_rank: int, n: int) -> tuple[list[Any], Ca
     return hf_llama_batches("tiny", n, generator), hf_llama_loss
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
-
-
 def _train(model: nn.Module, run: Callable[[list[Any]], list[torch.Tensor]], mbs: list[Any]) -> dict[str, Any]:
     losses = [loss.detach().float() for loss in run(mbs)]
-    grads = {name: None if p.grad is None else _full(p.grad) for name, p in model.named_parameters()}
+    grads = full_grads(model)
     # eps well above float noise: Adam's first step is lr * g / (|g| + eps), which would turn a
     # 1e-10 difference in a near-zero gradient (an unused embedding row) into a visible one
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
     optimizer.step()
-    params = {name: _full(p) for name, p in model.named_parameters()}
+    params = {name: full_tensor(p) for name, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params}
 
 
@@ -311,7 +309,7 @@ def check_checkpoint(
     trained = data_parallel(_build("reference", mesh, tp)[0], mesh["dp"], mode)
     _train(trained, _loop(trained, loss_fn), mbs)
     dcp.save(trained.state_dict(), checkpoint_id=directory)
-    want = {name: _full(t) for name, t in trained.state_dict().items()}
+    want = {name: full_tensor(t) for name, t in trained.state_dict().items()}
 
     fresh = data_parallel(_build("reference", mesh, tp)[0], mesh["dp"], mode)
     state = fresh.state_dict()
@@ -326,7 +324,7 @@ def check_checkpoint(
 
     problems = []
     for label, model in (("wrapped", fresh), ("unwrapped", plain)):
-        got = {name: _full(t) for name, t in model.state_dict().items()}
+        got = {name: full_tensor(t) for name, t in model.state_dict().items()}
         if got.keys() != want.keys():
             problems.append(f"{label}: keys {sorted(got.keys() ^ want.keys())} differ")
         problems += [

@@ -101,14 +101,14 @@ def local_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return grads
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached in float32, a DTensor as its full tensor (a collective over its mesh)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float()
+
+
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient, DTensors as full tensors (a collective over their mesh)."""
-    return {
-        name: None
-        if p.grad is None
-        else (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().float()
-        for name, p in model.named_parameters()
-    }
+    """Every parameter's gradient as :func:`full_tensor`."""
+    return {name: None if p.grad is None else full_tensor(p.grad) for name, p in model.named_parameters()}
 
 
 def check_helix(
