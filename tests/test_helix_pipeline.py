@@ -10,12 +10,14 @@ ScheduleDualPipeV (folded, its OVERLAP_F_B steps merged).
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
 import pytest
 
 from dhelix_compile.pipeline_runtime.schedule import SUPPORTED_SCHEDULES
+from dhelix_compile.testing.boundary_checks import BOUNDARY_PLACEMENTS, check_boundary_cases
 from dhelix_compile.testing.multirank import run_on_ranks
 from dhelix_compile.testing.pipeline import check_pipelines, helix_pipeline_errors
 
@@ -129,6 +131,21 @@ def test_dualpipev_through_inductor_equals_its_eager_run() -> None:
     """The folded schedule's merged graphs (F of one chunk with B of the other) through Inductor's
     C++ code; rank 1's two middle chunks share one Dynamo graph (their parameters are graph inputs)."""
     _assert_no_problems(run_on_ranks(check_pipelines, 2, ["dualpipev"], 4, fallback="error", timeout_s=300))
+
+
+def test_stage_boundaries_that_change_layout_equal_eager_on_pp2_x_tp2() -> None:
+    """Stage 0 on ranks [0, 1] hands a DTensor to stage 1 on ranks [2, 3] in one layout, stage 1
+    declares another (uneven shards among them): helix_pipeline moves it by a resharding plan,
+    and its gradient back (torch's own schedule aborts on these: gloo's size check). The losses
+    and full gradients equal the model run eagerly; every pair of Shard(1), Shard(2), Replicate()
+    and one through Inductor with DHELIX_TEST_FULL=1."""
+    pairs = list(itertools.product(BOUNDARY_PLACEMENTS, repeat=2))
+    cases = pairs if FULL else [("S1", "S2"), ("R", "S1"), ("S2", "R"), ("S1", "S1")]
+    results = run_on_ranks(check_boundary_cases, 4, cases, codegen="eager", fallback="error", timeout_s=400)
+    assert results == [[]] * 4, results
+    if FULL:
+        results = run_on_ranks(check_boundary_cases, 4, [("R", "S2")], fallback="error", timeout_s=400)
+        assert results == [[]] * 4, results
 
 
 def test_bad_input_gets_a_helix_error_that_names_the_problem() -> None:

@@ -37,6 +37,10 @@ one strand's DP collectives under the other's compute. Replicated gradients are 
 once per step, by each stage's last backward (gradient sync off for the other micro-batches'
 forwards, as ``helix`` does; the user's setting is restored after the step).
 
+Stage boundaries: a DTensor whose two sides are declared in the stages' static metadata
+(``input_args`` / ``output_args`` / ``input_grads`` / ``output_grads``) moves by a resharding
+plan, in any layout on either side, its gradient back by the reverse plan (``boundaries``).
+
 Refused with :class:`~dhelix_compile.helix_runtime.strands.HelixError`: another schedule type
 (the message names the supported ones), a stage module already compiled, a stage module with
 dropout in training mode (random ops found only when compiling fail the first step the same
@@ -60,6 +64,7 @@ from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.data_parallelism import gradient_sync_on_last
 from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
+from dhelix_compile.pipeline_runtime.boundaries import install_boundaries
 from dhelix_compile.pipeline_runtime.pairing import (
     Compute,
     Order,
@@ -100,6 +105,7 @@ def helix_pipeline(schedule: Any, *, order: PipelineOrder = "schedule", **option
     stages = compat.schedule_stages(schedule)
     for stage in stages:
         _check_stage_module(stage.submod, stage.stage_index)
+    install_boundaries(stages)
     runtime = schedule if compat.is_runtime_schedule(schedule) else compat.single_stage_runtime(schedule)
     steps = helix_order(schedule, eager_1f1b=order == "eager_1f1b")
     compat.set_pipeline_compute_order(runtime, _to_torch(steps))

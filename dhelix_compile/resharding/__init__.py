@@ -36,7 +36,7 @@ from dhelix_compile.resharding.groups import broadcast_groups, forget_old_world,
 from dhelix_compile.resharding.move import Issued, RankSteps, move, rank_steps
 from dhelix_compile.resharding.plan import MeshLayout, ReshardPlan, plan_reshard
 
-__all__ = ["ReshardError", "ReshardWork", "layout_of", "reshard", "reshard_plan"]
+__all__ = ["ReshardError", "ReshardWork", "layout_of", "plan_move", "planned_layouts", "reshard", "reshard_plan"]
 
 
 class ReshardError(ValueError):
@@ -223,10 +223,28 @@ def _layouts(
     mesh: DeviceMesh,
     placements: tuple[Placement, ...],
 ) -> tuple[MeshLayout, MeshLayout]:
+    """The two layouts a move plans with (:func:`planned_layouts`), from meshes."""
+    return planned_layouts(shape, layout_of(source_mesh, source_placements), layout_of(mesh, placements))
+
+
+def planned_layouts(shape: tuple[int, ...], source: MeshLayout, dest: MeshLayout) -> tuple[MeshLayout, MeshLayout]:
     """The two layouts a move plans with: the source's ``Partial()`` reduced, shard dims non-negative."""
     ndim = len(shape)
-    reduced = _reduced_placements(shape, _normalized(source_placements, ndim))
-    return layout_of(source_mesh, reduced), layout_of(mesh, _normalized(placements, ndim))
+    reduced = _reduced_placements(shape, _normalized(source.placements, ndim))
+    return (
+        MeshLayout(source.mesh_shape, source.ranks, reduced),
+        MeshLayout(dest.mesh_shape, dest.ranks, _normalized(dest.placements, ndim)),
+    )
+
+
+def plan_move(
+    shape: tuple[int, ...], itemsize: int, source: MeshLayout, dest: MeshLayout, *, balanced: bool = True
+) -> ReshardPlan:
+    """The plan for a tensor of ``shape`` from ``source`` to ``dest``, given as plain layouts (no
+    mesh objects: a rank outside a mesh plans with it too); its source is the reduced one where
+    ``source`` holds ``Partial()`` (the caller reduces first, to ``plan.source.placements``)."""
+    reduced, normalized = planned_layouts(shape, source, dest)
+    return _plan(shape, reduced, normalized, itemsize, balanced)
 
 
 def layout_of(mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.resharding.plan import ReshardPlan
 
-__all__ = ["GROUP_PREFIX", "broadcast_groups", "created_group_count", "forget_old_world", "world_cache"]
+__all__ = ["GROUP_PREFIX", "broadcast_groups", "created_group_count", "forget_old_world", "member_group", "world_cache"]
 
 #: The name of every group ``reshard`` creates starts so (then its ranks): graphs that hold one are known by it.
 GROUP_PREFIX = "dhelix_reshard_"
@@ -48,18 +48,18 @@ _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = world_cache({})
 
 def broadcast_groups(plan: ReshardPlan, rank: int) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """The process group of every broadcast group of ``plan`` that ``rank`` is in, creating the missing ones."""
-    groups = {}
+    return {ranks: member_group(ranks) for ranks in plan.groups() if rank in ranks}
+
+
+def member_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group of ``ranks`` (sorted), created by its members the first time they ask."""
     with _LOCK:
         forget_old_world()
-        for ranks in plan.groups():
-            if rank not in ranks:
-                continue
-            if ranks not in _GROUPS:
-                group = compat.new_member_group(ranks, GROUP_PREFIX + "_".join(map(str, ranks)))
-                assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
-                _GROUPS[ranks] = group
-            groups[ranks] = _GROUPS[ranks]
-    return groups
+        if ranks not in _GROUPS:
+            group = compat.new_member_group(ranks, GROUP_PREFIX + "_".join(map(str, ranks)))
+            assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
+            _GROUPS[ranks] = group
+        return _GROUPS[ranks]
 
 
 def created_group_count() -> int:

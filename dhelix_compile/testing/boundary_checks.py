@@ -1,0 +1,169 @@
+"""Rank functions for pipelines whose stage boundary changes layout, for ``run_on_ranks`` (4 ranks).
+
+A two-stage model on a ``(pp=2, tp=2)`` mesh: stage 0 on ranks [0, 1], stage 1 on ranks [2, 3],
+each stage's tensors DTensors on its own ``tp`` mesh::
+
+    stage 0:  h = tanh(x @ W0)       W0 column-sharded; h handed over in ``placements_out``
+    stage 1:  y = (h @ W1)            h taken in ``placements_in``; y gathered; loss = mse(y, target)
+
+Every stage declares its tensors (torch's static metadata: ``input_args``, ``output_args``,
+``input_grads``, ``output_grads``), and the two sides of the boundary declare different layouts
+where the case says so. The result is compared with the same model run eagerly on full tensors on
+every rank: the losses (last stage) and each weight's full gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+__all__ = ["BOUNDARY_PLACEMENTS", "check_boundary_cases"]
+
+_MB, _SEQ, _HIDDEN, _N_MICROBATCHES = 2, 5, 6, 4  # 5 rows over 2 ranks: uneven shards
+
+#: The layouts either side of the boundary may declare, by name.
+BOUNDARY_PLACEMENTS: dict[str, Placement] = {"S1": Shard(1), "S2": Shard(2), "R": Replicate()}
+
+
+class _First(nn.Module):
+    def __init__(self, w0: torch.Tensor, mesh: DeviceMesh, placements_out: Sequence[Placement]) -> None:
+        super().__init__()
+        self.w = nn.Parameter(distribute_tensor(w0, mesh, [Shard(1)]))
+        self.mesh, self.placements_out = mesh, tuple(placements_out)
+
+    def forward(self, x: torch.Tensor) -> DTensor:
+        h = torch.tanh(DTensor.from_local(x, self.mesh, [Replicate()], run_check=False) @ self.w)
+        assert isinstance(h, DTensor)
+        return h.redistribute(self.mesh, self.placements_out)
+
+
+class _Last(nn.Module):
+    def __init__(self, w1: torch.Tensor, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.w = nn.Parameter(distribute_tensor(w1, mesh, [Replicate()]))
+
+    def forward(self, h: DTensor) -> torch.Tensor:
+        y = h @ self.w
+        assert isinstance(y, DTensor)
+        return y.full_tensor()
+
+
+def _mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((y - target) ** 2).mean()
+
+
+def _data(steps: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(11)
+    w0, w1 = torch.randn(_HIDDEN, _HIDDEN, generator=gen) / 3, torch.randn(_HIDDEN, _HIDDEN, generator=gen) / 3
+    batch = (_MB * _N_MICROBATCHES, _SEQ, _HIDDEN)
+    return w0, w1, [(torch.randn(batch, generator=gen), torch.randn(batch, generator=gen)) for _ in range(steps)]
+
+
+def _declared(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """A DTensor of ``shape`` on ``mesh`` to declare a stage's metadata with (no communication)."""
+    return distribute_tensor(torch.zeros(shape), mesh, list(placements), src_data_rank=None)
+
+
+def _eager(
+    w0: torch.Tensor, w1: torch.Tensor, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Losses per micro-batch and the last step's gradients as torch's schedules give them (summed
+    over its micro-batches, scaled by the micro-batch count)."""
+    p0, p1 = w0.clone().requires_grad_(), w1.clone().requires_grad_()
+    losses = []
+    for x, target in batches:
+        p0.grad = p1.grad = None  # each step's own gradients, as the pipeline's zero_grad between steps
+        for xs, ts in zip(x.chunk(_N_MICROBATCHES), target.chunk(_N_MICROBATCHES), strict=True):
+            loss = _mse(torch.tanh(xs @ p0) @ p1, ts)
+            (loss / _N_MICROBATCHES).backward()
+            losses.append(loss.detach())
+    assert p0.grad is not None and p1.grad is not None
+    return losses, {"w0": p0.grad, "w1": p1.grad}
+
+
+def _run_case(
+    rank: int, mesh: DeviceMesh, out_name: str, in_name: str, steps: int, helix_options: dict[str, Any] | None
+) -> list[str]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from dhelix_compile import helix_pipeline
+
+    w0, w1, batches = _data(steps)
+    tp, stage_index = mesh["tp"], mesh["pp"].get_local_rank()
+    shape = (_MB, _SEQ, _HIDDEN)
+    placements_out, placements_in = [BOUNDARY_PLACEMENTS[out_name]], [BOUNDARY_PLACEMENTS[in_name]]
+    module: nn.Module
+    declared: dict[str, Any]
+    if stage_index == 0:
+        module = _First(w0, tp, placements_out)
+        declared = {
+            "input_args": torch.zeros(shape),
+            "input_grads": (None,),
+            "output_args": _declared(shape, tp, placements_out).requires_grad_(),
+            "output_grads": _declared(shape, tp, placements_out),
+        }
+    else:
+        module = _Last(w1, tp)
+        declared = {
+            "input_args": _declared(shape, tp, placements_in).requires_grad_(),
+            "input_grads": _declared(shape, tp, placements_in),
+            "output_args": torch.zeros(shape, requires_grad=True),
+            "output_grads": (None,),
+        }
+    stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group(), **declared)
+    schedule = Schedule1F1B(stage, _N_MICROBATCHES, loss_fn=_mse)
+    if helix_options is not None:
+        schedule = helix_pipeline(schedule, **helix_options)
+    losses: list[torch.Tensor] = []
+    for x, target in batches:
+        module.zero_grad(set_to_none=True)
+        if stage_index == 0:
+            schedule.step(x)
+        else:
+            step_losses: list[torch.Tensor] = []
+            schedule.step(target=target, losses=step_losses)
+            losses.extend(loss.detach() for loss in step_losses)
+    want_losses, want_grads = _eager(w0, w1, batches)
+    case = f"{out_name}->{in_name}"
+    problems = []
+    grad = module.w.grad
+    name = "w0" if stage_index == 0 else "w1"
+    if not isinstance(grad, DTensor):
+        return [f"{case}: stage {stage_index}'s weight has no DTensor gradient ({type(grad).__name__})"]
+    full = grad.full_tensor()
+    if not torch.allclose(full, want_grads[name], rtol=1e-4, atol=1e-6):
+        problems.append(f"{case}: {name} gradient off by {(full - want_grads[name]).abs().max().item():.3g}")
+    if stage_index == 1:
+        got = torch.stack(losses) if losses else torch.empty(0)
+        if got.shape != (len(want_losses),) or not torch.allclose(got, torch.stack(want_losses), rtol=1e-4):
+            problems.append(f"{case}: losses {got.tolist()} != eager {[w.item() for w in want_losses]}")
+    return problems
+
+
+def check_boundary_cases(
+    rank: int,
+    world_size: int,
+    cases: Sequence[tuple[str, str]],
+    steps: int = 2,
+    torch_only: bool = False,
+    **helix_options: Any,
+) -> list[str]:
+    """Run every ``(placements_out, placements_in)`` case (names of :data:`BOUNDARY_PLACEMENTS`)
+    through ``helix_pipeline`` (``torch_only``: torch's schedule as is); returns what differs
+    from eager (empty when all agree)."""
+    if world_size != 4:
+        raise ValueError(f"check_boundary_cases runs on 4 ranks (pp=2 x tp=2); got {world_size}")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    problems = []
+    for out_name, in_name in cases:
+        torch._dynamo.reset()  # every case compiles the same forwards again, for other layouts
+        problems.extend(_run_case(rank, mesh, out_name, in_name, steps, None if torch_only else helix_options))
+        dist.barrier()
+    return problems
