@@ -343,6 +343,19 @@ def resolve_group(group_name: str) -> Any:
     return _resolve_process_group(_as_group_name(group_name))
 
 
+def group_backend(group_name: str) -> str | None:
+    """The backend (``"gloo"``, ``"nccl"``, ``"fake"``, ...) of the live process group named
+    ``group_name``; ``None`` without one (no process group, or a name that resolves to none)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return str(dist.get_backend(resolve_group(group_name)))
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
 def group_name(group: Any) -> GroupName:
     """The name functional collectives take for the live process group ``group``."""
     return _as_group_name(group.group_name)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx
 
 from cost_model import Estimator
@@ -39,6 +40,7 @@ from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator, resolve_cost_model
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
+from graph_passes.broadcast_gathers import BroadcastGatherOptions
 from graph_passes.regather import mark_regathers
 
 if TYPE_CHECKING:  # observe/ is imported only when a dump or a profile is asked for
@@ -158,12 +160,23 @@ def _pass_context(
         phase=phase,
         example_inputs=example_inputs,
         estimator=estimator,
-        pass_options=pass_options(config),
+        pass_options={**pass_options(config), "broadcast_gathers": BroadcastGatherOptions(gloo_gather_groups(gm))},
         observer=dumper,
     )
     if estimator is not None:  # building a profiled estimator measures the graph's ops and collectives
         ctx.record("cost_model", calibration_s=time.perf_counter() - start)
     return ctx
+
+
+def gloo_gather_groups(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The live gloo groups ``gm`` all-gathers on: the ``broadcast_gathers`` pass sends those
+    all-gathers as broadcasts (its module docstring says why)."""
+    names = {
+        str(node.args[2])
+        for node in gm.graph.nodes
+        if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+    }
+    return frozenset(name for name in names if compat.group_backend(name) == "gloo")
 
 
 def _estimator(

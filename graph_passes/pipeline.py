@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch.fx
 
 from graph_passes.annotate import annotate_pass
+from graph_passes.broadcast_gathers import broadcast_gathers_pass
 from graph_passes.bucket_collectives import bucket_collectives_pass
 from graph_passes.collapse_waits import collapse_waits_pass
 from graph_passes.combine_all_reduces import combine_all_reduces_pass
@@ -83,6 +84,11 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("decompose", decompose_pass, "all-gather/reduce-scatter next to matmuls -> per-peer or chunked steps"),
     GraphPass("interleave", interleave_pass, "order a merged helix graph's two strands by the DHelix DP"),
     GraphPass("reorder", reorder_pass, "issue collectives early, wait late, within a memory budget"),
+    GraphPass(
+        "broadcast_gathers",
+        broadcast_gathers_pass,
+        "all-gathers on gloo groups -> one broadcast per rank and a cat (torch's gloo all-gather in flight corrupts the heap)",
+    ),
     GraphPass("verify", verify_pass, "lint, topological order, every collective has its wait"),
 )
 

@@ -1,0 +1,107 @@
+"""broadcast_gathers: an all-gather on a gloo group becomes one broadcast per rank and a cat, at
+the positions the passes gave the all-gather's issue and wait; values stay (2 and 4 gloo ranks),
+and a graph on another group is left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from cost_model.testing import fake_world, trace_aten
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.capture import gloo_gather_groups
+from dhelix_compile.testing.multirank import run_on_ranks
+from graph_passes import PassContext
+from graph_passes.annotate import annotate_pass
+from graph_passes.broadcast_gathers import BroadcastGatherOptions, broadcast_gathers_pass
+from graph_passes.pipeline import pass_names
+from graph_passes.verify import verify_pass
+
+c10d = torch.ops._c10d_functional
+PASS = "broadcast_gathers"
+
+
+def _gather_then_compute(x: torch.Tensor, w: torch.Tensor, group: object) -> torch.Tensor:
+    gathered = funcol.all_gather_single(x, 0, group)  # type: ignore[arg-type]
+    early = (x @ w).relu()  # independent compute between the issue and the wait
+    return (gathered @ w).sum(0) + early.sum(0)
+
+
+def _traced(group: object, ranks: int) -> torch.fx.GraphModule:
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    gm = trace_aten(lambda a, b: _gather_then_compute(a, b, group), x, w)
+    # issue first, wait last: what reorder makes of an all-gather with compute beside it
+    gather = next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default)
+    wait = next(iter(gather.users))
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    first.prepend(gather)
+    user = min(wait.users, key=lambda n: list(gm.graph.nodes).index(n))
+    user.prepend(wait)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _ops(gm: torch.fx.GraphModule) -> list[str]:
+    names = {
+        c10d.all_gather_into_tensor.default: "ag",
+        c10d.broadcast.default: "bc",
+        c10d.wait_tensor.default: "wait",
+        torch.ops.aten.cat.default: "cat",
+        torch.ops.aten.mm.default: "mm",
+    }
+    return [names[n.target] for n in gm.graph.nodes if n.target in names]
+
+
+def _rewritten(gm: torch.fx.GraphModule, groups: frozenset[str]) -> PassContext:
+    ctx = PassContext("test", "fwd", pass_options={PASS: BroadcastGatherOptions(groups)})
+    annotate_pass(gm, ctx)
+    broadcast_gathers_pass(gm, ctx)
+    verify_pass(gm, ctx)
+    gm.recompile()
+    return ctx
+
+
+def test_an_all_gather_becomes_broadcasts_where_it_was_issued_and_a_cat_where_it_was_waited() -> None:
+    with fake_world(4) as group:
+        gm = _traced(group, 4)
+        assert _ops(gm) == ["ag", "mm", "wait", "mm"]
+        name = str(next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default).args[2])
+        ctx = _rewritten(gm, frozenset({name}))
+    assert _ops(gm) == ["bc"] * 4 + ["mm"] + ["wait"] * 4 + ["cat", "mm"]
+    roots = [n.args[1] for n in gm.graph.nodes if n.target == c10d.broadcast.default]
+    assert roots == [0, 1, 2, 3]
+    assert ctx.stats[PASS] == {"all-gathers sent as broadcasts": 1}
+
+
+def test_other_groups_and_graphs_without_options_are_left_alone() -> None:
+    with fake_world(2) as group:
+        gm = _traced(group, 2)
+        before = _ops(gm)
+        ctx = _rewritten(gm, frozenset({"some other group"}))
+        assert _ops(gm) == before and PASS not in ctx.stats
+        broadcast_gathers_pass(gm, PassContext("test", "fwd"))
+        assert _ops(gm) == before
+        assert gloo_gather_groups(gm) == frozenset()  # the fake group is no gloo group
+    assert pass_names()[-2:] == (PASS, "verify")
+
+
+def _on_ranks(rank: int, world_size: int) -> float:
+    group = dist.group.WORLD
+    gm = _traced(group, world_size)
+    x, w = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank)), torch.randn(8, 8)
+    dist.broadcast(w, 0)
+    want = gm(x, w)
+    groups = gloo_gather_groups(gm)
+    assert groups == {compat.group_name(group)}, groups
+    _rewritten(gm, groups)
+    assert _ops(gm).count("bc") == world_size
+    return float((gm(x, w) - want).abs().max())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_broadcast_gathers_equal_the_all_gather_on_gloo_ranks(world_size: int) -> None:
+    for diff in run_on_ranks(_on_ranks, world_size, timeout_s=240):
+        assert diff == 0.0
