@@ -28,6 +28,7 @@ in; the process group of a boundary's two meshes is created once, by its members
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,11 +80,8 @@ class Transfer:
     source: Declared
     dest: Declared
     plan: ReshardPlan
-
-    @property
-    def tag(self) -> int:
-        """Keeps the messages of different transfers between two ranks apart."""
-        return 2 * (self.from_stage * 64 + self.index) + int(self.backward)
+    tag: int = 0  # its position in the pipeline's transfers (every rank lists them alike): keeps
+    # the messages of different transfers between two ranks apart
 
 
 def declarations(stage: Any) -> StageDeclarations:
@@ -127,7 +125,7 @@ def plan_boundaries(declared: dict[int, StageDeclarations]) -> list[Transfer]:
                     f"(stage {stage + 1}'s input_grads and stage {stage}'s output_grads), where it moves back"
                 )
             transfers.append(_transfer(stage + 1, stage, index, back[0], back[1], backward=True))
-    return transfers
+    return [dataclasses.replace(t, tag=position) for position, t in enumerate(transfers)]
 
 
 def _declared_at(declared: StageDeclarations, kind: str, index: int) -> Declared | None:
