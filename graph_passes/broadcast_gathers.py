@@ -3,10 +3,11 @@
 torch 2.13's gloo all-gather corrupts the heap when it is in flight while the rank computes: its
 worker thread runs ATen ops (flattening, a temporary output, copies into the result) beside the
 main thread's, and on 2 CPU cores the process aborts within minutes (``malloc(): unaligned
-tcache chunk detected``, ``double free or corruption``, a segfault), with or without dhelix: 30
-lines of ``_c10d_functional.all_gather_into_tensor`` with two in flight over a matmul loop crash
-the same way (BENCHMARKS.md, "Known problems"). A gloo broadcast writes its tensor in place from
-gloo's own code, and the same loop with each all-gather sent as broadcasts ran clean. Every rank
+tcache chunk detected``, ``double free or corruption``, a segfault), with or without dhelix: a
+20-line loop of ``_c10d_functional.all_gather_into_tensor`` with two in flight over matmuls
+crashes the same way (BENCHMARKS.md, data parallelism, "The aborts ... were torch's gloo
+all-gather"). A gloo broadcast writes its tensor in place from gloo's own code, and the same loop
+with each all-gather sent as broadcasts ran clean. Every rank
 sends its shard and receives the others' shards once, as in the all-gather's ring, so the link
 carries the same bytes; the collective moves as ``n`` messages instead of one.
 
