@@ -66,12 +66,13 @@ def test_ceiling_hides_each_collective_under_its_share_of_the_compute(monkeypatc
         return [c + 1 for c in counts]  # another rank needed more: every rank runs the agreed counts
 
     compute_alone, overlapped = ceiling_steps(_FakeReplay(3, log), 0.040, agree, alone_s=[0.010, 0.030, 0.0])
+    assert sorted(overlapped) == [1, 2]
     # 20 matmuls from the lone one's 2 ms, agreed to 21; they took 21 ms, so 40 are needed, agreed to 41
     assert agreed == [[20], [40]]
     assert log == [("matmuls", 21)]  # the calibration loop; nothing else runs until a step is called
     log.clear()
-    overlapped()
-    assert log == [  # 41 matmuls in proportion to the collectives' times alone
+    overlapped[1]()
+    assert log == [  # 41 matmuls in proportion to the collectives' times alone, one collective in flight
         ("issue", 0),
         ("matmuls", 10),
         ("wait", 0),
@@ -80,6 +81,19 @@ def test_ceiling_hides_each_collective_under_its_share_of_the_compute(monkeypatc
         ("wait", 1),
         ("issue", 2),
         ("matmuls", 0),
+        ("wait", 2),
+    ]
+    log.clear()
+    overlapped[2]()
+    assert log == [  # two in flight: each is waited for after the next one's share
+        ("issue", 0),
+        ("matmuls", 10),
+        ("issue", 1),
+        ("matmuls", 31),
+        ("wait", 0),
+        ("issue", 2),
+        ("matmuls", 0),
+        ("wait", 1),
         ("wait", 2),
     ]
     log.clear()

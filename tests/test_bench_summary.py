@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dhelix_compile.bench.run import hidden_share, markdown
+from dhelix_compile.bench.run import ceiling_row, hidden_share, markdown
 
 
 def _variant(step_s: float, t_compute_s: float, cpu_s: float | None = None) -> dict:
@@ -40,6 +40,8 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
         "variants": {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110, 0.1155)},
         "ceiling": {
             "step_s_median": 0.105,
+            "in_flight": 2,
+            "step_s_by_in_flight": {1: 0.112, 2: 0.105},
             "t_compute_s": 0.095,
             "cpu_s_median": 0.104,
             "idle_s": 0.001,
@@ -60,6 +62,24 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
     assert cells[11:] == ["-", "-"]  # no compile times recorded: shown as such
     assert rows["inductor"][9:11] == ["-", "-"]  # no CPU time measured: shown as such, not as zero
     assert rows["*ceiling*"][3:] == ["1.43x", "1.05", "1.00", "80%", "95.0", "", "104.0", "1.0", "", ""]
+    assert any("(here 2: 1 in flight 112.0 ms, 2 in flight 105.0 ms)" in line for line in table)
+
+
+def test_the_ceiling_is_the_faster_of_one_and_two_collectives_in_flight() -> None:
+    measured = {  # as the worker sends it: depths as JSON keys, per-repeat samples
+        "compute_s": [0.090, 0.095, 0.100],
+        "in_flight": {
+            "1": {"step_s": [0.130, 0.120, 0.125], "cpu_s": [0.1, 0.1, 0.1]},
+            "2": {"step_s": [0.110, 0.140, 0.105], "cpu_s": [0.09, 0.1, 0.11]},
+        },
+    }
+    ceiling = ceiling_row(measured, t_comm=0.050)
+    assert ceiling is not None
+    assert (ceiling["in_flight"], ceiling["step_s_median"]) == (2, 0.110)
+    assert ceiling["step_s_by_in_flight"] == {1: 0.125, 2: 0.110}
+    assert ceiling["cpu_s_median"] == 0.1 and ceiling["t_compute_s"] == 0.095
+    assert ceiling["hidden_share"] == pytest.approx(hidden_share(0.110, 0.095, 0.050))
+    assert ceiling_row(None, 0.050) is None
 
 
 def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:
@@ -77,6 +97,7 @@ def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:
     assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0 and summary["t_comm_cpu_s"] > 0
     ceiling = summary["ceiling"]  # the step's collectives under synthetic compute of about T_compute
     assert ceiling["step_s_median"] > 0 and ceiling["t_compute_s"] > 0 and ceiling["cpu_s_median"] > 0
+    assert ceiling["step_s_median"] == min(ceiling["step_s_by_in_flight"].values())  # 1 or 2 in flight
     for v in summary["variants"].values():  # a step's CPU time is measured beside its wall time
         assert v["cpu_s_median"] > 0 and v["idle_s"] == pytest.approx(max(v["step_s_median"] - v["cpu_s_median"], 0.0))
         assert v["first_step_s"] > 0  # the compiling first step, timed apart

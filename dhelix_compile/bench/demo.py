@@ -132,7 +132,7 @@ def _print_results(losses: dict[str, Any], summary: dict[str, Any], dump_dir: Pa
     print()
     print(
         "ceiling: the step's own collectives, each in flight under its share of T_compute of synthetic matmuls "
-        "-- the most this machine can hide (its 2 cores also carry the transfers)."
+        "(one or two at a time, the faster) -- the most this machine can hide (its 2 cores also carry the transfers)."
     )
     print(f"helix's graphs, schedules and timelines: {dump_dir}/rank0/*_merged/index.html")
     print(f"summary table: python -m dhelix_compile report {dump_dir}")

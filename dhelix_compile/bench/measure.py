@@ -13,8 +13,12 @@ Contract
       collectives (same ops, shapes, dtypes, groups) back to back on the live process group and
       waits for each. Its time is ``T_comm``: the step's communication with no compute around.
     - ``ceiling_steps(replay, compute_s, agree)``: the same collectives, each hidden under a
-      share of ``compute_s`` of synthetic matmuls -- the best overlap this machine allows for
-      the step's communication and compute (see its docstring).
+      share of ``compute_s`` of synthetic matmuls, with one or two of them in flight at a time
+      -- the best overlap this machine allows for the step's communication and compute (see its
+      docstring). The bench reports the faster of the two depths.
+    - On a gloo group an all-gather is replayed as one broadcast per rank, as the
+      ``broadcast_gathers`` pass sends it (torch 2.13's gloo all-gather in flight beside compute
+      corrupts the heap; the pass's docstring says how that was found).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import dataclasses
 import functools
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -113,6 +118,8 @@ class CollectiveReplay:
 
     Calling it issues each collective and waits for it before the next (``T_comm``);
     ``issue(i)`` and ``wait(handles)`` split one collective for schedules that put work between.
+    An all-gather on a gloo group is issued as one broadcast per rank (see the module docstring):
+    the same bytes on the link, sent the way dhelix's compiled graphs send them.
     """
 
     def __init__(self, nodes: Sequence[torch.fx.Node]) -> None:
@@ -123,6 +130,9 @@ class CollectiveReplay:
 
     def issue(self, i: int) -> list[torch.Tensor]:
         target, args, kwargs = self.calls[i]
+        if target is c10d.all_gather_into_tensor.default and compat.group_backend(str(args[2])) == "gloo":
+            shard, ranks, group = args[0], int(args[1]), str(args[2])
+            return [c10d.broadcast.default(shard, r, group) for r in range(ranks)]
         result = target(*args, **kwargs)
         return list(result) if isinstance(result, (list, tuple)) else [result]
 
@@ -168,21 +178,30 @@ def ceiling_steps(
     agree: Callable[[list[int]], list[int]],
     samples: int = 5,
     alone_s: Sequence[float] | None = None,
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """``(compute_alone, overlapped)``: about ``compute_s`` of synthetic matmuls alone, and the
-    same matmuls with ``replay``'s collectives issued among them, each followed by a share of the
-    matmuls in proportion to its time alone (median of ``samples``) and then waited for.
+    in_flight: Sequence[int] = (1, 2),
+) -> tuple[Callable[[], None], dict[int, Callable[[], None]]]:
+    """``(compute_alone, overlapped)``: about ``compute_s`` of synthetic matmuls alone, and for
+    each depth ``d`` in ``in_flight`` the same matmuls with ``replay``'s collectives issued among
+    them: each collective is followed by a share of the matmuls in proportion to its time alone
+    (median of ``samples``), and waited for once ``d`` collectives are in flight (``d = 1``: right
+    after its own share; ``d = 2``: after the next one's, as dhelix's schedules keep
+    ``max_in_flight=2``), the rest at the end.
 
-    ``overlapped`` is the best schedule this step's communication and this much compute can
-    have: every transfer in flight under compute that does not depend on it, nothing else
-    between. Its time on the real link is what this machine allows -- the *ceiling* a
-    rewrite of the step can reach (the CPU the transfers take and the cores they share show up
-    here as they do in the step). ``agree(counts)``: the element-wise maximum over ranks, so
-    every rank runs the same matmul counts (it is called twice: the count from one matmul's
-    time, then corrected by the loop's); every rank must call this together. ``alone_s``: the
-    collectives' times alone, if already known (then only the matmuls are timed).
-    The matmuls are small enough to stay in cache, so if anything the ceiling is optimistic.
+    Each ``overlapped[d]`` is a schedule with every transfer in flight under compute that does not
+    depend on it, nothing else between; the faster depth is the best this step's communication
+    and this much compute can have, and its time on the real link is what this machine allows --
+    the *ceiling* a rewrite of the step can reach (the CPU the transfers take and the cores they
+    share show up here as they do in the step). One collective at a time pays each one's fixed
+    cost in series, which a step of many small collectives (a data-parallel step's per-parameter
+    gathers) does not have to; two at a time share the link between them. ``agree(counts)``: the
+    element-wise maximum over ranks, so every rank runs the same matmul counts (it is called
+    twice: the count from one matmul's time, then corrected by the loop's); every rank must call
+    this together. ``alone_s``: the collectives' times alone, if already known (then only the
+    matmuls are timed). The matmuls are small enough to stay in cache, so if anything the
+    ceiling is optimistic.
     """
+    if not in_flight or min(in_flight) < 1:
+        raise ValueError(f"in_flight must list depths >= 1, got {list(in_flight)}")
     alone = list(alone_s) if alone_s is not None else _times_alone(replay, samples)
     matmuls = _Matmuls()
     # a first count from one matmul's time, then corrected by the loop's own time: a lone matmul
@@ -196,13 +215,17 @@ def ceiling_steps(
     def compute_alone() -> None:
         matmuls.run(sum(counts))
 
-    def overlapped() -> None:
+    def overlapped(depth: int) -> None:
+        pending: deque[list[torch.Tensor]] = deque()
         for i, count in enumerate(counts):
-            handles = replay.issue(i)
+            pending.append(replay.issue(i))
             matmuls.run(count)
-            replay.wait(handles)
+            while len(pending) >= depth:
+                replay.wait(pending.popleft())
+        while pending:
+            replay.wait(pending.popleft())
 
-    return compute_alone, overlapped
+    return compute_alone, {depth: functools.partial(overlapped, depth) for depth in in_flight}
 
 
 def _shares(count: int, weights: Sequence[float]) -> list[int]:

@@ -204,20 +204,26 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         replay = setup.replay()
         timed: dict[str, Any] = {"comm": replay}
         if args.t_compute_s > 0:
-            ceiling_compute, ceiling = ceiling_steps(
+            ceiling_compute, ceilings = ceiling_steps(
                 replay, args.t_compute_s, lambda counts: [int(c) for c in agree_max(counts, dist.group.WORLD)]
             )
-            timed.update(ceiling_compute=ceiling_compute, ceiling=ceiling)
+            timed["ceiling_compute"] = ceiling_compute
+            timed.update({f"ceiling_{depth}": step for depth, step in ceilings.items()})
         for warm_up in timed.values():
             warm_up()
         comm_times = time_interleaved(timed, repeats, barrier)
         result["t_comm_s"] = agree_max(comm_times.wall_s["comm"], dist.group.WORLD)
         result["t_comm_cpu_s"] = agree_max(comm_times.cpu_s["comm"], dist.group.WORLD)
-        if "ceiling" in timed:
+        if "ceiling_compute" in timed:
             result["ceiling"] = {
                 "compute_s": agree_max(comm_times.wall_s["ceiling_compute"], dist.group.WORLD),
-                "step_s": agree_max(comm_times.wall_s["ceiling"], dist.group.WORLD),
-                "cpu_s": agree_max(comm_times.cpu_s["ceiling"], dist.group.WORLD),
+                "in_flight": {
+                    depth: {
+                        "step_s": agree_max(comm_times.wall_s[f"ceiling_{depth}"], dist.group.WORLD),
+                        "cpu_s": agree_max(comm_times.cpu_s[f"ceiling_{depth}"], dist.group.WORLD),
+                    }
+                    for depth in ceilings
+                },
             }
         predicted = {
             name: _predicted_step_s(dump_root / _folder(name), rank, args.microbatches)
