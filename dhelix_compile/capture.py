@@ -164,7 +164,11 @@ def _pass_context(
         observer=dumper,
     )
     if estimator is not None:  # building a profiled estimator measures the graph's ops and collectives
-        ctx.record("cost_model", calibration_s=time.perf_counter() - start)
+        ctx.record(
+            "cost_model",
+            calibration_s=time.perf_counter() - start,
+            contention_factor=float(estimator.contention_factor),
+        )
     return ctx
 
 
