@@ -96,6 +96,9 @@ class NodeCost:
         time_expr: ``time_s`` as a sympy expression of the graph's size symbols.
         collective: collective name for issue nodes (``"all_gather"``, ``"send"``...).
         group_size: ranks in the collective's group (issue nodes).
+        contention_factor: issue nodes: compute runs this many times slower while this
+            transfer is in flight (None: the estimator's ``contention_factor``). A profiled
+            estimator measures one per kind of transfer (``cost_model.profile.contention``).
     """
 
     kind: NodeKind
@@ -107,6 +110,7 @@ class NodeCost:
     time_expr: sympy.Expr = _ZERO
     collective: str | None = None
     group_size: int | None = None
+    contention_factor: float | None = None
 
 
 @runtime_checkable

@@ -16,8 +16,10 @@ order is the caller's job) and places each on a resource:
 * views and other free nodes take no time; their output is ready when their inputs are.
 
 Contention: compute that runs while at least one transfer is in flight progresses
-``contention_factor`` times slower (``simulate(..., contention_factor=)``, else the
-estimator's ``contention_factor``, 1.0 for estimators without contention)::
+``contention_factor`` times slower: the transfer's own (``NodeCost.contention_factor``, where
+the estimator measured one for its kind; the largest of overlapping transfers), else
+``simulate(..., contention_factor=)``, else the estimator's ``contention_factor`` (1.0 for
+estimators without contention)::
 
     timeline of one compute node of work w starting at t0:
       outside transfers: 1 s of wall time does 1 s of work
@@ -131,29 +133,41 @@ def _strand(node: torch.fx.Node) -> int:
 
 
 class _BusyIntervals:
-    """Union of transfer intervals, kept as sorted, disjoint ``[start, end)`` pairs."""
+    """Where transfers are in flight: sorted, disjoint ``[start, end)`` pieces, each with the
+    compute slowdown inside it (where transfers overlap, the largest of their factors)."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.factors: list[float] = []
 
-    def add(self, start: float, end: float) -> None:
+    def add(self, start: float, end: float, factor: float) -> None:
         if end <= start:
             return
-        i = bisect.bisect_left(self.ends, start)
-        j = i
-        while j < len(self.starts) and self.starts[j] <= end:
-            start = min(start, self.starts[j])
-            end = max(end, self.ends[j])
-            j += 1
-        self.starts[i:j] = [start]
-        self.ends[i:j] = [end]
+        i = bisect.bisect_right(self.ends, start)  # the first piece ending after ``start``
+        j = bisect.bisect_left(self.starts, end)  # the first piece starting at or after ``end``
+        pieces: list[tuple[float, float, float]] = []
+        t = start
+        for s, e, f in zip(self.starts[i:j], self.ends[i:j], self.factors[i:j]):
+            if s < start:  # the part before the new transfer keeps its factor
+                pieces.append((s, start, f))
+            if t < s:  # a gap the new transfer alone covers
+                pieces.append((t, s, factor))
+            pieces.append((max(s, start), min(e, end), max(f, factor)))
+            if e > end:
+                pieces.append((end, e, f))
+            t = max(t, e)
+        if t < end:
+            pieces.append((t, end, factor))
+        self.starts[i:j] = [p[0] for p in pieces]
+        self.ends[i:j] = [p[1] for p in pieces]
+        self.factors[i:j] = [p[2] for p in pieces]
 
-    def finish_time(self, start: float, work: float, factor: float) -> float:
+    def finish_time(self, start: float, work: float) -> float:
         """Wall time at which ``work`` seconds of compute started at ``start`` finish."""
         if work <= 0:
             return start
-        if factor == 1.0 or not self.starts:
+        if not self.starts:
             return start + work
         t = start
         remaining = work
@@ -161,8 +175,8 @@ class _BusyIntervals:
         while remaining > 0:
             if i >= len(self.starts):
                 return t + remaining
-            s, e = self.starts[i], self.ends[i]
-            if t < s:  # free gap before the next busy interval
+            s, e, factor = self.starts[i], self.ends[i], self.factors[i]
+            if t < s:  # free gap before the next busy piece
                 gap = s - t
                 if remaining <= gap:
                     return t + remaining
@@ -215,7 +229,7 @@ def simulate(
             start = max(now, inputs_ready)
             if start > now and any(from_transfer.get(i, False) for i in inputs):
                 exposed_parts.append(start - now)
-            end = busy.finish_time(start, cost.time_s, factor)
+            end = busy.finish_time(start, cost.time_s)
             compute_parts.append(cost.time_s)
             if cost.time_s > 0:
                 events.append(SimEvent(node.name, cost.kind, "compute", start, end, strand))
@@ -227,7 +241,7 @@ def simulate(
             start = max(now, inputs_ready, channel_free[channel])
             end = start + cost.time_s
             channel_free[channel] = end
-            busy.add(start, end)
+            busy.add(start, end, factor if cost.contention_factor is None else max(1.0, cost.contention_factor))
             comm_parts.append(cost.time_s)
             if cost.time_s > 0:
                 events.append(SimEvent(node.name, cost.kind, f"comm{channel}", start, end, strand))

@@ -32,6 +32,7 @@ import torch.fx
 
 from cost_model import Estimator
 from cost_model.op_kinds import op_name
+from cost_model.profile import ProfiledEstimator
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile import ops as _ops  # noqa: F401 - registers dhelix::exchange, which decompose emits
 from dhelix_compile.codegen import generate, has_communication
@@ -168,6 +169,12 @@ def _pass_context(
             "cost_model",
             calibration_s=time.perf_counter() - start,
             contention_factor=float(estimator.contention_factor),
+            **{
+                f"contention_factor_{transfer}": factor
+                for transfer, factor in (
+                    estimator.measured_contention.items() if isinstance(estimator, ProfiledEstimator) else ()
+                )
+            },
         )
     return ctx
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -19,6 +21,7 @@ from cost_model import (
     TableEstimator,
     peak_memory_bytes,
     simulate,
+    simulator,
 )
 from cost_model.op_kinds import is_comm, kind_of
 
@@ -95,6 +98,46 @@ def test_contention_slows_overlapped_compute() -> None:
     assert res.contention_s == pytest.approx(4.0 - 4.0 / 1.5)
     assert res.compute_s == 10.0
     assert simulate(order, est, contention_factor=1.0).makespan_s == pytest.approx(10.0)
+
+
+class _PerTransferContention(TableEstimator):
+    """A table estimator whose transfers carry their own contention factors, as a profiled one's do."""
+
+    def __init__(self, times_s: dict[str, float], factors: dict[str, float]) -> None:
+        super().__init__(times_s, contention_factor=9.0)  # never used: every transfer has its own
+        self.factors = factors
+
+    def node_cost(self, node: torch.fx.Node):  # type: ignore[no-untyped-def]
+        cost = super().node_cost(node)
+        return dataclasses.replace(cost, contention_factor=self.factors.get(node.name, cost.contention_factor))
+
+
+def test_each_transfer_slows_compute_by_its_own_factor_the_largest_where_they_overlap() -> None:
+    b = _Builder()
+    light = b.issue("light", b.x)  # [0, 4): factor 1.25
+    c0 = b.compute("c0")
+    heavy = b.issue("heavy", c0)  # issued at 2.5, [2.5, 4.5) with the other channel: factor 2.0
+    c1 = b.compute("c1")
+    order = b.finish(b.wait("w1", light), b.wait("w2", heavy), c1)
+    est = _PerTransferContention({"light": 4.0, "heavy": 2.0, "c0": 2.0, "c1": 3.0}, {"light": 1.25, "heavy": 2.0})
+    res = simulate(order, est, num_comm_channels=2)
+    # c0: 2 s of work under "light" alone take 2.5 s; c1 from 2.5: [2.5, 4.5) under both (factor 2)
+    # does 1 s of work, the remaining 2 s run unslowed: ends at 6.5
+    assert [(e.node_name, e.end_s) for e in res.events if e.kind == "compute"] == [("c0", 2.5), ("c1", 6.5)]
+    assert res.makespan_s == pytest.approx(6.5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 8), st.sampled_from([1.0, 1.5, 2.0, 3.0])), max_size=8))
+def test_busy_pieces_hold_the_largest_factor_in_flight_at_every_instant(transfers) -> None:
+    busy = simulator._BusyIntervals()
+    for start, length, factor in transfers:
+        busy.add(start, start + length, factor)
+    pieces = list(zip(busy.starts, busy.ends, busy.factors))
+    assert all(s < e for s, e, _ in pieces) and all(a[1] <= b[0] for a, b in itertools.pairwise(pieces))
+    for x in (k / 4 + 0.125 for k in range(120)):
+        expected = max((f for s, n, f in transfers if s <= x < s + n), default=None)
+        assert next((f for s, e, f in pieces if s <= x < e), None) == expected
 
 
 def test_channels_serialize_or_parallelize_transfers() -> None:

@@ -2,20 +2,26 @@
 
 Contract
 --------
-``measure_contention(compute, comms, group, cache, repeats) -> float | None``::
+``measure_contention(compute, comms, group, cache, repeats, transfer) -> float | None``::
 
     None   without a real multi-rank group (none, a fake one, one rank) or without both a
            measured compute op and a measured collective
     op     the slowest measured compute op (ties: the larger signature)
     bytes  the largest measured collective's size, clamped to 1 MiB .. 64 MiB
     iters  calls of the op that fill about 20 ms (1..1000 calls)
-    key    "contention|<op signature>|bytes=..|iters=..|backend=..|size=..|in_flight=.."
+    xfer   the transfer that stands for a kind of communication (``TRANSFERS``): "reduce"
+           (collectives that add: all_reduce, reduce_scatter) an all_reduce; "move" (every
+           other collective and point-to-point transfer) broadcasts from each rank in turn,
+           which send and receive without adding -- on CPU the two take very different CPU per
+           byte (a broadcast rather than an all_to_all or all_gather: gloo runs it in place,
+           with no ATen work on its thread; see graph_passes.broadcast_gathers)
+    key    "contention|<op signature>|bytes=..|iters=..|backend=..|size=..|in_flight=..|<xfer>"
     if every rank has key in cache:   factor = max over ranks of the cached factors
-    else:  t_one = one all_reduce(bytes), timed after a warm-up (the slowest rank's)
+    else:  t_one = one xfer(bytes), timed after a warm-up (the slowest rank's)
            k = transfers back to back that outlast the iters calls (1 if t_one outlasts them,
                else 1 + ceil(their time / t_one), <= 64)
            repeats times:  t_alone = time(iters calls)
-                           barrier; k async all_reduce(bytes); t_busy = time(iters calls); wait all
+                           barrier; k async xfer(bytes); t_busy = time(iters calls); wait all
            factor = max over ranks of max(1, median(t_busy) / median(t_alone))
     cache[key] = factor
 
@@ -24,16 +30,17 @@ simulator applies to compute under a transfer. (One transfer shorter than the ca
 measured before, left part of them unslowed: 1.01 for a data-parallel backward whose
 reduce-scatters took a third of a core on this machine.)
 
-Every rank takes the same branch (the cache check is agreed first), so the all_reduces match.
+Every rank takes the same branch (the cache check is agreed first), so the transfers match.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -50,6 +57,15 @@ MAX_SAMPLE_S: float = 0.02
 MAX_ITERS: int = 1000
 MAX_IN_FLIGHT: int = 64
 
+Transfer = Literal["reduce", "move"]
+TRANSFERS: tuple[Transfer, ...] = ("reduce", "move")
+REDUCING_COLLECTIVES = frozenset({"all_reduce", "reduce_scatter", "reduce"})
+
+
+def transfer_of(collective: str | None) -> Transfer:
+    """Which kind of transfer a collective (``NodeCost.collective``) is, for its contention."""
+    return "reduce" if collective in REDUCING_COLLECTIVES else "move"
+
 
 def measure_contention(
     compute: Sequence[tuple[float, str, torch.fx.Node]],
@@ -57,8 +73,9 @@ def measure_contention(
     group: Any,
     cache: dict[str, float],
     repeats: int,
+    transfer: Transfer = "reduce",
 ) -> float | None:
-    """The compute slowdown under a collective (module docstring).
+    """The compute slowdown under a ``transfer`` (module docstring).
 
     ``compute``: ``(seconds, signature, node)`` of every measured compute op; ``comms``:
     ``(seconds, node)`` of every measured collective issue; ``cache`` gains the factor's key.
@@ -73,7 +90,7 @@ def measure_contention(
     iters = int(min(MAX_ITERS, max(1, math.ceil(MAX_SAMPLE_S / max(t_compute, 1e-7)))))
     key = (
         f"contention|{sig}|bytes={nbytes}|iters={iters}|backend={backend_name(group)}|size={resolve_group_size(group)}"
-        "|in_flight=all"
+        f"|in_flight=all|{transfer}"
     )
     # Every rank must take the same branch: measure unless the key is cached everywhere.
     if not agree_max([0.0 if key in cache else 1.0], group)[0]:
@@ -86,9 +103,17 @@ def measure_contention(
     device = device_of_nodes([node])
     try:
         args, kwargs = real_args(node, hints)
-    except Exception:  # noqa: BLE001 - no inputs for the op: time the all_reduce alone
+    except Exception:  # noqa: BLE001 - no inputs for the op: time the transfer alone
         args = None
+    size = int(resolve_group_size(group) or 1)
     buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=comm_device(group, device))
+    sent = itertools.count()
+
+    def send(async_op: bool) -> Any:
+        if transfer == "reduce":
+            return dist.all_reduce(buf, group=group, async_op=async_op)
+        root = dist.get_global_rank(group, next(sent) % size)
+        return dist.broadcast(buf, src=root, group=group, async_op=async_op)
 
     def compute_once() -> None:
         if args is not None:
@@ -103,7 +128,7 @@ def measure_contention(
     for _ in range(2):  # a warm-up, then the timed one
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        dist.all_reduce(buf, group=group)
+        send(async_op=False)
         one_s.append(time.perf_counter() - t0)
     one, window = agree_max([one_s[-1], window_s], group)
     in_flight = 1 if one >= window else int(min(MAX_IN_FLIGHT, 1 + math.ceil(window / max(one, 1e-6))))
@@ -116,7 +141,7 @@ def measure_contention(
         dist.barrier(group=group)
         # back to back, so that a transfer is in flight for all of the timed calls (their values
         # race on one buffer; only the time is used)
-        works = [dist.all_reduce(buf, group=group, async_op=True) for _ in range(in_flight)]
+        works = [send(async_op=True) for _ in range(in_flight)]
         t0 = time.perf_counter()
         compute_once()
         busy.append(time.perf_counter() - t0)
@@ -140,4 +165,4 @@ def _comm_nbytes(node: torch.fx.Node) -> int:
     return int(evaluate(nbytes, size_hints([node, *node.all_input_nodes])))
 
 
-__all__ = ["measure_contention"]
+__all__ = ["TRANSFERS", "Transfer", "measure_contention", "transfer_of"]

@@ -68,7 +68,7 @@ from cost_model.memory import is_schema_view
 from cost_model.nodes import NodesLike, call_target, node_list
 from cost_model.op_kinds import kind_of, op_name
 from cost_model.profile.cache import MeasurementCache, device_key
-from cost_model.profile.contention import measure_contention
+from cost_model.profile.contention import TRANSFERS, Transfer, measure_contention, transfer_of
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
 from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args
 from cost_model.profile.segments import segment_times
@@ -93,8 +93,8 @@ class CalibrationReport:
         measured: signatures measured in this call.
         cached: signatures taken from the disk cache.
         skipped: reason -> number of nodes left to the base estimate.
-        contention_factor: measured compute slowdown under a collective (None if not
-            measured).
+        contention_factor: the largest compute slowdown measured in this call, over the kinds
+            of transfer (None if none was measured).
         seconds: wall time of the calibration.
     """
 
@@ -173,7 +173,8 @@ class ProfiledEstimator(EstimatorBase):
         self.measure_contention = measure_contention
         self.runner = runner
         self.measurements: dict[str, float] = {}
-        self.measured_contention_factor: float | None = None
+        #: compute slowdown under each kind of transfer (cost_model.profile.contention), as measured
+        self.measured_contention: dict[Transfer, float] = {}
         self._link_ratios: dict[str, float] = {}  # collective signature -> measured / base time
         self._compute_ratios: dict[str, dict[str, float]] = {}  # op -> {signature: measured / base time}
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
@@ -186,8 +187,9 @@ class ProfiledEstimator(EstimatorBase):
 
     @property
     def contention_factor(self) -> float:
-        if self.measured_contention_factor is not None:
-            return self.measured_contention_factor
+        """The largest measured slowdown (each transfer's own kind's is in its ``NodeCost``)."""
+        if self.measured_contention:
+            return max(self.measured_contention.values())
         return float(self.base.contention_factor)
 
     @property
@@ -204,6 +206,13 @@ class ProfiledEstimator(EstimatorBase):
         return statistics.median(ratios.values()) if ratios else None
 
     def node_cost(self, node: torch.fx.Node) -> NodeCost:
+        cost = self._priced(node)
+        if cost.kind in ("collective", "p2p") and self.measured_contention:
+            factor = self.measured_contention.get(transfer_of(cost.collective))
+            return cost if factor is None else dataclasses.replace(cost, contention_factor=factor)
+        return cost
+
+    def _priced(self, node: torch.fx.Node) -> NodeCost:
         cost = self.base.node_cost(node)
         if cost.kind == "p2p" and self._link_ratios:
             return _scaled(cost, self.link_scale)
@@ -386,19 +395,22 @@ class ProfiledEstimator(EstimatorBase):
 
         contention = None
         if self.measure_contention:
-            contention = measure_contention(
-                [
-                    (t, it.sig, it.node)
-                    for it, t in zip(items, times, strict=True)
-                    if not it.is_collective and t != FAILED_S
-                ],
-                [(t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != FAILED_S],
-                agree_group,
-                cache,
-                self.repeats,
-            )
-            if contention is not None:
-                self.measured_contention_factor = contention
+            for transfer in TRANSFERS:
+                factor = measure_contention(
+                    [
+                        (t, it.sig, it.node)
+                        for it, t in zip(items, times, strict=True)
+                        if not it.is_collective and t != FAILED_S
+                    ],
+                    [(t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != FAILED_S],
+                    agree_group,
+                    cache,
+                    self.repeats,
+                    transfer,
+                )
+                if factor is not None:
+                    self.measured_contention[transfer] = factor
+                    contention = max(contention or 1.0, factor)
         self.disk_cache.store(key, cache)
         return CalibrationReport(
             measured=measured,
