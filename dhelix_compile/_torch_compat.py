@@ -306,6 +306,18 @@ def real_process_group_initialized() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
 
 
+def wait_for_compile_workers(timeout_s: float = 120.0) -> None:
+    """Wait until Inductor's pool of compile worker processes has started (starting it if this
+    process uses one and it has not), so that nothing measured afterwards shares the cores with
+    workers importing torch. A no-op where Inductor compiles in-process (one compile thread).
+
+    Profiled op times measured beside a starting pool ran 1.4-2.2x slow on 2 cores and stayed
+    in the disk cache (BENCHMARKS.md, 2026-11-25)."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.wait_pool_ready(timeout=timeout_s)
+
+
 def run_outside_compilation(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` with none of the compiler's thread-local state, and return its result.
 

@@ -135,6 +135,8 @@ def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inpu
     if resolve_cost_model(config, gm) == "analytic":
         return base
     profiled = _profiled_estimator(config, base, link)
+    if config.codegen == "inductor":  # its compile workers would share the cores with the measurements
+        compat.wait_for_compile_workers()
     report = compat.run_outside_compilation(lambda: profiled.calibrate(gm))
     log.info("cost model calibrated: %s", report)
     return profiled

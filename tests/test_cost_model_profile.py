@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from cost_model import AnalyticEstimator, Device, Link, ProfiledEstimator, simulate
+from cost_model.profile.cache import CACHE_VERSION
 from cost_model.progress import progress_bar
 from cost_model.testing import fake_world, trace_aten
 from dhelix_compile.testing.multirank import run_on_ranks
@@ -44,7 +45,7 @@ def test_calibrate_measures_then_hits_the_cache(tmp_path: pathlib.Path) -> None:
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1
     data = json.loads(files[0].read_text())
-    assert data["version"] == 1 and len(data["entries"]) == 3
+    assert data["version"] == CACHE_VERSION and len(data["entries"]) == 3
     assert any(k.startswith("aten.mm.default|T([32, 16]") for k in data["entries"])
 
     again = ProfiledEstimator(base, tmp_path, progress=False)
@@ -171,7 +172,7 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
         mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
         cache.mkdir(parents=True)
         real.disk_cache.path("unit").write_text(
-            json.dumps({"version": 1, "device": "unit", "entries": {real.signature(mm): 1.0}})
+            json.dumps({"version": CACHE_VERSION, "device": "unit", "entries": {real.signature(mm): 1.0}})
         )
     report = real.calibrate(gm)
     skewed = _RankSkewedEstimator(

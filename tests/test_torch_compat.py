@@ -193,3 +193,14 @@ def test_mesh_concatenation_strided_shards_and_group_names() -> None:
         assert facts["joined"] == ([[0, 1]], ("dp", "tp"))
         assert facts["strided_dim"] == 0 and facts["strided_split_factor"] == 2
         assert facts["group_resolves"]
+
+
+def test_waiting_for_inductors_compile_workers_is_a_no_op_without_a_pool() -> None:
+    """The profiled cost model waits for Inductor's compile pool before measuring (its workers
+    import torch on the cores the measurements use); with one compile thread there is no pool."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import AsyncCompile
+
+    assert callable(AsyncCompile.wait_pool_ready)
+    with inductor_config.patch(compile_threads=1):
+        compat.wait_for_compile_workers(timeout_s=5.0)

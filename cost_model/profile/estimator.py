@@ -16,8 +16,10 @@ except that a node whose *signature* has been measured gets the measured time.
         collective: the same on the live process group (barrier first, wait included)
     times  = all_reduce(MAX) over ranks of every signature's time -> every rank plans the
              same schedule from the same numbers
-    contention factor (optional): a measured compute op timed alone and while an async
-             all_reduce is in flight on the group; ratio, agreed by MAX
+    contention factors (optional), one per kind of transfer (``profile.contention``): a
+             measured compute op timed alone and with all_reduces ("reduce") or broadcasts
+             ("move") in flight on the group throughout; ratio, agreed by MAX. Each transfer's
+             ``NodeCost.contention_factor`` is its kind's; ``contention_factor`` the largest
     write the compute ops to the cache (JSON, one file per device, atomically replaced)
     progress bar (cost_model.progress): rank 0 only; ``progress=None`` shows it when stderr
              is a terminal and at least 8 signatures are measured
