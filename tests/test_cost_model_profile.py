@@ -193,6 +193,9 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
         "allreduce_base_s": base.node_cost(issue).time_s,
         "measured": report.measured,
         "contention": report.contention_factor,
+        "contention_by_kind": dict(real.measured_contention),
+        "issue_factor": real.node_cost(issue).contention_factor,
+        "p2p_factor": real.node_cost(p2p).contention_factor,
         "real": real.measurements,
         "skewed": {k: v for k, v in skewed.measurements.items() if "c10d" not in k},
         "allreduce_s": real.node_cost(issue).time_s,
@@ -210,6 +213,11 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     assert any("_c10d_functional.all_reduce" in k and "group_size=2" in k and "backend=gloo" in k for k in r0["real"])
     assert r0["allreduce_s"] > 0
     assert r0["contention"] == r1["contention"] and r0["contention"] >= 1.0
+    # one factor per kind of transfer, agreed; each transfer is priced with its own kind's
+    by_kind = r0["contention_by_kind"]
+    assert by_kind == r1["contention_by_kind"] and set(by_kind) == {"reduce", "move"}
+    assert min(by_kind.values()) >= 1.0 and r0["contention"] == max(by_kind.values())
+    assert (r0["issue_factor"], r0["p2p_factor"]) == (by_kind["reduce"], by_kind["move"])
     # the max over ranks wins: rank 1 "measured" 2 ms
     assert r0["skewed"] == r1["skewed"] and set(r0["skewed"].values()) == {2e-3}
     assert not math.isnan(r0["allreduce_s"])
