@@ -272,3 +272,29 @@ def test_ops_outside_torch_are_never_run_by_the_profiler(tmp_path: pathlib.Path)
     report = est.calibrate(gm)
     assert _SIDE_EFFECT_CALLS == []
     assert report.measured == 1 and report.skipped == {"not a torch op: may have side effects": 1}
+
+
+def _gather_through_run_node(rank: int, world_size: int) -> bool:
+    from cost_model.profile.running import GatherAsBroadcasts, run_node, transfer_tensors
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_gather_tensor(x, 0, dist.group.WORLD)
+
+    gm = trace_aten(gather, torch.randn(3, 4))
+    issue = next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default)
+    wait = next(n for n in gm.graph.nodes if n.target == c10d.wait_tensor.default)
+    shard = torch.full((3, 4), float(rank))
+    sent = run_node(issue, (shard, world_size, dist.group.WORLD.group_name), {})
+    assert isinstance(sent, GatherAsBroadcasts) and len(transfer_tensors(sent)) == world_size
+    gathered = run_node(wait, (sent,), {})
+    expected = torch.cat([torch.full((3, 4), float(r)) for r in range(world_size)])
+    return bool(torch.equal(gathered, expected))
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_the_profiler_runs_a_gloo_all_gather_as_broadcasts_with_the_same_values() -> None:
+    """Segments and pairs run their nodes for real beside compute: a gloo all-gather goes as
+    broadcasts there too (torch's gloo all-gather corrupts the heap; a CI run lost a rank to it
+    while helix measured segment pairs), and its wait gives the gathered tensor."""
+    assert run_on_ranks(_gather_through_run_node, 2, timeout_s=80) == [True, True]

@@ -72,7 +72,7 @@ from cost_model.op_kinds import kind_of, op_name
 from cost_model.profile.cache import MeasurementCache, device_key
 from cost_model.profile.contention import TRANSFERS, Transfer, measure_contention, transfer_of
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
-from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args
+from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args, run_node, transfer_tensors
 from cost_model.profile.segments import segment_times
 from cost_model.profile.signatures import collective_signature, compute_signature, is_collective_signature
 from cost_model.progress import item_label, progress_bar
@@ -443,8 +443,8 @@ class ProfiledEstimator(EstimatorBase):
             group = self._group_of(node)
 
             def run() -> object:
-                out = call_target(node)(*args, **kwargs)
-                for t in out if isinstance(out, (list, tuple)) else (out,):
+                out = run_node(node, args, kwargs)
+                for t in transfer_tensors(out):
                     c10d.wait_tensor(t)
                 return out
 

@@ -48,9 +48,8 @@ import torch
 import torch.fx
 
 from cost_model.comm_nodes import bound_args, resolve_process_group
-from cost_model.nodes import call_target
 from cost_model.op_kinds import kind_of
-from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args
+from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args, run_node, transfer_tensors
 from cost_model.profile.signatures import p2p_signature
 from cost_model.rank_agreement import FAILED_S, agree_max_s, backend_name, check_same_signatures
 from cost_model.strand_plan import Pair
@@ -178,9 +177,9 @@ def _measure_pair(profiled: PairProfiler, fwd: Segment, bwd: Segment) -> float:
     def run() -> None:
         in_flight: list[torch.Tensor] = []
         for node, args, kwargs, is_transfer in calls:
-            out = call_target(node)(*args, **kwargs)
+            out = run_node(node, args, kwargs)
             if is_transfer:
-                in_flight.extend(out if isinstance(out, (list, tuple)) else (out,))
+                in_flight.extend(transfer_tensors(out))
         for t in in_flight:
             c10d.wait_tensor(t)
 

@@ -10,6 +10,11 @@ Contract
   calls, the device synchronized after each; :func:`median_run_or_nan_s` -- the same after a
   barrier on a group that runs it together, NaN when it raises (the profiler's failure value).
 * :func:`device_of_nodes` -- where the nodes' tensors live (the first one found; CPU if none).
+* :func:`run_node` -- call a node's target on real arguments, as the compiled graph will: an
+  all-gather on a gloo group goes as one broadcast per rank (torch 2.13's gloo all-gather in
+  flight while the rank computes corrupts the heap; ``graph_passes.broadcast_gathers`` sends it
+  so in the compiled graph), its ``wait_tensor`` waits for them and concatenates;
+  :func:`transfer_tensors` lists what a transfer's result leaves in flight.
 
 Nothing here knows estimators: :mod:`cost_model.profile.estimator` (ops and collectives alone)
 and :mod:`cost_model.profile.pairs` (two segments together) both build on it.
@@ -27,7 +32,34 @@ import sympy
 import torch
 import torch.fx
 
+from cost_model.comm_nodes import resolve_process_group
+from cost_model.nodes import call_target
+from cost_model.rank_agreement import backend_name
 from cost_model.symbolic import concretize, hinted_shape, hinted_stride, tensors_in
+
+_C10D = torch.ops._c10d_functional
+
+
+class GatherAsBroadcasts(list[torch.Tensor]):
+    """An all-gather in flight as one broadcast per rank (:func:`run_node`): their results, in
+    rank order; its ``wait_tensor`` concatenates them."""
+
+
+def run_node(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+    """``node``'s target on real ``args``/``kwargs``, as the compiled graph runs it (module docstring)."""
+    target = call_target(node)
+    if target is _C10D.all_gather_into_tensor.default:
+        shard, ranks, group = args[0], int(args[1]), str(args[2])
+        if backend_name(resolve_process_group(group)) == "gloo":
+            return GatherAsBroadcasts(_C10D.broadcast.default(shard, r, group) for r in range(ranks))
+    if target is _C10D.wait_tensor.default and isinstance(args[0], GatherAsBroadcasts):
+        return torch.cat([_C10D.wait_tensor.default(t) for t in args[0]])
+    return target(*args, **kwargs)
+
+
+def transfer_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors a transfer's result (:func:`run_node`) leaves in flight, to wait for."""
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def device_of_nodes(nodes: Iterable[torch.fx.Node]) -> torch.device:

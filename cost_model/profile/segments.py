@@ -39,10 +39,9 @@ from typing import Any, Protocol
 import torch
 import torch.fx
 
-from cost_model.nodes import call_target
 from cost_model.op_kinds import kind_of
 from cost_model.profile.pairs import PairProfiler, Segment, SegmentSignature, segment_signature
-from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_value
+from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_value, run_node, transfer_tensors
 from cost_model.rank_agreement import FAILED_S, agree_max_s, check_same_signatures
 from cost_model.symbolic import size_hints
 
@@ -100,10 +99,9 @@ def _measure(profiled: PairProfiler, nodes: Segment) -> float:
         for node in nodes:
             args = torch.fx.node.map_arg(node.args, env.__getitem__)
             kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            env[node] = call_target(node)(*args, **kwargs)
+            env[node] = run_node(node, args, kwargs)
         for node in transfers:  # what the segment left in flight (waiting a waited tensor is a no-op)
-            out = env[node]
-            for t in out if isinstance(out, (list, tuple)) else (out,):
+            for t in transfer_tensors(env[node]):
                 c10d.wait_tensor(t)
 
     device = device_of_nodes(nodes)
