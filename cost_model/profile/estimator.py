@@ -397,18 +397,17 @@ class ProfiledEstimator(EstimatorBase):
 
         contention = None
         if self.measure_contention:
+            measured_compute = [
+                (t, it.sig, it.node)
+                for it, t in zip(items, times, strict=True)
+                if not it.is_collective and t != FAILED_S
+            ]
+            measured_comms = [
+                (t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != FAILED_S
+            ]
             for transfer in TRANSFERS:
                 factor = measure_contention(
-                    [
-                        (t, it.sig, it.node)
-                        for it, t in zip(items, times, strict=True)
-                        if not it.is_collective and t != FAILED_S
-                    ],
-                    [(t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != FAILED_S],
-                    agree_group,
-                    cache,
-                    self.repeats,
-                    transfer,
+                    measured_compute, measured_comms, agree_group, cache, self.repeats, transfer
                 )
                 if factor is not None:
                     self.measured_contention[transfer] = factor

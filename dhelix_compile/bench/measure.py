@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from cost_model.nodes import call_target
 from cost_model.op_kinds import is_comm, kind_of
 from cost_model.profile import median_run_s
+from cost_model.profile.running import run_node, transfer_tensors
 from dhelix_compile import _torch_compat as compat
 
 c10d = torch.ops._c10d_functional
@@ -123,18 +123,14 @@ class CollectiveReplay:
     """
 
     def __init__(self, nodes: Sequence[torch.fx.Node]) -> None:
-        self.calls = [(call_target(n), _materialize(n.args), _materialize(n.kwargs)) for n in nodes]
+        self.calls = [(n, _materialize(n.args), _materialize(n.kwargs)) for n in nodes]
 
     def __len__(self) -> int:
         return len(self.calls)
 
     def issue(self, i: int) -> list[torch.Tensor]:
-        target, args, kwargs = self.calls[i]
-        if target is c10d.all_gather_into_tensor.default and compat.group_backend(str(args[2])) == "gloo":
-            shard, ranks, group = args[0], int(args[1]), str(args[2])
-            return [c10d.broadcast.default(shard, r, group) for r in range(ranks)]
-        result = target(*args, **kwargs)
-        return list(result) if isinstance(result, (list, tuple)) else [result]
+        node, args, kwargs = self.calls[i]
+        return transfer_tensors(run_node(node, args, kwargs))  # the profiler's runner: gloo all-gathers as broadcasts
 
     @staticmethod
     def wait(handles: Sequence[torch.Tensor]) -> None:
