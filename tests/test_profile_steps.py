@@ -303,6 +303,52 @@ def test_measured_segments_end_when_each_comm_op_returns() -> None:
     assert (transfer.node_name, transfer.start_s, transfer.end_s) == ("ag", pytest.approx(20e-6), pytest.approx(80e-6))
 
 
+def _call(offset_us: float, segments_us: tuple[float, float, float]) -> list[dict[str, Any]]:
+    """One profiled call of the all-gather graph whose three segments take ``segments_us``."""
+    first, second, third = segments_us
+    start = offset_us
+    return [
+        _event("dhelix::g", start, first + second + third, cat="user_annotation"),
+        _event("_c10d_functional::all_gather_into_tensor_out", start + first - 1.0, 1.0),
+        _event("_c10d_functional::wait_tensor", start + first, second),
+    ]
+
+
+def test_the_account_splits_the_gap_into_compute_blocked_and_per_call_variation() -> None:
+    # predicted: 20 us of compute, then blocked 30 us at the wait, then 10 us of compute
+    plan = MeasurementPlan("g", _boundaries(), (2e-5, 3e-5, 1e-5), 6e-5)
+    # every call has one segment 40 us long, a different one each call
+    calls = [(60.0, 30.0, 10.0), (20.0, 70.0, 10.0), (20.0, 30.0, 50.0)]
+    steps = tuple(read_step(plan, _call(1000.0 * i, segs)) for i, segs in enumerate(calls))
+    account = MeasuredTimeline(plan, steps, {"traceEvents": []}).account()
+    assert account is not None
+    assert account.measured_s == pytest.approx(100e-6)  # every call takes 100 us
+    assert account.segment_medians_s == pytest.approx(60e-6)  # each segment's median is its short time
+    assert account.variation_s == pytest.approx(40e-6)
+    assert (account.compute_predicted_s, account.compute_measured_s) == (pytest.approx(30e-6), pytest.approx(30e-6))
+    assert (account.blocked_predicted_s, account.blocked_measured_s) == (pytest.approx(30e-6), pytest.approx(30e-6))
+    assert [(i, spread) for i, _, spread in account.most_variable] == [
+        (0, pytest.approx(40e-6)),
+        (1, pytest.approx(40e-6)),
+        (2, pytest.approx(40e-6)),
+    ]
+    verdict = account.verdict()
+    assert verdict.index("per-call variation") < verdict.index("compute segments")  # the largest part first
+    numbers = MeasuredTimeline(plan, steps, {"traceEvents": []}).numbers()
+    assert numbers["account"]["variation_s"] == pytest.approx(40e-6) and numbers["account"]["verdict"] == verdict
+
+
+def test_the_account_names_a_segment_that_is_slow_in_every_call() -> None:
+    plan = MeasurementPlan("g", _boundaries(), (2e-5, 3e-5, 1e-5), 6e-5)
+    steps = tuple(read_step(plan, _call(1000.0 * i, (20.0, 80.0 + i, 10.0))) for i in range(3))
+    account = MeasuredTimeline(plan, steps, {"traceEvents": []}).account()
+    assert account is not None
+    assert account.blocked_measured_s - account.blocked_predicted_s == pytest.approx(51e-6)
+    assert account.variation_s == pytest.approx(0.0, abs=1e-9)
+    assert account.most_variable[0][:2] == (1, "ag \u2192 wait")
+    assert account.verdict().split(": ", 1)[1].startswith("blocked segments")
+
+
 def test_a_profile_that_does_not_match_the_graph_keeps_only_the_whole_call() -> None:
     plan = MeasurementPlan("g", _boundaries(), (2e-5, 3e-5, 1e-5), 6e-5)
     step = read_step(plan, _profile(issue="_c10d_functional::all_reduce_"))
@@ -311,6 +357,7 @@ def test_a_profile_that_does_not_match_the_graph_keeps_only_the_whole_call() -> 
     numbers = measured.numbers()
     assert numbers["segments"] == [] and numbers["measured_step_s"] == pytest.approx(100e-6)
     assert "the profile _c10d_functional::all_reduce_" in numbers["segments_note"]
+    assert numbers["account"] is None
 
 
 # --------------------------------------------------------------------------- config

@@ -44,6 +44,14 @@ for a wait, the time the caller sat blocked, i.e. exposed communication::
 Per segment the rows give the predicted seconds, the median over the profiled steps of the
 measured seconds, and their ratio (measured / predicted); the whole call gets a row too (its
 measured value is the median of the step totals, not the sum of the segment medians).
+:meth:`MeasuredTimeline.account` (``"account"`` in the numbers) says where the difference went:
+segments that end at a wait (blocked on a transfer) against those that end at an issue
+(compute), and the *per-call variation* -- the median call minus the sum of the segment
+medians, time that lands in different segments in different calls::
+
+    call 1:  |seg0|seg1|seg2▒▒▒▒|seg3|      medians: |seg0|seg1|seg2|seg3|   sum 4 units
+    call 2:  |seg0|seg1▒▒▒▒|seg2|seg3|      median call: 5 units -> variation 1 unit
+    call 3:  |seg0▒▒▒▒|seg1|seg2|seg3|      (each segment's median is its short time)
 :meth:`MeasuredTimeline.gantt` turns the median call into a timeline ``timeline.gantt_svg``
 draws like a predicted one (:func:`measured_sim_result`).
 
@@ -328,6 +336,71 @@ class SegmentRow:
         }
 
 
+#: How many of the most variable segments :class:`CallAccount` names.
+MOST_VARIABLE = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class CallAccount:
+    """Where a measured call's time went against its prediction, segment by segment.
+
+    Segments are split by what closes them: a wait (``blocked_*``: compute, then the time the
+    caller sat blocked on a transfer) or an issue / the call's end (``compute_*``: compute and
+    issuing). ``segment_medians_s`` adds up each segment's median over the profiled calls: what a
+    call takes when every segment takes its typical time. ``variation_s`` is the median call
+    minus that sum: time lost because, in each call, some segments run long -- different ones
+    in different calls (the operating system descheduling a rank, a transfer late by a
+    scheduling quantum), which no per-segment number shows and the simulator does not model.
+    ``most_variable``: ``(index, label, max - min seconds)`` of the segments whose time varied
+    most between calls.
+
+    ``verdict()`` says in one sentence which of the three is the gap.
+    """
+
+    predicted_s: float | None
+    measured_s: float
+    compute_predicted_s: float
+    compute_measured_s: float
+    blocked_predicted_s: float
+    blocked_measured_s: float
+    segment_medians_s: float
+    variation_s: float
+    most_variable: tuple[tuple[int, str, float], ...]
+
+    def verdict(self) -> str:
+        """The gap between measured and predicted, by part, largest first."""
+        if self.predicted_s is None or self.predicted_s <= 0:
+            return "no prediction"
+        gaps = {
+            "compute segments (ending at an issue)": self.compute_measured_s - self.compute_predicted_s,
+            "blocked segments (ending at a wait)": self.blocked_measured_s - self.blocked_predicted_s,
+            "per-call variation (segments running long in some calls, not in their median)": self.variation_s,
+        }
+        total = self.measured_s - self.predicted_s
+        parts = "; ".join(
+            f"{name} {format_ms(gap, 1)} ms" for name, gap in sorted(gaps.items(), key=lambda item: -abs(item[1]))
+        )
+        worst = ", ".join(f"#{index} ({format_ms(spread, 1)} ms)" for index, _, spread in self.most_variable)
+        return (
+            f"measured {format_ms(self.measured_s, 1)} ms against predicted {format_ms(self.predicted_s, 1)} ms "
+            f"({format_ms(total, 1)} ms): {parts}" + (f"; most variable segments {worst}" if worst else "")
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "compute_predicted_s": self.compute_predicted_s,
+            "compute_measured_s": self.compute_measured_s,
+            "blocked_predicted_s": self.blocked_predicted_s,
+            "blocked_measured_s": self.blocked_measured_s,
+            "segment_medians_s": self.segment_medians_s,
+            "variation_s": self.variation_s,
+            "most_variable": [
+                {"segment": index, "label": label, "spread_s": spread} for index, label, spread in self.most_variable
+            ],
+            "verdict": self.verdict(),
+        }
+
+
 @dataclasses.dataclass(frozen=True)
 class MeasuredTimeline:
     """The profiled calls of one graph; see the module docstring."""
@@ -367,6 +440,7 @@ class MeasuredTimeline:
         rows = self.rows()
         whole = rows[-1]
         mismatches = sorted({s.mismatch for s in self.steps if s.mismatch})
+        account = self.account()
         return {
             "steps": len(self.steps),
             "clock": self.clock,
@@ -376,7 +450,38 @@ class MeasuredTimeline:
             "measured_steps_s": list(whole.measured_steps_s),
             "segments": [r.to_json() for r in rows[:-1]],
             "segments_note": "; ".join(mismatches) or None,
+            "account": account.to_json() if account is not None else None,
         }
+
+    def account(self) -> CallAccount | None:
+        """Where the measured call's time went against the prediction (``None`` without segment
+        times for every profiled call or without a prediction per segment)."""
+        rows = self.rows()
+        segments, whole = rows[:-1], rows[-1]
+        if not segments or whole.measured_s is None or any(r.predicted_s is None for r in segments):
+            return None
+        closing = [b.kind for b in self.plan.boundaries] + [None]  # the last segment ends the call
+        parts: dict[str, list[float]] = {"blocked": [0.0, 0.0], "compute": [0.0, 0.0]}
+        for row, kind in zip(segments, closing, strict=True):
+            part = parts["blocked" if kind == "wait" else "compute"]
+            part[0] += row.predicted_s or 0.0
+            part[1] += row.measured_s or 0.0
+        spreads = sorted(
+            ((max(r.measured_steps_s) - min(r.measured_steps_s), r) for r in segments if r.measured_steps_s),
+            key=lambda item: (-item[0], item[1].index),
+        )
+        medians_s = math.fsum(r.measured_s or 0.0 for r in segments)
+        return CallAccount(
+            predicted_s=whole.predicted_s,
+            measured_s=whole.measured_s,
+            compute_predicted_s=parts["compute"][0],
+            compute_measured_s=parts["compute"][1],
+            blocked_predicted_s=parts["blocked"][0],
+            blocked_measured_s=parts["blocked"][1],
+            segment_medians_s=medians_s,
+            variation_s=whole.measured_s - medians_s,
+            most_variable=tuple((r.index or 0, r.label, spread) for spread, r in spreads[:MOST_VARIABLE]),
+        )
 
     def median_step(self) -> int:
         """Index of the step whose total is the median (the lower one for an even count)."""

@@ -16,7 +16,8 @@ Contract
   ``GraphDumper`` stores them under ``"timeline"`` in each graph's ``summary.json``.
   With ``profile_steps``, ``summary.json`` also gets ``"measured"``
   (``MeasuredTimeline.numbers()``: the measured call, median of the profiled calls, and per
-  communication segment predicted s, measured s, ratio = measured / predicted).
+  communication segment predicted s, measured s, ratio = measured / predicted; and
+  ``"account"``, where the difference went: ``MeasuredTimeline.account``).
 * :func:`index_html` -- one graph folder's page: the numbers, pass times, the Gantt chart
   inline, the predicted-vs-measured table and chart when measured, and links to every file.
 * :func:`collect_summaries` / :func:`format_table` -- every ``summary.json`` under a dump
@@ -71,10 +72,18 @@ def _measured_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     m = summary.get("measured")
     if m:
         calls = f"median of {m['steps']} profiled call{'s' if m['steps'] != 1 else ''}"
-        return [
+        rows = [
             (f"measured call, {calls}, {m['clock']} clock (ms)", format_ms(m.get("measured_step_s"), 3)),
             ("measured / predicted (dhelix schedule)", _ratio(m.get("ratio"))),
         ]
+        account = m.get("account")
+        if account:
+            rows += [
+                ("measured segments' medians, added up (ms)", format_ms(account.get("segment_medians_s"), 3)),
+                ("per-call variation: median call - that sum (ms)", format_ms(account.get("variation_s"), 3)),
+                ("where measured and predicted differ", str(account.get("verdict", "-"))),
+            ]
+        return rows
     if summary.get("profile_steps"):
         return [
             (
@@ -216,6 +225,8 @@ def _measured_html(folder: Path, summary: dict[str, Any]) -> str:
     )
     if m.get("segments_note"):
         note += f" <b>No segment times:</b> {html.escape(str(m['segments_note']))}."
+    if (m.get("account") or {}).get("verdict"):
+        note += f" <b>Where they differ:</b> {html.escape(str(m['account']['verdict']))}."
     pictures = "\n".join(
         f'<p><a href="{name}"><img src="{name}" alt="{alt}" style="max-width:100%"></a></p>'
         for name, alt in (
