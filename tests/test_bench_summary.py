@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from dhelix_compile.bench.run import ceiling_row, hidden_share, markdown
+from dhelix_compile.bench.worker import ACCOUNT_PARTS, _per_step, _step_account
 
 
 def _variant(step_s: float, t_compute_s: float, cpu_s: float | None = None) -> dict:
@@ -63,6 +65,40 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
     assert rows["inductor"][9:11] == ["-", "-"]  # no CPU time measured: shown as such, not as zero
     assert rows["*ceiling*"][3:] == ["1.43x", "1.05", "1.00", "80%", "95.0", "", "104.0", "1.0", "", ""]
     assert any("(here 2: 1 in flight 112.0 ms, 2 in flight 105.0 ms)" in line for line in table)
+
+
+def _write_summary(folder, kind: str, account: dict | None) -> None:
+    graph = folder / "rank0" / f"1_0_{kind}"
+    graph.mkdir(parents=True)
+    (graph / "summary.json").write_text(json.dumps({"measured": {"account": account}}))
+
+
+def test_a_step_account_adds_each_graph_per_call_over_the_step_and_the_table_shows_it(tmp_path) -> None:
+    parts = {"fwd": 1.0, "merged": 10.0, "bwd": 100.0}
+    for kind, scale in parts.items():
+        _write_summary(tmp_path, kind, {part: scale * (i + 1) for i, part in enumerate(ACCOUNT_PARTS)})
+    # helix, 4 micro-batches: forward + 3 merged + backward
+    assert _step_account(tmp_path, 0, 4) == pytest.approx([131.0 * (i + 1) for i in range(len(ACCOUNT_PARTS))])
+    _write_summary(tmp_path / "unprofiled", "fwd", None)
+    _write_summary(tmp_path / "unprofiled", "bwd", None)
+    assert _step_account(tmp_path / "unprofiled", 0, 4) is None  # no profiled calls: no account
+    assert _per_step({"fwd": 1.0, "bwd": 2.0}, 4) == 12.0  # one strand: n x (forward + backward)
+
+    variant = _variant(0.150, 0.100) | {
+        "measured_account": dict(zip(ACCOUNT_PARTS, (0.08, 0.09, 0.03, 0.04, 0.025), strict=True))
+    }
+    summary = {
+        "link": "veth",
+        "model": "m",
+        "parallel": "tp_sp",
+        "world_size": 2,
+        "repeats": 3,
+        "t_compute_s": 0.100,
+        "t_comm_s": 0.050,
+        "limit_s": 0.100,
+        "variants": {"helix": variant},
+    }
+    assert "| helix | 80.0 -> 90.0 | 30.0 -> 40.0 | 25.0 |" in markdown(summary).splitlines()
 
 
 def test_the_ceiling_is_the_faster_of_one_and_two_collectives_in_flight() -> None:

@@ -197,6 +197,7 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         predicted = (link_run.get("predicted_step_s") or {}).get(name)
         variants[name] = {
             "predicted_step_s": max(predicted) if predicted and None not in predicted else None,
+            "measured_account": (link_run.get("measured_account") or {}).get(name),
             "step_s_median": median,
             "step_s_all": samples,
             "step_s_min": min(samples),
@@ -318,6 +319,25 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {format_ms(v['predicted_step_s'])} | {format_ms(v['step_s_median'])} "
                 f"| {v['predicted_step_s'] / v['step_s_median']:.2f} |"
+            )
+    accounted = {n: v["measured_account"] for n, v in summary["variants"].items() if v.get("measured_account")}
+    if accounted:
+        lines += [
+            "",
+            "Where measured and predicted differ, per step, from the profiled calls (profile_steps; rank 0; "
+            "observe.measured.CallAccount): segments ending at an issue (compute), segments ending at a wait "
+            "(compute, then blocked on a transfer), and the per-call variation (the median call minus its "
+            "segments' medians added up: time lost in different segments in different calls).",
+            "",
+            "| variant | compute segments, predicted -> measured (ms) | blocked segments, predicted -> measured (ms) "
+            "| per-call variation (ms) |",
+            "|---|---:|---:|---:|",
+        ]
+        for name, a in accounted.items():
+            lines.append(
+                f"| {name} | {format_ms(a['compute_predicted_s'])} -> {format_ms(a['compute_measured_s'])} "
+                f"| {format_ms(a['blocked_predicted_s'])} -> {format_ms(a['blocked_measured_s'])} "
+                f"| {format_ms(a['variation_s'])} |"
             )
     if summary.get("errors"):
         lines += ["", "variants that failed: " + ", ".join(sorted(summary["errors"]))]

@@ -103,24 +103,58 @@ def init_process_group(mode: str) -> tuple[int, int]:
     return rank, world_size
 
 
-def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | None:
-    """Predicted step time from this rank's graph dumps.
+def _graph_summaries(dump_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """This rank's graph summaries by kind (``fwd``, ``bwd``, ``merged``: the folder name's suffix)."""
+    return {
+        path.parent.name.rsplit("_", 1)[-1]: json.loads(path.read_text())
+        for path in sorted((dump_dir / f"rank{rank}").glob("*/summary.json"))
+    }
 
-    Single strand: n x (forward + backward), each the reorder pass's predicted makespan.
-    Helix: forward + (n - 1) x merged + backward, the merged graph's from the interleave pass.
+
+def _per_step(per_graph: dict[str, float], microbatches: int) -> float | None:
+    """A step's total of a per-call number of each graph.
+
+    Single strand: n x (forward + backward). Helix: forward + (n - 1) x merged + backward.
     """
+    if "fwd" not in per_graph or "bwd" not in per_graph:
+        return None
+    if "merged" in per_graph:
+        return per_graph["fwd"] + (microbatches - 1) * per_graph["merged"] + per_graph["bwd"]
+    return microbatches * (per_graph["fwd"] + per_graph["bwd"])
+
+
+def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | None:
+    """Predicted step time from this rank's graph dumps: each graph's predicted makespan (the
+    interleave pass's for a merged graph, else the reorder pass's), added up per step."""
     makespans: dict[str, float] = {}
-    for summary in sorted((dump_dir / f"rank{rank}").glob("*/summary.json")):
-        records = json.loads(summary.read_text()).get("records", {})
+    for kind, summary in _graph_summaries(dump_dir, rank).items():
+        records = summary.get("records", {})
         for pass_name in ("interleave", "reorder"):
             if "predicted_makespan_s" in records.get(pass_name, {}):
-                makespans[summary.parent.name.rsplit("_", 1)[-1]] = records[pass_name]["predicted_makespan_s"]
+                makespans[kind] = records[pass_name]["predicted_makespan_s"]
                 break
-    if "fwd" not in makespans or "bwd" not in makespans:
+    return _per_step(makespans, microbatches)
+
+
+#: The parts of a measured call's account (``observe.measured.CallAccount``) the bench adds up.
+ACCOUNT_PARTS = (
+    "compute_predicted_s",
+    "compute_measured_s",
+    "blocked_predicted_s",
+    "blocked_measured_s",
+    "variation_s",
+)
+
+
+def _step_account(dump_dir: Path, rank: int, microbatches: int) -> list[float] | None:
+    """Each of ``ACCOUNT_PARTS`` per step, from the graphs' measured accounts (``profile_steps``);
+    None unless every graph of the step has one."""
+    found = {kind: (s.get("measured") or {}).get("account") for kind, s in _graph_summaries(dump_dir, rank).items()}
+    accounts: dict[str, dict[str, float]] = {kind: a for kind, a in found.items() if a is not None}
+    if not accounts or len(accounts) < len(found):
         return None
-    if "merged" in makespans:
-        return makespans["fwd"] + (microbatches - 1) * makespans["merged"] + makespans["bwd"]
-    return microbatches * (makespans["fwd"] + makespans["bwd"])
+    totals = [_per_step({kind: a[part] for kind, a in accounts.items()}, microbatches) for part in ACCOUNT_PARTS]
+    return None if any(t is None for t in totals) else [float(t) for t in totals if t is not None]
 
 
 def _folder(variant: str) -> str:
@@ -233,6 +267,11 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         names = sorted(predicted)
         per_rank = gather_floats([predicted[name] for name in names], dist.group.WORLD)
         result["predicted_step_s"] = {name: [row[i] for row in per_rank] for i, name in enumerate(names)}
+        if rank == 0:  # profiled calls (profile_steps): rank 0's account of each step
+            accounts = {name: _step_account(dump_root / _folder(name), rank, args.microbatches) for name in names}
+            result["measured_account"] = {
+                name: dict(zip(ACCOUNT_PARTS, parts, strict=True)) for name, parts in accounts.items() if parts
+            }
     dist.barrier() if args.mode == "link" else None
     return result if rank == 0 else {}
 
