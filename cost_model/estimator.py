@@ -99,6 +99,11 @@ class NodeCost:
         contention_factor: issue nodes: compute runs this many times slower while this
             transfer is in flight (None: the estimator's ``contention_factor``). A profiled
             estimator measures one per kind of transfer (``cost_model.profile.contention``).
+        issue_s: issue nodes: seconds the issuing thread itself spends starting the transfer
+            (copying the payload, the socket writes gloo makes on the caller's thread for a
+            point-to-point send), on the compute stream before the transfer starts; ``time_s``
+            is the rest. 0 where nothing measured it (a collective queued to a worker thread or
+            a NCCL stream costs microseconds to issue).
     """
 
     kind: NodeKind
@@ -111,6 +116,7 @@ class NodeCost:
     collective: str | None = None
     group_size: int | None = None
     contention_factor: float | None = None
+    issue_s: float = 0.0
 
 
 @runtime_checkable

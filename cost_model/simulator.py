@@ -7,10 +7,11 @@ order is the caller's job) and places each on a resource:
 
 * **compute** nodes run on the single compute stream, one after the other, starting
   when the stream is free and their inputs are ready;
-* **collective / P2P issue** nodes are issued at the compute stream's current time (the
-  issue itself takes no stream time); the transfer starts when it is issued, its inputs
-  are ready and a channel is free (the channel that frees first, lowest index on ties),
-  and lasts ``NodeCost.time_s``;
+* **collective / P2P issue** nodes are issued at the compute stream's current time; the
+  issuing itself takes ``NodeCost.issue_s`` of stream time (0 for most: a P2P send on gloo
+  copies its payload and writes to the socket on the caller's thread), run like compute; the
+  transfer starts when that is done, its inputs are ready and a channel is free (the channel
+  that frees first, lowest index on ties), and lasts ``NodeCost.time_s``;
 * **wait** nodes block the compute stream until the transfer they wait on has finished
   (a wait's completion is its collective's transfer end);
 * views and other free nodes take no time; their output is ready when their inputs are.
@@ -31,7 +32,8 @@ when it is issued and compute that follows sees all of them.
 Result (all seconds):
 
 * ``makespan_s``: end of the last compute or transfer;
-* ``compute_s``: sum of compute ``time_s``, *un-slowed* -- independent of the order;
+* ``compute_s``: sum of compute ``time_s`` and of issue ``issue_s``, *un-slowed* --
+  independent of the order;
 * ``comm_s``: sum of transfer times;
 * ``exposed_comm_s``: time the compute stream sits idle waiting for a transfer (at a
   wait, or at a node whose input is a transfer still in flight). It is at most
@@ -237,6 +239,11 @@ def simulate(
             ready[node] = end
             from_transfer[node] = False
         elif is_comm(cost.kind):
+            if cost.issue_s > 0:  # the issuing thread's own work, before the transfer leaves
+                issued = busy.finish_time(now, cost.issue_s)
+                compute_parts.append(cost.issue_s)
+                events.append(SimEvent(node.name, "issue", "compute", now, issued, strand))
+                now = issued
             channel = min(range(num_comm_channels), key=lambda c: (channel_free[c], c))
             start = max(now, inputs_ready, channel_free[channel])
             end = start + cost.time_s
@@ -268,7 +275,7 @@ def simulate(
 
     peak = live_bytes_profile(order, allocated).peak_bytes
     compute_s = math.fsum(compute_parts)
-    busy_compute_s = math.fsum(e.end_s - e.start_s for e in events if e.kind == "compute")
+    busy_compute_s = math.fsum(e.end_s - e.start_s for e in events if e.kind in ("compute", "issue"))
     return SimResult(
         makespan_s=makespan,
         compute_s=compute_s,

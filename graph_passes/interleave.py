@@ -122,7 +122,7 @@ def strand_segments(
             Segment(
                 strand=_strand_of(node),
                 nodes=tuple(piece),
-                compute_s=math.fsum(c.time_s for c in costs if c.kind == "compute"),
+                compute_s=math.fsum(c.time_s if c.kind == "compute" else c.issue_s for c in costs),
                 comm_s=math.fsum(c.time_s for c in costs if is_comm(c.kind)),
                 live_after_bytes=profile.live_after_free_bytes[index] - base,
                 peak_bytes=max(profile.live_after_alloc_bytes[start : index + 1]) - base,

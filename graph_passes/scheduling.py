@@ -119,6 +119,7 @@ class SchedulerState:
         """Schedule ``node`` next: update clocks, transfers in flight and live bytes."""
         cost = self.costs[node]
         if is_comm(cost.kind):
+            self.compute_clock_s += cost.issue_s
             start_s = max(self.compute_clock_s, self.channel_free_s)
             self.channel_free_s = start_s + cost.time_s
             self.in_flight[node] = InFlight(node, self.channel_free_s, self.step, len(_waits_of(node)))

@@ -186,9 +186,17 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
         lambda x: P2P_EXCHANGE(x, 1 - rank, 1 - rank, 3, dist.group.WORLD.group_name), torch.randn(64, 64)
     )
     p2p = next(n for n in exchange.graph.nodes if n.target == P2P_EXCHANGE)
+    unmeasured_p2p_s = real.node_cost(p2p).time_s
+    p2p_report = real.measure_new([p2p])  # as the decompose pass does with its variants' new nodes
+    p2p_cost = real.node_cost(p2p)
     return {
         "link_scale": real.link_scale,
-        "p2p_s": real.node_cost(p2p).time_s,
+        "p2p_s": unmeasured_p2p_s,
+        "p2p_measured": p2p_report.measured,
+        "p2p_cost": (p2p_cost.issue_s, p2p_cost.time_s),
+        "p2p_total": real.measurements[real.signature(p2p)],
+        "p2p_issues": real.issue_measurements,
+        "link_scale_after_p2p": real.link_scale,
         "p2p_base_s": base.node_cost(p2p).time_s,
         "allreduce_base_s": base.node_cost(issue).time_s,
         "measured": report.measured,
@@ -224,6 +232,13 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     # P2P (not measured) is priced on the link as the measured all-reduce found it
     assert r0["link_scale"] == r1["link_scale"] == pytest.approx(r0["allreduce_s"] / r0["allreduce_base_s"])
     assert r0["p2p_s"] == pytest.approx(r0["p2p_base_s"] * r0["link_scale"]) and r0["p2p_s"] > 0
+    # measured (measure_new): the issue on the calling thread, agreed, and the rest of the transfer
+    assert r0["p2p_measured"] == r1["p2p_measured"] == 1
+    assert r0["p2p_issues"] == r1["p2p_issues"] and len(r0["p2p_issues"]) == 1
+    issue_s, rest_s = r0["p2p_cost"]
+    assert r0["p2p_cost"] == r1["p2p_cost"] and issue_s > 0 and rest_s >= 0
+    assert issue_s + rest_s == pytest.approx(r0["p2p_total"])
+    assert r0["link_scale_after_p2p"] == r0["link_scale"]  # only collectives set the link's scale
 
 
 def test_rank_dependent_scalars_do_not_change_signatures(tmp_path: pathlib.Path) -> None:

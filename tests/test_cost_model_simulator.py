@@ -127,6 +127,40 @@ def test_each_transfer_slows_compute_by_its_own_factor_the_largest_where_they_ov
     assert res.makespan_s == pytest.approx(6.5)
 
 
+class _IssueCosts(TableEstimator):
+    """A table estimator whose transfers take some of the issuing thread's time, as a profiled
+    estimator's point-to-point exchanges do."""
+
+    def __init__(self, times_s: dict[str, float], issue_s: dict[str, float], factor: float = 1.0) -> None:
+        super().__init__(times_s, contention_factor=factor)
+        self.issue = issue_s
+
+    def node_cost(self, node: torch.fx.Node):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(super().node_cost(node), issue_s=self.issue.get(node.name, 0.0))
+
+
+def test_an_issue_takes_stream_time_before_its_transfer_leaves() -> None:
+    b = _Builder()
+    c0 = b.compute("c0")
+    first = b.issue("first", c0)  # stream [1, 1.5), transfer [1.5, 4.5)
+    second = b.issue("second", c0)  # stream [1.5, 3.5) under "first": 1 s of work at half speed
+    c1 = b.compute("c1")  # [3.5, 5.5) under the transfers (1 s of work), then 2 s alone: ends 7.5
+    order = b.finish(b.wait("w1", first), b.wait("w2", second), c1)
+    est = _IssueCosts({"c0": 1.0, "first": 3.0, "second": 1.0, "c1": 3.0}, {"first": 0.5, "second": 1.0}, factor=2.0)
+    res = simulate(order, est)
+    issues = [(e.node_name, e.start_s, e.end_s) for e in res.events if e.kind == "issue"]
+    assert issues == [("first", 1.0, 1.5), ("second", 1.5, pytest.approx(3.5))]
+    transfers = [(e.node_name, e.start_s, e.end_s) for e in res.events if e.resource == "comm0"]
+    # "second" queues behind "first" on the one channel
+    assert transfers == [("first", 1.5, 4.5), ("second", 4.5, 5.5)]
+    assert res.makespan_s == pytest.approx(7.5)
+    assert res.compute_s == pytest.approx(5.5)  # compute and issuing, unslowed
+    assert res.contention_s == pytest.approx(2.0)  # 1 s each for "second"'s issue and c1
+    assert simulate(order, TableEstimator({"c0": 1.0, "first": 3.0, "second": 1.0, "c1": 3.0})).makespan_s == (
+        pytest.approx(5.0)  # without issue costs the transfers leave at 1 and hide under c1
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 8), st.sampled_from([1.0, 1.5, 2.0, 3.0])), max_size=8))
 def test_busy_pieces_hold_the_largest_factor_in_flight_at_every_instant(transfers) -> None:

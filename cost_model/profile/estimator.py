@@ -27,13 +27,20 @@ except that a node whose *signature* has been measured gets the measured time.
 Collectives are never cached on disk: their time depends on the link, which nothing in
 the key names (the same shapes on NVLink, InfiniBand or a rate-limited veth).
 
+P2P exchanges (``dhelix::exchange``, which the decompose pass creates and hands to
+``measure_new``) on a live group are measured like collectives, each rank running its own
+transfer of the signature (``signatures.p2p_signature``: peers and tag left out), and give two
+numbers: the *issue* -- the seconds the call itself takes on the calling thread (copying the
+payload, and gloo's socket writes, which it makes on the caller's thread for a send: 0.3-3 ms per
+exchange of 0.25-8 MiB on this project's CPU machine, where a collective queued to gloo's worker
+threads issues in 0.04-0.1 ms) -- and the whole, issue to both halves done. ``NodeCost.issue_s``
+is the issue (agreed by MAX), ``time_s`` the rest.
+
 Nodes that cannot be measured (unknown groups, a fake process group, an op that raises on
 random inputs) keep the base estimate; ``CalibrationReport.skipped`` counts why. P2P
-transfers are not measured (the decompose pass creates them after calibration); they get
-the base estimate times ``link_scale``, the median over every collective measured so far of
+transfers that are not measured get the base estimate times ``link_scale``, the median over every collective measured so far of
 measured / base time -- the link as measured, agreed like the times it comes from.
-The decompose pass measures its variants' new compute nodes (``measure_new``) before it
-prices them. A compute node that was never measured gets the base estimate times ``compute_scale``: the
+The decompose pass measures its variants' new nodes (``measure_new``) before it prices them. A compute node that was never measured gets the base estimate times ``compute_scale``: the
 median measured / base time of the measured nodes of its op (of all compute nodes when none
 has it), so that a half-size matmul costs about half the measured whole one rather than the
 base model's peak-FLOP guess.
@@ -68,13 +75,18 @@ from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size,
 from cost_model.estimator import Estimator, EstimatorBase, NodeCost
 from cost_model.memory import is_schema_view
 from cost_model.nodes import NodesLike, call_target, node_list
-from cost_model.op_kinds import kind_of, op_name
+from cost_model.op_kinds import P2P_OP_NAMES, kind_of, op_name
 from cost_model.profile.cache import MeasurementCache, device_key
 from cost_model.profile.contention import TRANSFERS, Transfer, measure_contention, transfer_of
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
 from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args, run_node, transfer_tensors
 from cost_model.profile.segments import segment_times
-from cost_model.profile.signatures import collective_signature, compute_signature, is_collective_signature
+from cost_model.profile.signatures import (
+    collective_signature,
+    compute_signature,
+    is_collective_signature,
+    p2p_signature,
+)
 from cost_model.progress import item_label, progress_bar
 from cost_model.rank_agreement import FAILED_S, agree_max, agree_max_s, backend_name, check_same_signatures
 from cost_model.strand_plan import Pair
@@ -122,11 +134,15 @@ def _scaled(cost: NodeCost, scale: float | None) -> NodeCost:
 
 @dataclass
 class _Item:
-    """One signature to price, with the first node that has it."""
+    """One signature to price, with the first node that has it.
+
+    ``is_collective``: a transfer (collective or P2P): measured on the live group, never cached
+    on disk; ``is_p2p``: a P2P exchange, whose issue is measured too."""
 
     sig: str
     node: torch.fx.Node
     is_collective: bool
+    is_p2p: bool = False
 
 
 class ProfiledEstimator(EstimatorBase):
@@ -175,6 +191,8 @@ class ProfiledEstimator(EstimatorBase):
         self.measure_contention = measure_contention
         self.runner = runner
         self.measurements: dict[str, float] = {}
+        #: measured issue seconds of P2P signatures (module docstring); their totals are in ``measurements``
+        self.issue_measurements: dict[str, float] = {}
         #: compute slowdown under each kind of transfer (cost_model.profile.contention), as measured
         self.measured_contention: dict[Transfer, float] = {}
         self._link_ratios: dict[str, float] = {}  # collective signature -> measured / base time
@@ -216,8 +234,15 @@ class ProfiledEstimator(EstimatorBase):
 
     def _priced(self, node: torch.fx.Node) -> NodeCost:
         cost = self.base.node_cost(node)
-        if cost.kind == "p2p" and self._link_ratios:
-            return _scaled(cost, self.link_scale)
+        if cost.kind == "p2p":
+            sig = self.signature(node)
+            total = self.measurements.get(sig) if sig is not None else None
+            if total is not None and sig is not None:
+                issue = min(self.issue_measurements.get(sig, 0.0), total)
+                return dataclasses.replace(
+                    cost, time_s=total - issue, time_expr=sympy.Float(total - issue), issue_s=issue
+                )
+            return _scaled(cost, self.link_scale) if self._link_ratios else cost
         if not self.measurements or cost.kind not in ("compute", "collective"):
             return cost
         sig = self.signature(node)
@@ -250,7 +275,7 @@ class ProfiledEstimator(EstimatorBase):
         """The node's measurement key (:mod:`cost_model.profile.signatures`), or None for nodes
         that are never measured (neither compute nor collective; a collective without a live group)."""
         kind = kind_of(node)
-        if kind not in ("compute", "collective"):
+        if kind not in ("compute", "collective", "p2p"):
             return None
         val = node.meta.get("val")
         hit = self._signature_cache.get(node)
@@ -261,7 +286,12 @@ class ProfiledEstimator(EstimatorBase):
             sig = compute_signature(node)
         else:
             group = self._group_of(node)
-            sig = collective_signature(node, group) if group is not None else None
+            if group is None:
+                sig = None
+            elif kind == "p2p":
+                sig = p2p_signature(node, group)
+            else:
+                sig = collective_signature(node, group)
         self._signature_cache[node] = (val, sig)
         return sig
 
@@ -269,7 +299,13 @@ class ProfiledEstimator(EstimatorBase):
         """Why ``node`` is not measured (``"free"``: costs nothing), or None when it is."""
         kind = kind_of(node)
         if kind == "p2p":
-            return "p2p: base estimate times link_scale"
+            group = self._group_of(node)
+            if group is None or backend_name(group) == "fake" or resolve_group_size(group) in (None, 1):
+                return "p2p: base estimate times link_scale"
+            schema = getattr(node.target, "_schema", None)
+            if schema is None or schema.name not in P2P_OP_NAMES:
+                return "p2p: base estimate times link_scale"
+            return None
         if kind == "compute":
             if is_schema_view(node):
                 return "free"
@@ -355,7 +391,8 @@ class ProfiledEstimator(EstimatorBase):
             if sig is None or sig in seen:
                 continue
             seen[sig] = None
-            items.append(_Item(sig, node, kind_of(node) == "collective"))
+            kind = kind_of(node)
+            items.append(_Item(sig, node, kind in ("collective", "p2p"), kind == "p2p"))
 
         check_same_signatures([it.sig for it in items], agree_group)
         # Collectives depend on the link, which the cache key cannot name: they come only from
@@ -381,6 +418,11 @@ class ProfiledEstimator(EstimatorBase):
                     cached += 1
                 times.append(t)
         times = agree_max_s(times, agree_group)
+        if any(it.is_p2p for it in items):  # the same on every rank: the signatures are agreed
+            issues = agree_max_s([self.issue_measurements.get(it.sig, 0.0) for it in items], agree_group)
+            for item, issue_s in zip(items, issues, strict=True):
+                if item.is_p2p:
+                    self.issue_measurements[item.sig] = issue_s
 
         for item, t in zip(items, times, strict=True):
             if t == FAILED_S:
@@ -392,7 +434,7 @@ class ProfiledEstimator(EstimatorBase):
                 cache[item.sig] = t
                 if base_s > 0:
                     self._compute_ratios.setdefault(op_name(item.node, qualified=True), {})[item.sig] = t / base_s
-            elif base_s > 0:
+            elif base_s > 0 and not item.is_p2p:  # link_scale prices the P2P transfers not measured
                 self._link_ratios[item.sig] = t / base_s
 
         contention = None
@@ -440,14 +482,20 @@ class ProfiledEstimator(EstimatorBase):
             return math.nan
         if item.is_collective:
             group = self._group_of(node)
+            issued_s: list[float] = []
 
             def run() -> object:
+                t0 = time.perf_counter()
                 out = run_node(node, args, kwargs)
+                issued_s.append(time.perf_counter() - t0)
                 for t in transfer_tensors(out):
                     c10d.wait_tensor(t)
                 return out
 
-            return median_run_or_nan_s(run, self.warmup, self.repeats, device, group)  # NaN: the base model prices it
+            total = median_run_or_nan_s(run, self.warmup, self.repeats, device, group)  # NaN: the base model prices it
+            if item.is_p2p and not math.isnan(total):
+                self.issue_measurements[item.sig] = statistics.median(issued_s[self.warmup :])
+            return total
 
         def run_compute() -> object:
             return call_target(node)(*args, **kwargs)
