@@ -225,7 +225,12 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         "sequential": sequential,
         **plans,
         # the single-strand list scheduler over both strands: a second opinion the simulator weighs
-        "list": overlap_schedule(sequential, estimator, reorder_options),
+        "list": overlap_schedule(
+            sequential,
+            estimator,
+            dataclasses.replace(reorder_options, memory_budget_ratio=options.memory_budget_ratio),
+            freeable_inputs=bwd_inputs,
+        ),
     }
     results = {name: simulate(head + order + tail, estimator) for name, order in candidates.items()}
     peaks = {

@@ -31,8 +31,9 @@ Priority rule (first that applies), over the ready nodes::
        (more than max_issue_distance nodes since its issue) or we are over the memory budget
     2. a ready collective issue, while fewer than max_in_flight transfers are in flight
        and its buffer fits the memory budget
-    3. a ready non-wait node; first those that feed the earliest collective downstream
-       (so the next transfer can start sooner), then by original position
+    3. a ready non-wait node whose allocation fits the memory budget; first those that feed
+       the earliest collective downstream (so the next transfer can start sooner), then by
+       original position; when none fits, the one that adds the fewest live bytes (frees most)
     4. otherwise the wait whose transfer is predicted to finish first
 
 Picture (a backward TP slice: dgrad feeds the reduce-scatter, wgrad is independent)::
@@ -111,7 +112,11 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
                 return issues[0]
         others = [n for n in ready if state.costs[n].kind != "wait" and not is_comm(state.costs[n].kind)]
         if others:
-            return min(others, key=lambda n: (urgency[n], state.position[n]))
+            within = [n for n in others if state.live_bytes + state.alloc_bytes(n) <= budget_bytes]
+            if within:
+                return min(within, key=lambda n: (urgency[n], state.position[n]))
+            # nothing stays within the budget: what frees the most first
+            return min(others, key=lambda n: (state.net_bytes(n), urgency[n], state.position[n]))
         if waits:
             return min(waits, key=lambda n: (state.transfer_done_s(n), state.position[n]))
         return ready[0]  # only issues, all channels full: issue anyway (nothing else can run)
@@ -120,14 +125,19 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
 
 
 def overlap_schedule(
-    body: Sequence[torch.fx.Node], estimator: Estimator, options: ReorderOptions
+    body: Sequence[torch.fx.Node],
+    estimator: Estimator,
+    options: ReorderOptions,
+    freeable_inputs: Sequence[torch.fx.Node] = (),
 ) -> list[torch.fx.Node]:
     """``body`` (a graph's nodes minus placeholders and output) in the order the rule picks.
 
-    The memory budget is ``options.memory_budget_ratio`` x the peak of ``body``'s current order.
+    The memory budget is ``options.memory_budget_ratio`` x the peak of ``body``'s current order;
+    ``freeable_inputs`` are counted as ``SchedulerState`` says.
     """
-    budget_bytes = int(options.memory_budget_ratio * _peak_of_order(body, estimator))
-    return list_schedule(body, estimator, overlap_rule(options, collective_urgency(body), budget_bytes))
+    budget_bytes = int(options.memory_budget_ratio * _peak_of_order(body, estimator, freeable_inputs))
+    rule = overlap_rule(options, collective_urgency(body), budget_bytes)
+    return list_schedule(body, estimator, rule, freeable_inputs)
 
 
 def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
@@ -187,9 +197,11 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     return gm
 
 
-def _peak_of_order(body: Sequence[torch.fx.Node], estimator: Estimator) -> int:
+def _peak_of_order(
+    body: Sequence[torch.fx.Node], estimator: Estimator, freeable_inputs: Sequence[torch.fx.Node] = ()
+) -> int:
     """Peak live bytes of ``body`` in its current order, as the scheduler counts them."""
-    state = SchedulerState(body, estimator)
+    state = SchedulerState(body, estimator, freeable_inputs)
     for node in body:
         state.advance(node)
     return state.peak_bytes

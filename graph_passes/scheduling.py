@@ -75,28 +75,38 @@ class SchedulerState:
     """What rules may read: positions, costs, clocks, transfers in flight, live bytes.
 
     ``live_bytes`` counts bytes allocated by scheduled nodes and not yet freed (graph inputs
-    and outputs excluded: they are live in every order); ``peak_bytes`` is its maximum so far.
+    excluded: they are live in every order; what the graph outputs counts from its making to
+    the end, as ``cost_model.memory`` counts it); ``peak_bytes`` is its maximum so far.
+    ``freeable_inputs``: graph inputs counted live from the start and freed at their last use
+    (a merged graph's backward strand's saved activations, as ``cost_model.memory`` counts them
+    for the interleave pass).
     """
 
-    def __init__(self, nodes: Sequence[torch.fx.Node], estimator: Estimator) -> None:
+    def __init__(
+        self, nodes: Sequence[torch.fx.Node], estimator: Estimator, freeable_inputs: Sequence[torch.fx.Node] = ()
+    ) -> None:
         self.position = {n: i for i, n in enumerate(nodes)}
-        self.costs = {n: estimator.node_cost(n) for n in nodes}
+        self.costs = {n: estimator.node_cost(n) for n in [*nodes, *freeable_inputs]}
         self.order: list[torch.fx.Node] = []
         self.compute_clock_s = 0.0
         self.channel_free_s = 0.0
         self.in_flight: dict[torch.fx.Node, InFlight] = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self._root = {n: storage_root(n) for n in nodes}
+        self.live_bytes = sum(self.costs[n].output_bytes for n in freeable_inputs)
+        self.peak_bytes = self.live_bytes
+        self._root = {n: storage_root(n) for n in [*nodes, *freeable_inputs]}
         self._uses_left: dict[torch.fx.Node, int] = {}
         self._pinned: set[torch.fx.Node] = set()
-        for node in nodes:
+        self._kept: set[torch.fx.Node] = set()
+        freeable = set(freeable_inputs)
+        for node in [*nodes, *freeable_inputs]:
             root = self._root[node]
-            if root not in self.position or root.op in ("placeholder", "get_attr"):
+            if root not in freeable and (root not in self.position or root.op in ("placeholder", "get_attr")):
                 self._pinned.add(root)  # graph inputs (or their views) are live in every order
             for user in node.users:
                 if user in self.position and user.op != "output":
                     self._uses_left[root] = self._uses_left.get(root, 0) + 1
+                elif root in self.position:
+                    self._kept.add(root)  # made here, read by the output: live from its making to the end
                 else:
                     self._pinned.add(root)
 
@@ -114,6 +124,27 @@ class SchedulerState:
         """Predicted completion of the transfer that ``wait`` completes (0 if not in flight)."""
         flight = self.flight_of(wait)
         return 0.0 if flight is None else flight.done_s
+
+    def alloc_bytes(self, node: torch.fx.Node) -> int:
+        """Bytes scheduling ``node`` next allocates (0 for a view or a graph input's)."""
+        root = self._root[node]
+        return self.costs[node].output_bytes if root is node and root not in self._pinned else 0
+
+    def net_bytes(self, node: torch.fx.Node) -> int:
+        """Live bytes scheduling ``node`` next would add: what it allocates, less the inputs it
+        is the last user of."""
+        added = self.alloc_bytes(node)
+        uses: dict[torch.fx.Node, int] = {}
+        for inp in node.all_input_nodes:
+            inp_root = self._root.get(inp)
+            if inp_root is not None and inp_root not in self._pinned:
+                uses[inp_root] = uses.get(inp_root, 0) + 1
+        freed = sum(
+            self.costs[r].output_bytes
+            for r, n in uses.items()
+            if r not in self._kept and self._uses_left.get(r, 0) <= n
+        )
+        return added - freed
 
     def advance(self, node: torch.fx.Node) -> None:
         """Schedule ``node`` next: update clocks, transfers in flight and live bytes."""
@@ -137,14 +168,14 @@ class SchedulerState:
         if root is node and root not in self._pinned:
             self.live_bytes += cost.output_bytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            if self._uses_left.get(root, 0) == 0:  # dead on arrival
+            if self._uses_left.get(root, 0) == 0 and root not in self._kept:  # dead on arrival
                 self.live_bytes -= cost.output_bytes
         for inp in node.all_input_nodes:
             inp_root = self._root.get(inp)
             if inp_root is None or inp_root in self._pinned:
                 continue
             self._uses_left[inp_root] -= 1
-            if self._uses_left[inp_root] == 0:
+            if self._uses_left[inp_root] == 0 and inp_root not in self._kept:
                 self.live_bytes -= self.costs[inp_root].output_bytes
 
 
@@ -159,9 +190,11 @@ def _waits_of(issue: torch.fx.Node) -> list[torch.fx.Node]:
     return waits
 
 
-def list_schedule(nodes: Sequence[torch.fx.Node], estimator: Estimator, rule: Rule) -> list[torch.fx.Node]:
+def list_schedule(
+    nodes: Sequence[torch.fx.Node], estimator: Estimator, rule: Rule, freeable_inputs: Sequence[torch.fx.Node] = ()
+) -> list[torch.fx.Node]:
     """Order ``nodes`` by repeatedly asking ``rule`` which ready node runs next."""
-    state = SchedulerState(nodes, estimator)
+    state = SchedulerState(nodes, estimator, freeable_inputs)
     position = state.position
     preds: dict[torch.fx.Node, set[torch.fx.Node]] = {n: {i for i in n.all_input_nodes if i in position} for n in nodes}
     _add_barrier_edges(nodes, preds)

@@ -14,8 +14,8 @@ from cost_model.memory import peak_memory_bytes
 from cost_model.op_kinds import is_comm, kind_of
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
-from graph_passes.reorder import ReorderOptions, reorder_pass
-from graph_passes.scheduling import is_order_sensitive
+from graph_passes.reorder import ReorderOptions, collective_urgency, overlap_rule, reorder_pass
+from graph_passes.scheduling import SchedulerState, is_order_sensitive, list_schedule
 from graph_passes.verify import verify_pass
 
 aten = torch.ops.aten
@@ -119,6 +119,51 @@ def test_memory_budget_keeps_the_original_order_when_hoisting_would_grow_the_pea
     ctx = _ctx(big, memory_budget_ratio=2.0)
     reorder_pass(gm, ctx)
     assert _names(gm).index("rs") < _names(gm).index("wgrad")
+
+
+def _two_chains() -> dict[str, torch.fx.Node]:
+    """A merged graph in miniature: ``saved`` (a backward's saved input) read by ``use`` then
+    freed; ``act`` (a forward's activation, a graph output) made by ``make`` and kept."""
+    g = torch.fx.Graph()
+    saved, x = g.placeholder("saved"), g.placeholder("x")
+    use = g.create_node("call_function", aten.sum.default, (saved,), name="use")
+    make = g.create_node("call_function", aten.mul.Tensor, (x, 2), name="act")
+    g.output((use, make))
+    return {"saved": saved, "x": x, "use": use, "act": make}
+
+
+def test_the_scheduler_counts_outputs_from_their_making_and_frees_freeable_inputs_at_last_use() -> None:
+    n = _two_chains()
+    est = TableEstimator(kind_times_s={"compute": 1.0}, output_bytes={"saved": 100, "act": 100, "use": 1})
+    body = [n["use"], n["act"]]
+    state = SchedulerState(body, est, freeable_inputs=[n["saved"]])
+    assert state.live_bytes == 100  # the saved input, live from the start
+    assert (state.alloc_bytes(n["use"]), state.net_bytes(n["use"])) == (1, 1 - 100)
+    state.advance(n["use"])
+    assert state.live_bytes == 1  # the saved input freed at its last use; the 1 B sum is an output: kept
+    state.advance(n["act"])
+    assert (state.live_bytes, state.peak_bytes) == (101, 101)  # the activation stays: the graph outputs it
+    # the other order peaks higher: the activation is made while the saved input is still live
+    other = SchedulerState(body, est, freeable_inputs=[n["saved"]])
+    other.advance(n["act"])
+    other.advance(n["use"])
+    assert other.peak_bytes == 201
+    # without freeable inputs the saved input is a graph input: live in every order, not counted
+    assert SchedulerState(body, est).live_bytes == 0
+
+
+def test_the_overlap_rule_runs_what_fits_the_budget_first() -> None:
+    n = _two_chains()
+    est = TableEstimator(kind_times_s={"compute": 1.0}, output_bytes={"saved": 100, "act": 100, "use": 1})
+    body = [n["act"], n["use"]]  # the activation first: its order would peak at 201 B
+    tight = list_schedule(
+        body, est, overlap_rule(ReorderOptions(), collective_urgency(body), budget_bytes=150), [n["saved"]]
+    )
+    assert [m.name for m in tight] == ["use", "act"]  # "act" does not fit until "use" frees 100 B
+    loose = list_schedule(
+        body, est, overlap_rule(ReorderOptions(), collective_urgency(body), budget_bytes=1000), [n["saved"]]
+    )
+    assert [m.name for m in loose] == ["act", "use"]  # both fit: original position decides
 
 
 def test_order_sensitive_nodes_are_barriers() -> None:
