@@ -42,8 +42,10 @@ Algorithm::
         granularity (``strand_plan.refine_path``: split, join or swap moves) corrects what
         the additive pair costs cannot see; candidate ``{dp}_refined`` when it moved
     judge: ``simulate`` the sequential order, the DP's orders and the reorder pass's list
-        scheduler run over both strands (a second opinion: the DP's additive pair costs do
-        not see a wait that a chain of transfers leaves exposed); keep the shortest predicted
+        scheduler run over both strands at node granularity, under this pass's memory budget
+        and counting live bytes as it does (a second opinion: the DP's additive pair costs do
+        not see a wait that a chain of transfers leaves exposed, nor a stretch of one strand's
+        compute that the other's work could split); keep the shortest predicted
         makespan whose peak live bytes (the backward's saved inputs freed at last use) stay
         within memory_budget_ratio x the sequential order's
 
