@@ -24,13 +24,9 @@ def _variant(step_s: float, t_compute_s: float, cpu_s: float | None = None) -> d
     }
 
 
-def test_hidden_share_is_zero_when_sequential_and_one_at_the_limit() -> None:
-    assert hidden_share(0.150, 0.100, 0.050) == pytest.approx(0.0)
-    assert hidden_share(0.100, 0.100, 0.050) == pytest.approx(1.0)
-
-
-def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> None:
-    summary = {
+def _summary(variants: dict, **extra: object) -> dict:
+    """A summary as ``bench.run.summarize`` makes it: T_compute 100 ms, T_comm 50 ms."""
+    return {
         "link": "veth",
         "model": "m",
         "parallel": "tp_sp",
@@ -39,8 +35,20 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
         "t_compute_s": 0.100,
         "t_comm_s": 0.050,
         "limit_s": 0.100,
-        "variants": {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110, 0.1155)},
-        "ceiling": {
+        "variants": variants,
+        **extra,
+    }
+
+
+def test_hidden_share_is_zero_when_sequential_and_one_at_the_limit() -> None:
+    assert hidden_share(0.150, 0.100, 0.050) == pytest.approx(0.0)
+    assert hidden_share(0.100, 0.100, 0.050) == pytest.approx(1.0)
+
+
+def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> None:
+    summary = _summary(
+        {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110, 0.1155)},
+        ceiling={
             "step_s_median": 0.105,
             "in_flight": 2,
             "step_s_by_in_flight": {1: 0.112, 2: 0.105},
@@ -49,7 +57,7 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
             "idle_s": 0.001,
             "hidden_share": hidden_share(0.105, 0.095, 0.050),
         },
-    }
+    )
     table = markdown(summary).splitlines()
     rows = {
         line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
@@ -87,17 +95,7 @@ def test_a_step_account_adds_each_graph_per_call_over_the_step_and_the_table_sho
     variant = _variant(0.150, 0.100) | {
         "measured_account": dict(zip(ACCOUNT_PARTS, (0.08, 0.09, 0.03, 0.04, 0.025), strict=True))
     }
-    summary = {
-        "link": "veth",
-        "model": "m",
-        "parallel": "tp_sp",
-        "world_size": 2,
-        "repeats": 3,
-        "t_compute_s": 0.100,
-        "t_comm_s": 0.050,
-        "limit_s": 0.100,
-        "variants": {"helix": variant},
-    }
+    summary = _summary({"helix": variant})
     assert "| helix | 80.0 -> 90.0 | 30.0 -> 40.0 | 25.0 |" in markdown(summary).splitlines()
 
 
