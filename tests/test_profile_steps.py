@@ -168,6 +168,7 @@ def test_report_prints_measured_columns_and_segments(
     assert "whole call" in out and "start \u2192 all_reduce" in out
     numbers = _numbers(_graph_folders(comm_dump)[0])
     assert f"{numbers['measured_step_s'] * 1e3:.3f}" in out
+    assert f"where they differ: {numbers['account']['verdict']}" in out
     assert main(["report", str(mlp_dump)]) == 0
     out = capsys.readouterr().out
     assert "per communication segment" not in out  # one segment each: the columns say it all

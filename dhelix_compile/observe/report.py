@@ -306,6 +306,8 @@ def format_table(found: Sequence[tuple[Path, dict[str, Any]]]) -> str:
         if m.get("segments_note"):
             text += f"no segment times: {m['segments_note']}\n"
         text += _aligned(SEGMENT_COLUMNS, segment_table_rows(m), left=(1,))
+        if (m.get("account") or {}).get("verdict"):
+            text += f"where they differ: {m['account']['verdict']}\n"
     return text
 
 
