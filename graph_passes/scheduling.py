@@ -164,12 +164,12 @@ class SchedulerState:
         else:
             self.compute_clock_s += cost.time_s
         self.order.append(node)
-        root = self._root[node]
-        if root is node and root not in self._pinned:
-            self.live_bytes += cost.output_bytes
+        allocated = self.alloc_bytes(node)
+        if allocated:
+            self.live_bytes += allocated
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            if self._uses_left.get(root, 0) == 0 and root not in self._kept:  # dead on arrival
-                self.live_bytes -= cost.output_bytes
+            if self._uses_left.get(node, 0) == 0 and node not in self._kept:  # dead on arrival
+                self.live_bytes -= allocated
         for inp in node.all_input_nodes:
             inp_root = self._root.get(inp)
             if inp_root is None or inp_root in self._pinned:

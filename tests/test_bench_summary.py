@@ -86,7 +86,9 @@ def test_a_step_account_adds_each_graph_per_call_over_the_step_and_the_table_sho
     for kind, scale in parts.items():
         _write_summary(tmp_path, kind, {part: scale * (i + 1) for i, part in enumerate(ACCOUNT_PARTS)})
     # helix, 4 micro-batches: forward + 3 merged + backward
-    assert _step_account(tmp_path, 0, 4) == pytest.approx([131.0 * (i + 1) for i in range(len(ACCOUNT_PARTS))])
+    assert _step_account(tmp_path, 0, 4) == pytest.approx(
+        {part: 131.0 * (i + 1) for i, part in enumerate(ACCOUNT_PARTS)}
+    )
     _write_summary(tmp_path / "unprofiled", "fwd", None)
     _write_summary(tmp_path / "unprofiled", "bwd", None)
     assert _step_account(tmp_path / "unprofiled", 0, 4) is None  # no profiled calls: no account

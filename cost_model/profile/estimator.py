@@ -300,12 +300,10 @@ class ProfiledEstimator(EstimatorBase):
         kind = kind_of(node)
         if kind == "p2p":
             group = self._group_of(node)
-            if group is None or backend_name(group) == "fake" or resolve_group_size(group) in (None, 1):
-                return "p2p: base estimate times link_scale"
+            live = group is not None and backend_name(group) != "fake" and resolve_group_size(group) not in (None, 1)
             schema = getattr(node.target, "_schema", None)
-            if schema is None or schema.name not in P2P_OP_NAMES:
-                return "p2p: base estimate times link_scale"
-            return None
+            exchange = schema is not None and schema.name in P2P_OP_NAMES
+            return None if live and exchange else "p2p: base estimate times link_scale"
         if kind == "compute":
             if is_schema_view(node):
                 return "free"

@@ -146,15 +146,20 @@ ACCOUNT_PARTS = (
 )
 
 
-def _step_account(dump_dir: Path, rank: int, microbatches: int) -> list[float] | None:
+def _step_account(dump_dir: Path, rank: int, microbatches: int) -> dict[str, float] | None:
     """Each of ``ACCOUNT_PARTS`` per step, from the graphs' measured accounts (``profile_steps``);
     None unless every graph of the step has one."""
     found = {kind: (s.get("measured") or {}).get("account") for kind, s in _graph_summaries(dump_dir, rank).items()}
     accounts: dict[str, dict[str, float]] = {kind: a for kind, a in found.items() if a is not None}
     if not accounts or len(accounts) < len(found):
         return None
-    totals = [_per_step({kind: a[part] for kind, a in accounts.items()}, microbatches) for part in ACCOUNT_PARTS]
-    return None if any(t is None for t in totals) else [float(t) for t in totals if t is not None]
+    totals: dict[str, float] = {}
+    for part in ACCOUNT_PARTS:
+        total = _per_step({kind: a[part] for kind, a in accounts.items()}, microbatches)
+        if total is None:
+            return None
+        totals[part] = total
+    return totals
 
 
 def _folder(variant: str) -> str:
@@ -269,9 +274,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         result["predicted_step_s"] = {name: [row[i] for row in per_rank] for i, name in enumerate(names)}
         if rank == 0:  # profiled calls (profile_steps): rank 0's account of each step
             accounts = {name: _step_account(dump_root / _folder(name), rank, args.microbatches) for name in names}
-            result["measured_account"] = {
-                name: dict(zip(ACCOUNT_PARTS, parts, strict=True)) for name, parts in accounts.items() if parts
-            }
+            result["measured_account"] = {name: parts for name, parts in accounts.items() if parts}
     dist.barrier() if args.mode == "link" else None
     return result if rank == 0 else {}
 
