@@ -747,11 +747,15 @@ def _exchanges(rank: int, world_size: int) -> list[float]:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
-def test_exchange_leaves_no_stale_work_registration() -> None:
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_exchange_leaves_no_stale_work_registration(world_size: int) -> None:
     """``batch_p2p_ops`` leaves its send input registered, and Inductor's buffer reuse then hangs a
-    later ``wait_tensor`` (seen on the TP+SP backward); ``dhelix::exchange`` registers only its outputs."""
-    for rank, seen in enumerate(run_on_ranks(_exchanges, 2, timeout_s=60)):
-        assert seen == [float((rank + 1) % 2 + i) if j == 0 else 0.0 for i in range(3) for j in (0, 1)]
+    later ``wait_tensor`` (seen on the TP+SP backward); ``dhelix::exchange`` registers only its outputs.
+    On 4 ranks the peer sent to and the peer received from differ (gloo sends it as an all-to-all
+    with one non-empty split each way)."""
+    for rank, seen in enumerate(run_on_ranks(_exchanges, world_size, timeout_s=60)):
+        sender = (rank - 1) % world_size
+        assert seen == [float(sender + i) if j == 0 else 0.0 for i in range(3) for j in (0, 1)]
 
 
 def test_pass_runs_after_annotate_before_reorder_and_the_backend_decides_per_site() -> None:
