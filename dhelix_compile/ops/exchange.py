@@ -75,7 +75,9 @@ def p2p_exchange(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, gro
     return [done, received]
 
 
-def _all_to_all_exchange(payload: torch.Tensor, received: torch.Tensor, to_peer: int, from_peer: int, group: Any) -> Any:
+def _all_to_all_exchange(
+    payload: torch.Tensor, received: torch.Tensor, to_peer: int, from_peer: int, group: Any
+) -> Any:
     """The exchange as one asynchronous ``all_to_all_single`` (gloo; see the module docstring):
     every split empty but ``payload`` to ``to_peer`` and ``received`` from ``from_peer``."""
     import torch.distributed as dist
