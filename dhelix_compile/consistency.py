@@ -13,7 +13,9 @@ mismatched collective. dhelix checks before any code runs:
 
 ``n`` counts the checks on each group in this process; ranks of one group compile the same
 graphs in the same order, so it matches across them. The check runs only when
-``torch.distributed`` is initialized and the graph holds collectives. P2P transfers
+``torch.distributed`` is initialized and the graph holds collectives. The decompose pass's
+``dhelix::exchange`` is compared with them: every rank of the group calls it in the same per-peer
+step, and on gloo it is an all-to-all (``dhelix_compile.ops.exchange``). Other P2P transfers
 (``isend``/``irecv``) pair different ops on the two peers and are not compared here.
 """
 
@@ -34,6 +36,9 @@ from dhelix_compile import _torch_compat as compat
 log = logging.getLogger("dhelix")
 
 _checks_per_group: dict[str, int] = {}
+
+#: ``op_name(node, qualified=True)`` of the decompose pass's exchange (``dhelix.exchange.default``).
+_EXCHANGE_PREFIX = "dhelix.exchange."
 
 
 class RankMismatchError(RuntimeError):
@@ -65,7 +70,7 @@ def collective_signatures(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
     """Per group name, the collectives of ``gm`` on it, in order, as comparable strings."""
     per_group: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
-        if kind_of(node) != "collective":
+        if not (kind_of(node) == "collective" or op_name(node, qualified=True).startswith(_EXCHANGE_PREFIX)):
             continue
         group = _group_name_of(node)
         if group is None:

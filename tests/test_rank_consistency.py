@@ -65,3 +65,24 @@ def test_signatures_group_collectives_by_process_group() -> None:
         "all_gather_into_tensor.default(float32[2, 3]) -> float32[8, 3]",
         "all_reduce.default(float32[8, 3]) -> float32[8, 3]",
     ]
+
+
+def test_signatures_compare_the_exchanges_with_the_collectives() -> None:
+    """``dhelix::exchange`` is called by every rank of its group in the same per-peer step (on gloo
+    it is an all-to-all), so it is part of the sequence the ranks compare; its peers are not."""
+    from cost_model.testing import fake_world, trace_aten
+    from dhelix_compile.ops.exchange import P2P_EXCHANGE
+
+    with fake_world(4) as group:
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            _, received = P2P_EXCHANGE(x, 1, 3, 0, group.group_name)
+            return funcol.all_reduce(received, "sum", group)
+
+        gm = trace_aten(f, torch.ones(2, 3))
+        signatures = collective_signatures(gm)
+    (sequence,) = signatures.values()
+    assert sequence == [
+        "dhelix.exchange.default(float32[2, 3]) -> [float32[0], float32[2, 3]]",
+        "all_reduce.default(float32[2, 3]) -> float32[2, 3]",
+    ]
