@@ -8,8 +8,8 @@ order is the caller's job) and places each on a resource:
 * **compute** nodes run on the single compute stream, one after the other, starting
   when the stream is free and their inputs are ready;
 * **collective / P2P issue** nodes are issued at the compute stream's current time; the
-  issuing itself takes ``NodeCost.issue_s`` of stream time (0 for most: a P2P send on gloo
-  copies its payload and writes to the socket on the caller's thread), run like compute; the
+  issuing itself takes ``NodeCost.issue_s`` of stream time (0 for most; a P2P exchange copies
+  its payload on the caller's thread first), run like compute; the
   transfer starts when that is done, its inputs are ready and a channel is free (the channel
   that frees first, lowest index on ties), and lasts ``NodeCost.time_s``;
 * **wait** nodes block the compute stream until the transfer they wait on has finished
