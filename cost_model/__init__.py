@@ -8,7 +8,7 @@ A library that knows nothing of passes: passes receive an :class:`Estimator` and
     flops           FLOPs and bytes per aten op (torch.utils.flop_counter formulas)
     collectives     alpha-beta models (ring / tree, nccl / gloo)
     estimator       NodeCost, the Estimator protocol and EstimatorBase (its neutral answers),
-                    AnalyticEstimator, TableEstimator, MemoizedEstimator
+                    AnalyticEstimator, TableEstimator, MemoizedEstimator, PlannedCosts
     profile/        ProfiledEstimator: measured ops, collectives and segment pairs, agreed across
                     ranks, cached (estimator, signatures, cache, running, contention, pairs)
     rank_agreement  every rank plans with the same numbers (tensor collectives)
@@ -35,6 +35,7 @@ from cost_model.estimator import (
     EstimatorBase,
     MemoizedEstimator,
     NodeCost,
+    PlannedCosts,
     StubEstimator,
     TableEstimator,
     graph_size_hints,
@@ -73,6 +74,7 @@ __all__ = [
     "MemoizedEstimator",
     "NodeCost",
     "NodeKind",
+    "PlannedCosts",
     "ProfiledEstimator",
     "SimEvent",
     "SimResult",

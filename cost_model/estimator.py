@@ -24,6 +24,11 @@ neutral answers: :class:`AnalyticEstimator` and :class:`TableEstimator` inherit 
 their own contention factor), :class:`MemoizedEstimator` forwards all of them to the estimator it
 wraps, and :class:`cost_model.profile.ProfiledEstimator` has real answers for all of them.
 
+A pass that lowers a planned node after the planning (``graph_passes.broadcast_gathers``: one
+all-gather -> a broadcast per rank at the same issue and wait) may fix the new nodes' costs in
+``node.meta[PLANNED_COST_KEY]`` (a :class:`NodeCost`), so that the final graph is priced as it
+was planned; :class:`PlannedCosts` reads them (the dumps' predicted timeline of the final graph).
+
 :class:`AnalyticEstimator` -- the roofline / alpha-beta model::
 
     compute node   time = launch_overhead + max(flops / peak_flops[dtype], bytes / mem_bw)
@@ -370,6 +375,11 @@ class TableEstimator(EstimatorBase):
         return NodeCost(kind=kind, time_s=time_s, output_bytes=out_bytes, time_expr=sympy.Float(time_s))
 
 
+#: ``node.meta`` key of the :class:`NodeCost` a lowering pass fixed for a node it made after the
+#: planning (module docstring); read by :class:`PlannedCosts`.
+PLANNED_COST_KEY = "dhelix_planned_cost"
+
+
 class MemoizedEstimator:
     """Wraps an estimator so each node is costed once (passes simulate several orders).
 
@@ -401,6 +411,15 @@ class MemoizedEstimator:
 
     def segment_times(self, segments: Sequence[Sequence[torch.fx.Node]]) -> list[float | None]:
         return self.base.segment_times(segments)
+
+
+class PlannedCosts(MemoizedEstimator):
+    """Prices a graph as it was planned: a node carrying ``meta[PLANNED_COST_KEY]`` costs that
+    :class:`NodeCost`, every other node what the wrapped estimator says (memoized)."""
+
+    def node_cost(self, node: torch.fx.Node) -> NodeCost:
+        planned = node.meta.get(PLANNED_COST_KEY)
+        return planned if isinstance(planned, NodeCost) else super().node_cost(node)
 
 
 #: Alias: the stub estimator tests hand to passes.

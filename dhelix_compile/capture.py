@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
-from cost_model import Estimator
+from cost_model import Estimator, PlannedCosts
 from cost_model.op_kinds import op_name
 from cost_model.profile import ProfiledEstimator
 from dhelix_compile import _torch_compat as compat
@@ -242,7 +242,7 @@ def write_final_dumps(
 ) -> None:
     """Timelines and graph picture of a compiled graph; a failure only warns (dumps are a diagnosis aid)."""
     try:
-        dumper.write_timelines(original, scheduled, estimator)
+        dumper.write_timelines(original, scheduled, PlannedCosts(estimator))
         dumper.write_graph_picture(scheduled)
     except Exception as exc:  # noqa: BLE001 - a picture must not fail a compile
         log.warning("%s: writing the timeline / graph picture failed: %s", dumper.graph_name, exc)

@@ -105,3 +105,25 @@ def _on_ranks(rank: int, world_size: int) -> float:
 def test_broadcast_gathers_equal_the_all_gather_on_gloo_ranks(world_size: int) -> None:
     for diff in run_on_ranks(_on_ranks, world_size, timeout_s=240):
         assert diff == 0.0
+
+
+def test_the_broadcasts_keep_the_price_the_plan_gave_the_all_gather() -> None:
+    """The estimator measured the all-gather, never the broadcasts: the final graph's predicted
+    timeline (``PlannedCosts``) must price them as the plan priced the gather, not as broadcasts."""
+    from cost_model import PlannedCosts, TableEstimator, simulate
+
+    with fake_world(4) as group:
+        gm = _traced(group, 4)
+        gather = next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default)
+        estimator = TableEstimator({gather.name: 0.030}, {"compute": 0.001, "collective": 0.0005})
+        planned_s = simulate(gm.graph, estimator).makespan_s
+        ctx = PassContext(
+            "test", "fwd", estimator=estimator, pass_options={PASS: BroadcastGatherOptions(frozenset({gather.args[2]}))}
+        )
+        annotate_pass(gm, ctx)
+        broadcast_gathers_pass(gm, ctx)
+    assert ctx.stats[PASS] == {"all-gathers sent as broadcasts": 1}
+    assert simulate(gm.graph, estimator).makespan_s < planned_s  # priced as broadcasts: 4 x 0.5 ms
+    (cat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.cat.default]  # the lowering's own op
+    as_planned_s = planned_s + estimator.node_cost(cat).time_s
+    assert simulate(gm.graph, PlannedCosts(estimator)).makespan_s == pytest.approx(as_planned_s)
