@@ -31,10 +31,8 @@ P2P exchanges (``dhelix::exchange``, which the decompose pass creates and hands 
 ``measure_new``) on a live group are measured like collectives, each rank running its own
 transfer of the signature (``signatures.p2p_signature``: peers and tag left out), and give two
 numbers: the *issue* -- the seconds the call itself takes on the calling thread (copying the
-payload and handing it to the backend: 0.1-0.3 ms for 0.5-8 MiB on gloo, which sends an
-exchange as an all-to-all on its worker threads; as an isend/irecv pair, whose socket writes gloo
-makes on the calling thread, it took 0.3-3 ms, see ``dhelix_compile.ops.exchange``) -- and the
-whole, issue to both halves done. ``NodeCost.issue_s``
+payload and handing it to the backend: 0.4-1.7 ms for 0.5-8 MiB on this project's CPU
+machine) -- and the whole, issue to both halves done. ``NodeCost.issue_s``
 is the issue (agreed by MAX), ``time_s`` the rest.
 
 Nodes that cannot be measured (unknown groups, a fake process group, an op that raises on

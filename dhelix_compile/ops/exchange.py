@@ -17,15 +17,14 @@ outputs, so nothing Inductor manages is ever registered.
 How it is sent depends on the backend:
 
 - **gloo**: one ``all_to_all_single`` over the group whose only non-empty splits are the
-  payload to ``to_peer`` and the tensor from ``from_peer``. gloo runs a collective on its own
-  worker threads, whereas a gloo ``isend`` copies its payload and writes it to the socket on the
-  calling thread: on the 1 Gbit/s emulated link (2 ranks, 2026-11-25, ``BENCHMARKS.md``) the
-  call returned after 0.62 / 0.92 / 1.93 ms as a send/receive pair and 0.11 / 0.18 / 0.23 ms as
-  an all-to-all for 0.5 / 2 / 8 MiB, with the same wall time for the whole exchange and less
-  CPU in all (2.0 against 3.1 ms per rank for 2 MiB). Being a collective, it must be called by
-  every rank of the group in the same order, as every other collective: the decompose pass's
-  exchanges are (each rank runs the same per-peer steps, and the compile-time rank-consistency
-  check hashes them with the collectives).
+  payload to ``to_peer`` and the tensor from ``from_peer``, which gloo sends on its own worker
+  threads, as every collective. On the 1 Gbit/s emulated link (2 ranks, 2026-11-25,
+  ``BENCHMARKS.md``) an exchange costs the calling thread, the link and the CPU in all the same as
+  an isend/irecv pair (0.5-0.7 ms to issue 0.5-2 MiB, most of it the payload's copy); what the
+  collective form adds is that an exchange is checked like any collective: it must be called by
+  every rank of the group in the same order, which the decompose pass's exchanges are (each rank
+  runs the same per-peer steps), and the compile-time rank-consistency check compares them with
+  the collectives, where a mismatched pair of P2P sends would only hang.
 - **NCCL and others**: ``batch_isend_irecv`` of the pair, so two ranks sending to each other
   first cannot deadlock.
 """
