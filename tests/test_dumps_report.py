@@ -31,9 +31,10 @@ CHROMIUM = Path("/usr/bin/chromium")
 PER_GRAPH_FILES = ("graph.dot", "graph.svg", "timeline.trace.json", "timeline.svg", "summary.json", "index.html")
 
 
-def _compile(fn: torch.nn.Module | object, dump_dir: Path) -> object:
+def _compile(fn: torch.nn.Module | object, dump_dir: Path, **options: object) -> object:
     torch._dynamo.reset()
-    return torch.compile(fn, backend=dhelix_compile.backend(codegen="eager", fallback="error", dump_dir=str(dump_dir)))
+    backend = dhelix_compile.backend(codegen="eager", fallback="error", dump_dir=str(dump_dir), **options)
+    return torch.compile(fn, backend=backend)
 
 
 def _two_all_reduces(x: torch.Tensor, w: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
@@ -58,8 +59,9 @@ def mlp_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def comm_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dump_dir = tmp_path_factory.mktemp("comm_dump")
     torch.manual_seed(0)
-    with fake_world(4):
-        _compile(_two_all_reduces, dump_dir)(torch.randn(128, 128), torch.randn(128, 128), torch.randn(1024, 1024))
+    with fake_world(4):  # a device and a link from the tables: "auto" measures this CPU, and its load
+        compiled = _compile(_two_all_reduces, dump_dir, device="a40", link="eth_25g")
+        compiled(torch.randn(128, 128), torch.randn(128, 128), torch.randn(1024, 1024))
     return dump_dir
 
 

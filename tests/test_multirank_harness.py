@@ -52,6 +52,9 @@ def _rank0_blocks_in_collective_rank1_sleeps(rank: int, world_size: int) -> None
 
 
 def _crash_unpicklable_and_stuck(rank: int, world_size: int) -> object:
+    # every rank past the group's set-up first: a rank that exits while a slower one still
+    # connects makes that one's init raise (a CI run under load reported rank 3 as an exception)
+    dist.barrier()
     if rank == 1:
         os._exit(7)
     if rank == 2:
