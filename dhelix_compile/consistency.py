@@ -32,13 +32,11 @@ import torch.fx
 
 from cost_model.op_kinds import kind_of, op_name
 from dhelix_compile import _torch_compat as compat
+from dhelix_compile.ops.exchange import P2P_EXCHANGE
 
 log = logging.getLogger("dhelix")
 
 _checks_per_group: dict[str, int] = {}
-
-#: ``op_name(node, qualified=True)`` of the decompose pass's exchange (``dhelix.exchange.default``).
-_EXCHANGE_PREFIX = "dhelix.exchange."
 
 
 class RankMismatchError(RuntimeError):
@@ -70,7 +68,7 @@ def collective_signatures(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
     """Per group name, the collectives of ``gm`` on it, in order, as comparable strings."""
     per_group: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
-        if not (kind_of(node) == "collective" or op_name(node, qualified=True).startswith(_EXCHANGE_PREFIX)):
+        if not (kind_of(node) == "collective" or node.target is P2P_EXCHANGE):
             continue
         group = _group_name_of(node)
         if group is None:

@@ -51,11 +51,12 @@ def p2p_exchange(send: torch.Tensor, to_peer: int, from_peer: int, tag: int, gro
     import torch.distributed as dist
 
     group = compat.resolve_group(group_name)
-    if dist.get_backend(group) == "fake":  # nothing is sent; its works never complete
+    backend = dist.get_backend(group)
+    if backend == "fake":  # nothing is sent; its works never complete
         return [send.new_empty(0), torch.empty_like(send, memory_format=torch.contiguous_format)]
     payload = send.clone(memory_format=torch.contiguous_format)  # ours until the send completes: one copy
     received = torch.empty_like(payload)
-    if dist.get_backend(group) == "gloo":
+    if backend == "gloo":
         send_work = recv_work = _all_to_all_exchange(payload, received, to_peer, from_peer, group)
     else:
         works = dist.batch_isend_irecv(
