@@ -41,7 +41,7 @@ from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator, resolve_cost_model
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
-from graph_passes.broadcast_gathers import BroadcastGatherOptions
+from graph_passes.gloo_gathers import GlooGatherOptions
 from graph_passes.regather import mark_regathers
 
 if TYPE_CHECKING:  # observe/ is imported only when a dump or a profile is asked for
@@ -161,7 +161,7 @@ def _pass_context(
         phase=phase,
         example_inputs=example_inputs,
         estimator=estimator,
-        pass_options={**pass_options(config), "broadcast_gathers": BroadcastGatherOptions(gloo_gather_groups(gm))},
+        pass_options={**pass_options(config), "gloo_gathers": GlooGatherOptions(gloo_gather_groups(gm))},
         observer=dumper,
     )
     if estimator is not None:  # building a profiled estimator measures the graph's ops and collectives
@@ -180,8 +180,8 @@ def _pass_context(
 
 
 def gloo_gather_groups(gm: torch.fx.GraphModule) -> frozenset[str]:
-    """The live gloo groups ``gm`` all-gathers on: the ``broadcast_gathers`` pass sends those
-    all-gathers as broadcasts (its module docstring says why)."""
+    """The live gloo groups ``gm`` all-gathers on: the ``gloo_gathers`` pass sends those
+    all-gathers as all-to-alls (its module docstring says why)."""
     names = {
         str(node.args[2])
         for node in gm.graph.nodes

@@ -265,6 +265,28 @@ def test_a_cat_of_the_same_parts_in_another_order_has_the_same_signature(tmp_pat
     assert est.signature(first) != est.signature(other_parts)
 
 
+def test_an_exchange_signature_names_its_group_by_size_and_backend_not_by_name() -> None:
+    """On a DP x TP mesh, ranks exchange within different TP groups (different names, same size):
+    they must agree on what to measure (a 4-rank helix run raised "ranks are calibrating different
+    graphs" when the group's name was in the signature)."""
+    from cost_model.profile.signatures import p2p_signature
+    from dhelix_compile.ops.exchange import P2P_EXCHANGE
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8)
+    sends = [
+        graph.call_function(P2P_EXCHANGE, (x, peer, peer, tag, name)) for peer, tag, name in ((1, 0, "3"), (0, 5, "4"))
+    ]
+    wider = graph.placeholder("wider")
+    wider.meta["val"] = torch.empty(8, 8)
+    other = graph.call_function(P2P_EXCHANGE, (wider, 1, 1, 0, "3"))
+    with fake_world(2) as group:
+        first, second, third = (p2p_signature(n, group) for n in (*sends, other))
+    assert first == second and first != third
+    assert "group_size=2" in first
+
+
 _SIDE_EFFECT_CALLS: list[int] = []
 
 
@@ -290,7 +312,7 @@ def test_ops_outside_torch_are_never_run_by_the_profiler(tmp_path: pathlib.Path)
 
 
 def _gather_through_run_node(rank: int, world_size: int) -> bool:
-    from cost_model.profile.running import GatherAsBroadcasts, run_node, transfer_tensors
+    from cost_model.profile.running import run_node, transfer_tensors
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         return funcol.all_gather_tensor(x, 0, dist.group.WORLD)
@@ -300,16 +322,16 @@ def _gather_through_run_node(rank: int, world_size: int) -> bool:
     wait = next(n for n in gm.graph.nodes if n.target == c10d.wait_tensor.default)
     shard = torch.full((3, 4), float(rank))
     sent = run_node(issue, (shard, world_size, dist.group.WORLD.group_name), {})
-    assert isinstance(sent, GatherAsBroadcasts) and len(transfer_tensors(sent)) == world_size
-    gathered = run_node(wait, (sent,), {})
+    (in_flight,) = transfer_tensors(sent)  # one all-to-all
+    gathered = run_node(wait, (in_flight,), {})
     expected = torch.cat([torch.full((3, 4), float(r)) for r in range(world_size)])
     return bool(torch.equal(gathered, expected))
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
-def test_the_profiler_runs_a_gloo_all_gather_as_broadcasts_with_the_same_values() -> None:
+def test_the_profiler_runs_a_gloo_all_gather_as_an_all_to_all_with_the_same_values() -> None:
     """Segments and pairs run their nodes for real beside compute: a gloo all-gather goes as
-    broadcasts there too (torch's gloo all-gather corrupts the heap; a CI run lost a rank to it
+    an all-to-all there too (torch's gloo all-gather corrupts the heap; a CI run lost a rank to it
     while helix measured segment pairs), and its wait gives the gathered tensor."""
     assert run_on_ranks(_gather_through_run_node, 2, timeout_s=80) == [True, True]

@@ -14,7 +14,7 @@ Contract
            other collective and point-to-point transfer) broadcasts from each rank in turn,
            which send and receive without adding -- on CPU the two take very different CPU per
            byte (a broadcast rather than an all_to_all or all_gather: gloo runs it in place,
-           with no ATen work on its thread; see graph_passes.broadcast_gathers)
+           with no ATen work on its thread; see graph_passes.gloo_gathers)
     key    "contention|<op signature>|bytes=..|iters=..|backend=..|size=..|in_flight=..|<xfer>"
     if every rank has key in cache:   factor = max over ranks of the cached factors
     else:  t_one = one xfer(bytes), timed after a warm-up (the slowest rank's)

@@ -11,9 +11,9 @@ Contract
   barrier on a group that runs it together, NaN when it raises (the profiler's failure value).
 * :func:`device_of_nodes` -- where the nodes' tensors live (the first one found; CPU if none).
 * :func:`run_node` -- call a node's target on real arguments, as the compiled graph will: an
-  all-gather on a gloo group goes as one broadcast per rank (torch 2.13's gloo all-gather in
-  flight while the rank computes corrupts the heap; ``graph_passes.broadcast_gathers`` sends it
-  so in the compiled graph), its ``wait_tensor`` waits for them and concatenates;
+  all-gather on a gloo group goes as one all-to-all of its shard repeated once per rank
+  (:func:`gather_as_all_to_all`; torch 2.13's gloo all-gather in flight while the rank computes
+  corrupts the heap; ``graph_passes.gloo_gathers`` sends it so in the compiled graph);
   :func:`transfer_tensors` lists what a transfer's result leaves in flight.
 
 Nothing here knows estimators: :mod:`cost_model.profile.estimator` (ops and collectives alone)
@@ -40,9 +40,13 @@ from cost_model.symbolic import concretize, hinted_shape, hinted_stride, tensors
 _C10D = torch.ops._c10d_functional
 
 
-class GatherAsBroadcasts(list[torch.Tensor]):
-    """An all-gather in flight as one broadcast per rank (:func:`run_node`): their results, in
-    rank order; its ``wait_tensor`` concatenates them."""
+def gather_as_all_to_all(shard: torch.Tensor, ranks: int, group_name: str) -> torch.Tensor:
+    """``all_gather_into_tensor(shard, ranks, group_name)`` sent as ``graph_passes.gloo_gathers``
+    sends it: one all-to-all of the shard repeated ``ranks`` times, every split the shard's rows
+    (its output, in flight, is the gathered tensor; wait it with ``wait_tensor``)."""
+    repeated = shard.repeat(ranks, *([1] * (shard.dim() - 1)))
+    splits = [shard.shape[0]] * ranks
+    return _C10D.all_to_all_single.default(repeated, splits, splits, group_name)
 
 
 def run_node(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
@@ -51,9 +55,7 @@ def run_node(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     if target is _C10D.all_gather_into_tensor.default:
         shard, ranks, group = args[0], int(args[1]), str(args[2])
         if backend_name(resolve_process_group(group)) == "gloo":
-            return GatherAsBroadcasts(_C10D.broadcast.default(shard, r, group) for r in range(ranks))
-    if target is _C10D.wait_tensor.default and isinstance(args[0], GatherAsBroadcasts):
-        return torch.cat([_C10D.wait_tensor.default(t) for t in args[0]])
+            return gather_as_all_to_all(shard, ranks, group)
     return target(*args, **kwargs)
 
 

@@ -80,11 +80,14 @@ def tensor_signature(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> str:
 def p2p_signature(node: torch.fx.Node, group: Any) -> str:
     """The signature of a P2P transfer node (``dhelix::exchange``) on the live group ``group``.
 
-    Its peers and tag are left out (written as their type): they differ from rank to rank
-    while the transfer's shapes, and so its time, do not -- every rank names its own transfer
-    of a per-peer step alike.
+    Its peers, tag and group name are left out: they differ from rank to rank (the name too,
+    where ranks exchange within different groups of one mesh dimension) while the transfer's
+    shapes, and so its time, do not -- every rank names its own transfer of a per-peer step
+    alike. The group is written by size and backend, as a collective's.
     """
-    return f"p2p:{compute_signature(node)}|backend={backend_name(group)}"
+    hints = size_hints([node, *node.all_input_nodes])
+    sent = ",".join(_arg_sig(a, hints) for a in node.args if isinstance(a, torch.fx.Node))
+    return f"p2p:{op_name(node, qualified=True)}|{sent}|group_size={resolve_group_size(group)}|backend={backend_name(group)}"
 
 
 def _arg_sig(value: Any, hints: dict[sympy.Symbol, int]) -> str:

@@ -16,8 +16,8 @@ Contract
       share of ``compute_s`` of synthetic matmuls, with one or two of them in flight at a time
       -- the best overlap this machine allows for the step's communication and compute (see its
       docstring). The bench reports the faster of the two depths.
-    - On a gloo group an all-gather is replayed as one broadcast per rank, as the
-      ``broadcast_gathers`` pass sends it (torch 2.13's gloo all-gather in flight beside compute
+    - On a gloo group an all-gather is replayed as one all-to-all, as the
+      ``gloo_gathers`` pass sends it (torch 2.13's gloo all-gather in flight beside compute
       corrupts the heap; the pass's docstring says how that was found).
 """
 
@@ -118,8 +118,8 @@ class CollectiveReplay:
 
     Calling it issues each collective and waits for it before the next (``T_comm``);
     ``issue(i)`` and ``wait(handles)`` split one collective for schedules that put work between.
-    An all-gather on a gloo group is issued as one broadcast per rank (see the module docstring):
-    the same bytes on the link, sent the way dhelix's compiled graphs send them.
+    An all-gather on a gloo group is issued as one all-to-all (see the module docstring): the
+    same bytes on the link, sent the way dhelix's compiled graphs send them.
     """
 
     def __init__(self, nodes: Sequence[torch.fx.Node]) -> None:
@@ -130,7 +130,7 @@ class CollectiveReplay:
 
     def issue(self, i: int) -> list[torch.Tensor]:
         node, args, kwargs = self.calls[i]
-        return transfer_tensors(run_node(node, args, kwargs))  # the profiler's runner: gloo all-gathers as broadcasts
+        return transfer_tensors(run_node(node, args, kwargs))  # the profiler's runner: gloo all-gathers as all-to-alls
 
     @staticmethod
     def wait(handles: Sequence[torch.Tensor]) -> None:

@@ -1,6 +1,6 @@
-"""broadcast_gathers: an all-gather on a gloo group becomes one broadcast per rank and a cat, at
-the positions the passes gave the all-gather's issue and wait; values stay (2 and 4 gloo ranks),
-and a graph on another group is left alone."""
+"""gloo_gathers: an all-gather on a gloo group becomes one all-to-all of its repeated shard, at
+the position the passes gave the all-gather's issue, waited where it was waited; values stay (2
+and 4 gloo ranks), and a graph on another group is left alone."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from dhelix_compile.capture import gloo_gather_groups
 from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
-from graph_passes.broadcast_gathers import BroadcastGatherOptions, broadcast_gathers_pass
+from graph_passes.gloo_gathers import GlooGatherOptions, gloo_gathers_pass
 from graph_passes.pipeline import pass_names
 from graph_passes.verify import verify_pass
 
 c10d = torch.ops._c10d_functional
-PASS = "broadcast_gathers"
+PASS = "gloo_gathers"
 
 
 def _gather_then_compute(x: torch.Tensor, w: torch.Tensor, group: object) -> torch.Tensor:
@@ -47,7 +47,8 @@ def _traced(group: object, ranks: int) -> torch.fx.GraphModule:
 def _ops(gm: torch.fx.GraphModule) -> list[str]:
     names = {
         c10d.all_gather_into_tensor.default: "ag",
-        c10d.broadcast.default: "bc",
+        c10d.all_to_all_single.default: "a2a",
+        torch.ops.aten.repeat.default: "repeat",
         c10d.wait_tensor.default: "wait",
         torch.ops.aten.cat.default: "cat",
         torch.ops.aten.mm.default: "mm",
@@ -56,24 +57,26 @@ def _ops(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _rewritten(gm: torch.fx.GraphModule, groups: frozenset[str]) -> PassContext:
-    ctx = PassContext("test", "fwd", pass_options={PASS: BroadcastGatherOptions(groups)})
+    ctx = PassContext("test", "fwd", pass_options={PASS: GlooGatherOptions(groups)})
     annotate_pass(gm, ctx)
-    broadcast_gathers_pass(gm, ctx)
+    gloo_gathers_pass(gm, ctx)
     verify_pass(gm, ctx)
     gm.recompile()
     return ctx
 
 
-def test_an_all_gather_becomes_broadcasts_where_it_was_issued_and_a_cat_where_it_was_waited() -> None:
+def test_an_all_gather_becomes_an_all_to_all_of_the_repeated_shard_where_it_was_issued() -> None:
     with fake_world(4) as group:
         gm = _traced(group, 4)
         assert _ops(gm) == ["ag", "mm", "wait", "mm"]
         name = str(next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default).args[2])
         ctx = _rewritten(gm, frozenset({name}))
-    assert _ops(gm) == ["bc"] * 4 + ["mm"] + ["wait"] * 4 + ["cat", "mm"]
-    roots = [n.args[1] for n in gm.graph.nodes if n.target == c10d.broadcast.default]
-    assert roots == [0, 1, 2, 3]
-    assert ctx.stats[PASS] == {"all-gathers sent as broadcasts": 1}
+    assert _ops(gm) == ["repeat", "a2a", "mm", "wait", "mm"]
+    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.repeat.default]
+    (sent,) = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
+    assert repeat.args[1] == [4, 1] and sent.args[1:] == ([3] * 4, [3] * 4, name)  # the shard is 3 x 8
+    assert repeat.meta["dhelix"]["kind"] == "compute" and sent.meta["dhelix"]["kind"] == "collective"
+    assert ctx.stats[PASS] == {"all-gathers sent as all-to-alls": 1}
 
 
 def test_other_groups_and_graphs_without_options_are_left_alone() -> None:
@@ -82,7 +85,7 @@ def test_other_groups_and_graphs_without_options_are_left_alone() -> None:
         before = _ops(gm)
         ctx = _rewritten(gm, frozenset({"some other group"}))
         assert _ops(gm) == before and PASS not in ctx.stats
-        broadcast_gathers_pass(gm, PassContext("test", "fwd"))
+        gloo_gathers_pass(gm, PassContext("test", "fwd"))
         assert _ops(gm) == before
         assert gloo_gather_groups(gm) == frozenset()  # the fake group is no gloo group
     assert pass_names()[-2:] == (PASS, "verify")
@@ -97,19 +100,19 @@ def _on_ranks(rank: int, world_size: int) -> float:
     groups = gloo_gather_groups(gm)
     assert groups == {compat.group_name(group)}, groups
     _rewritten(gm, groups)
-    assert _ops(gm).count("bc") == world_size
+    assert _ops(gm).count("a2a") == 1 and "ag" not in _ops(gm)
     return float((gm(x, w) - want).abs().max())
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_broadcast_gathers_equal_the_all_gather_on_gloo_ranks(world_size: int) -> None:
+def test_gloo_gathers_equal_the_all_gather_on_gloo_ranks(world_size: int) -> None:
     for diff in run_on_ranks(_on_ranks, world_size, timeout_s=240):
         assert diff == 0.0
 
 
-def test_the_broadcasts_keep_the_price_the_plan_gave_the_all_gather() -> None:
-    """The estimator measured the all-gather, never the broadcasts: the final graph's predicted
-    timeline (``PlannedCosts``) must price them as the plan priced the gather, not as broadcasts."""
+def test_the_all_to_all_keeps_the_price_the_plan_gave_the_all_gather() -> None:
+    """The estimator measured the all-gather, never the all-to-all node: the final graph's
+    predicted timeline (``PlannedCosts``) must price it as the plan priced the gather."""
     from cost_model import PlannedCosts, TableEstimator, simulate
 
     with fake_world(4) as group:
@@ -118,12 +121,12 @@ def test_the_broadcasts_keep_the_price_the_plan_gave_the_all_gather() -> None:
         estimator = TableEstimator({gather.name: 0.030}, {"compute": 0.001, "collective": 0.0005})
         planned_s = simulate(gm.graph, estimator).makespan_s
         ctx = PassContext(
-            "test", "fwd", estimator=estimator, pass_options={PASS: BroadcastGatherOptions(frozenset({gather.args[2]}))}
+            "test", "fwd", estimator=estimator, pass_options={PASS: GlooGatherOptions(frozenset({gather.args[2]}))}
         )
         annotate_pass(gm, ctx)
-        broadcast_gathers_pass(gm, ctx)
-    assert ctx.stats[PASS] == {"all-gathers sent as broadcasts": 1}
-    assert simulate(gm.graph, estimator).makespan_s < planned_s  # priced as broadcasts: 4 x 0.5 ms
-    (cat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.cat.default]  # the lowering's own op
-    as_planned_s = planned_s + estimator.node_cost(cat).time_s
+        gloo_gathers_pass(gm, ctx)
+    assert ctx.stats[PASS] == {"all-gathers sent as all-to-alls": 1}
+    assert simulate(gm.graph, estimator).makespan_s < planned_s  # priced as an all-to-all of its own: 0.5 ms
+    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.repeat.default]  # the lowering's own op
+    as_planned_s = planned_s + estimator.node_cost(repeat).time_s
     assert simulate(gm.graph, PlannedCosts(estimator)).makespan_s == pytest.approx(as_planned_s)
