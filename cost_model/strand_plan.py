@@ -24,6 +24,12 @@ a segment's first wait blocking until its strand's previous transfer is done)::
       join two singles  (i, ∅), (∅, j)      -> (i, j)           (either order)
       swap two singles  (i, ∅), (∅, j)      -> (∅, j), (i, ∅)
     first improvement, scanning left to right, until none improves or ``max_evals``
+
+``plan_timed`` is the DP again with ``path_time``'s clocks (:class:`PathState`, stepped by
+``advance``) in place of ``P``: each cell keeps the partial paths whose clocks no other kept one
+dominates (up to ``width``). ``advance`` is monotone in the clocks, so with an unbounded width
+it finds the path of least ``path_time`` (checked against every path of small instances in the
+tests); a transfer then runs under as many of the other strand's segments as it needs.
 """
 
 from __future__ import annotations
@@ -176,19 +182,43 @@ def _relax(
         step[i][j] = pair
 
 
-def path_time(
-    path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment], contention_factor: float = 1.0
-) -> float:
-    """Makespan of a path run as ``interleave.emit`` orders it, at segment granularity.
+@dataclasses.dataclass(frozen=True)
+class PathState:
+    """Where a path's simulation (:func:`path_time`) stands after some of its steps.
 
-    Each pair runs B's segment, then F's. A segment computes ``lead_s``, then (if ``waits``)
-    blocks until its strand's latest transfer has finished, computes the rest and issues its
-    transfer, which starts when the one channel is free. Compute while the channel is busy
-    runs ``contention_factor`` times slower.
+    ``now``: the compute stream's clock; ``channel``: when the one channel is free (busy,
+    without a gap, until then); ``done``: per strand (0 = forward, 1 = backward), when its
+    latest transfer ends.
     """
-    now = 0.0
-    channel = 0.0  # the channel is busy, without a gap, from before ``now`` until ``channel``
-    done = [0.0, 0.0]  # per strand (0 = forward, 1 = backward): its latest transfer's end
+
+    now: float = 0.0
+    channel: float = 0.0
+    done: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def end_s(self) -> float:
+        """The makespan if the path ended here: compute done and every transfer landed."""
+        return max(self.now, self.channel)
+
+    def dominates(self, other: PathState) -> bool:
+        """No later than ``other`` in every clock: every continuation of ``self`` ends no later."""
+        return (
+            self.now <= other.now
+            and self.channel <= other.channel
+            and self.done[0] <= other.done[0]
+            and self.done[1] <= other.done[1]
+        )
+
+
+def advance(
+    state: PathState, pair: Pair, fwd: Sequence[Segment], bwd: Sequence[Segment], contention_factor: float = 1.0
+) -> PathState:
+    """``state`` after running one step of a path as ``interleave.emit`` orders it: B's segment,
+    then F's. A segment computes ``lead_s``, then (if ``waits``) blocks until its strand's latest
+    transfer has finished, computes the rest and issues its transfer, which starts when the one
+    channel is free. Compute while the channel is busy runs ``contention_factor`` times slower."""
+    now, channel = state.now, state.channel
+    done = list(state.done)
 
     def run(start: float, work: float) -> float:
         if work <= 0.0:
@@ -198,19 +228,108 @@ def path_time(
             return start + wall + (work - wall / contention_factor)
         return start + work
 
-    for i, j in path:
-        for side, segment in ((1, bwd[j] if j is not None else None), (0, fwd[i] if i is not None else None)):
-            if segment is None:
-                continue
-            lead = min(segment.lead_s, segment.compute_s)
-            now = run(now, lead)
-            if segment.waits:
-                now = max(now, done[side])
-            now = run(now, segment.compute_s - lead)
-            if segment.comm_s > 0.0:
-                channel = max(now, channel) + segment.comm_s
-                done[side] = channel
-    return max(now, channel)
+    i, j = pair
+    for side, segment in ((1, bwd[j] if j is not None else None), (0, fwd[i] if i is not None else None)):
+        if segment is None:
+            continue
+        lead = min(segment.lead_s, segment.compute_s)
+        now = run(now, lead)
+        if segment.waits:
+            now = max(now, done[side])
+        now = run(now, segment.compute_s - lead)
+        if segment.comm_s > 0.0:
+            channel = max(now, channel) + segment.comm_s
+            done[side] = channel
+    return PathState(now, channel, (done[0], done[1]))
+
+
+def path_time(
+    path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment], contention_factor: float = 1.0
+) -> float:
+    """Makespan of a path run as ``interleave.emit`` orders it, at segment granularity
+    (:func:`advance`, step by step)."""
+    state = PathState()
+    for pair in path:
+        state = advance(state, pair, fwd, bwd, contention_factor)
+    return state.end_s
+
+
+def plan_timed(
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    *,
+    contention_factor: float = 1.0,
+    budget_bytes: float = math.inf,
+    fwd_base_bytes: int = 0,
+    bwd_base_bytes: int = 0,
+    width: int = 4,
+) -> tuple[list[Pair], float]:
+    """The DP of :func:`plan_pairs` with :func:`path_time`'s clocks in place of additive pair costs.
+
+    Each cell ``(i, j)`` keeps up to ``width`` partial paths whose :class:`PathState` no other
+    kept state dominates (earliest ``end_s`` first), and every move runs :func:`advance` from
+    each of them. So a transfer left in flight runs under the following steps' compute, however
+    many: the additive ``P`` charges a long transfer (a forward's last gather) to the one pair it
+    ends, and pairs it with one short backward segment. Not exact (a state dropped for
+    ``width`` may have been the best start for the rest), which is why the pass judges the result
+    beside the DP's. Returns the path and its ``path_time``; the sequential path if no path fits
+    the budget. Deterministic: fixed move order, stable sorts.
+    """
+    a, b = len(fwd), len(bwd)
+    f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
+    b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
+    cells: list[list[list[_Partial]]] = [[[] for _ in range(b + 1)] for _ in range(a + 1)]
+    cells[0][0] = [_Partial(PathState(), None, None)]
+    for i in range(a + 1):
+        for j in range(b + 1):
+            kept = cells[i][j] = _frontier(cells[i][j], width)
+            moves: list[tuple[int, int, Pair]] = []
+            if i < a:
+                moves.append((i + 1, j, (i, None)))
+            if j < b:
+                moves.append((i, j + 1, (None, j)))
+            if i < a and j < b:
+                moves.append((i + 1, j + 1, (i, j)))
+            for ti, tj, pair in moves:
+                with_f, with_b = pair[0] is not None, pair[1] is not None
+                if _move_peak(i, j, with_f, with_b, fwd, bwd, f_after, b_after) > budget_bytes:
+                    continue
+                cells[ti][tj].extend(
+                    _Partial(advance(p.state, pair, fwd, bwd, contention_factor), p, pair) for p in kept
+                )
+    if not cells[a][b]:
+        path: list[Pair] = [(None, j) for j in range(b)] + [(i, None) for i in range(a)]
+        return path, path_time(path, fwd, bwd, contention_factor)
+    best = cells[a][b][0]
+    return best.path(), best.state.end_s
+
+
+@dataclasses.dataclass(frozen=True)
+class _Partial:
+    """A partial path of :func:`plan_timed`: its clocks, and its steps as a linked list."""
+
+    state: PathState
+    parent: _Partial | None
+    pair: Pair | None
+
+    def path(self) -> list[Pair]:
+        steps: list[Pair] = []
+        node: _Partial | None = self
+        while node is not None and node.pair is not None:
+            steps.append(node.pair)
+            node = node.parent
+        return steps[::-1]
+
+
+def _frontier(partials: list[_Partial], width: int) -> list[_Partial]:
+    """Up to ``width`` partial paths no other kept one dominates, earliest ``end_s`` first (stable)."""
+    kept: list[_Partial] = []
+    for partial in sorted(partials, key=lambda p: (p.state.end_s, p.state.now)):
+        if not any(k.state.dominates(partial.state) for k in kept):
+            kept.append(partial)
+            if len(kept) == width:
+                break
+    return kept
 
 
 def path_peak_bytes(

@@ -157,6 +157,12 @@ class DHelixConfig:
         4000,
         "helix: evaluations of the local search that refines the strand plan's DP path (0 turns it off; >= 0).",
     )
+    interleave_timed_width: int = _option(
+        0,
+        "helix: partial paths each cell of the strand plan's timed DP keeps (the DP over simulated "
+        "clocks that lets a long transfer run under several segments; e.g. 4; 0, the default, turns "
+        "it off: on this CPU machine its plans were predicted faster and measured level; >= 0).",
+    )
     consistency_timeout_s: float = _option(
         300.0,
         "How long a rank waits for the others' collective sequences at compile time before "
@@ -230,6 +236,7 @@ class DHelixConfig:
         for distance in self.interleave_defer_weight_grads:
             _check_number("interleave_defer_weight_grads", distance, int, minimum=1)
         _check_number("interleave_refine_evals", self.interleave_refine_evals, int, minimum=0)
+        _check_number("interleave_timed_width", self.interleave_timed_width, int, minimum=0)
         _check_number("profile_steps", self.profile_steps, int, minimum=0)
         if self.profile_steps > 0 and self.dump_dir is None:
             raise ConfigError(

@@ -44,6 +44,7 @@ FIELDS: dict[str, tuple[type, dict[str, str]]] = {
             "memory_budget_ratio": "interleave_memory_budget_ratio",
             "defer_weight_grads": "interleave_defer_weight_grads",
             "refine_evals": "interleave_refine_evals",
+            "timed_width": "interleave_timed_width",
         },
     ),
 }

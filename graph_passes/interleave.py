@@ -41,6 +41,12 @@ Algorithm::
     refine: from each DP path, a local search against a whole-path simulation at segment
         granularity (``strand_plan.refine_path``: split, join or swap moves) corrects what
         the additive pair costs cannot see; candidate ``{dp}_refined`` when it moved
+    timed: the same DP over that whole-path simulation's clocks instead of additive pair
+        costs (``strand_plan.plan_timed``: each cell keeps the partial paths no other
+        dominates), so a long transfer runs under as many of the other strand's segments as
+        it needs -- HF Llama TP+SP's forward ends in a 34 ms logits gather, which the additive
+        DP pairs with one 5 ms backward segment; candidate ``{dp}_timed`` when it differs
+        (with ``timed_width`` > 0; off by default, see :class:`InterleaveOptions`)
     judge: ``simulate`` the sequential order, the DP's orders and the reorder pass's list
         scheduler run over both strands at node granularity, under this pass's memory budget
         and counting live bytes as it does (a second opinion: the DP's additive pair costs do
@@ -55,7 +61,7 @@ Reason codes (``ctx.stats["interleave"]``; details in ``ctx.notes["interleave"]`
     sequential: no estimator             nothing to hide: the sequential order
     sequential: no predicted gain        detail: the best candidate's and the sequential makespans
     interleaved                          an interleaved order is kept, and which one:
-    interleaved by <candidate>           dp, dp_defer<d>, dp_refined, dp_defer<d>_refined, list
+    interleaved by <candidate>           dp, dp_defer<d>, dp_refined, dp_defer<d>_refined, dp_timed, dp_defer<d>_timed, list
     <candidate> order over the memory budget   detail: its peak and the budget
     nodes moved                          (counted by how many positions changed)
 
@@ -78,7 +84,7 @@ from cost_model.estimator import Estimator, MemoizedEstimator
 from cost_model.memory import live_bytes_profile
 from cost_model.op_kinds import is_comm
 from cost_model.simulator import simulate
-from cost_model.strand_plan import Pair, PairCost, Segment, formula_cost, plan_pairs, refine_path
+from cost_model.strand_plan import Pair, PairCost, Segment, formula_cost, plan_pairs, plan_timed, refine_path
 from graph_passes.annotate import META_KEY
 from graph_passes.context import PassContext
 from graph_passes.deferral import defer_off_chain
@@ -100,6 +106,11 @@ class InterleaveOptions:
 
     refine_evals: int = 4000
     """Evaluations of the local search (``strand_plan.refine_path``) from each DP path; 0: off."""
+
+    timed_width: int = 0
+    """Partial paths each cell of the timed DP (``strand_plan.plan_timed``) keeps; 0: off (the
+    default: on HF Llama TP+SP over the 1 Gbit/s link its plan was predicted 8% faster per step
+    and measured level with the additive DP's, 1041 against 1034 ms; BENCHMARKS.md)."""
 
 
 def strand_segments(
@@ -216,6 +227,17 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
             )
             if refined != path:
                 plans[f"{name}_refined"] = emit(refined, fwd_segments, segments)
+        if options.timed_width > 0:
+            timed, _ = plan_timed(
+                fwd_segments,
+                segments,
+                contention_factor=factor,
+                budget_bytes=budget_bytes,
+                bwd_base_bytes=bwd_base,
+                width=options.timed_width,
+            )
+            if timed != path:
+                plans[f"{name}_timed"] = emit(timed, fwd_segments, segments)
     if measured_pairs:
         ctx.record("interleave", measured_pairs=measured_pairs, pair_measure_s=measure_s)
     plan_time_s = time.perf_counter() - start_s - measure_s  # the planning; the measuring is reported apart

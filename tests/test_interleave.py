@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 
 from cost_model.estimator import TableEstimator
 from cost_model.simulator import simulate
-from cost_model.strand_plan import Segment, formula_cost, path_peak_bytes, path_time, plan_pairs, refine_path
+from cost_model.strand_plan import (
+    Segment,
+    formula_cost,
+    path_peak_bytes,
+    path_time,
+    plan_pairs,
+    plan_timed,
+    refine_path,
+)
 from cost_model.testing import aot_partitions, fake_world, trace_aten
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
@@ -204,6 +212,57 @@ def test_refinement_never_worsens_keeps_both_orders_and_the_budget(f_costs, b_co
     assert max(compute, comm) - 1e-9 <= refined_s <= compute * factor + comm + 1e-9
 
 
+def test_the_timed_dp_hides_a_long_last_transfer_under_several_backward_segments() -> None:
+    """A forward that ends in a long transfer (HF Llama TP+SP's logits gather) and then computes
+    on it: the additive DP pairs that transfer with one short backward segment and leaves most
+    of it exposed; the timed DP finishes the forward's compute first and runs the backward
+    under the transfer."""
+    fwd = [_seg(0, 2.0, 1.0), _seg(0, 2.0, 12.0), _seg(0, 3.0, 0.0)]
+    bwd = [_seg(1, 4.0, 0.0) for _ in range(4)]
+    additive, _ = plan_pairs(fwd, bwd)
+    timed, timed_s = plan_timed(fwd, bwd)
+    assert _path_is_valid(timed, len(fwd), len(bwd))
+    assert timed_s == pytest.approx(path_time(timed, fwd, bwd))
+    assert timed_s < path_time(additive, fwd, bwd) - 1.0
+    compute = sum(s.compute_s for s in fwd + bwd)
+    assert timed_s == pytest.approx(compute)  # F_0, B_0 under its transfer, F_1, then B_1..B_3 under the gather, F_2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=4),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=4),
+    st.sampled_from([1.0, 1.5]),
+    st.sampled_from([math.inf, 6]),
+)
+def test_the_timed_dp_finds_the_path_of_least_path_time(f_costs, b_costs, factor, budget) -> None:
+    """Against every path of small instances, within the memory budget."""
+    fwd = [_seg(0, float(c), float(x), live=m, peak=m + 1) for c, x, m in f_costs]
+    bwd = [_seg(1, float(c), float(x), live=m, peak=m + 1) for c, x, m in b_costs]
+    path, path_s = plan_timed(fwd, bwd, contention_factor=factor, budget_bytes=budget, width=64)
+    assert _path_is_valid(path, len(fwd), len(bwd))
+    assert path_s == pytest.approx(path_time(path, fwd, bwd, factor))
+    fitting = [p for p in _all_paths(len(fwd), len(bwd)) if path_peak_bytes(p, fwd, bwd) <= budget]
+    if fitting:
+        assert path_peak_bytes(path, fwd, bwd) <= budget
+        assert path_s <= min(path_time(p, fwd, bwd, factor) for p in fitting) + 1e-9
+    narrow, narrow_s = plan_timed(fwd, bwd, contention_factor=factor, budget_bytes=budget)  # the default width
+    assert _path_is_valid(narrow, len(fwd), len(bwd)) and narrow_s >= path_s - 1e-9
+
+
+def _all_paths(a: int, b: int, i: int = 0, j: int = 0) -> list[list[tuple[int | None, int | None]]]:
+    if i == a and j == b:
+        return [[]]
+    out: list[list[tuple[int | None, int | None]]] = []
+    if i < a:
+        out += [[(i, None), *rest] for rest in _all_paths(a, b, i + 1, j)]
+    if j < b:
+        out += [[(None, j), *rest] for rest in _all_paths(a, b, i, j + 1)]
+    if i < a and j < b:
+        out += [[(i, j), *rest] for rest in _all_paths(a, b, i + 1, j + 1)]
+    return out
+
+
 # ---------------------------------------------------------------------- the pass
 
 
@@ -232,16 +291,18 @@ def _strand_orders(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
     return {s: [n.name for n in body if n.meta["dhelix"]["strand"] == s] for s in (FWD_STRAND, BWD_STRAND)}
 
 
-def _ctx(estimator, memory_budget_ratio: float = 1.15) -> PassContext:
-    options = {"interleave": InterleaveOptions(memory_budget_ratio=memory_budget_ratio)}
+def _ctx(estimator, memory_budget_ratio: float = 1.15, timed_width: int = 0) -> PassContext:
+    options = {"interleave": InterleaveOptions(memory_budget_ratio=memory_budget_ratio, timed_width=timed_width)}
     return PassContext(graph_name="merged", phase="fwd", estimator=estimator, pass_options=options)
 
 
-def test_interleave_pass_interleaves_keeping_each_strands_order() -> None:
+@pytest.mark.parametrize("timed_width", [0, 4])
+def test_interleave_pass_interleaves_keeping_each_strands_order(timed_width: int) -> None:
     gm = _merged_tp_graph()
     before = _strand_orders(gm)
     estimator = TableEstimator(kind_times_s={"compute": 1e-3, "collective": 1e-3})
-    ctx = _ctx(estimator, memory_budget_ratio=2.0)  # toy tensors: the overlap costs relatively much memory
+    # toy tensors: the overlap costs relatively much memory
+    ctx = _ctx(estimator, memory_budget_ratio=2.0, timed_width=timed_width)
     gm = interleave_pass(annotate_pass(gm, ctx), ctx)
     verify_pass(gm, ctx)
     after = _strand_orders(gm)
