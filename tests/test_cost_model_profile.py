@@ -207,6 +207,7 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
         "real": real.measurements,
         "skewed": {k: v for k, v in skewed.measurements.items() if "c10d" not in k},
         "allreduce_s": real.node_cost(issue).time_s,
+        "on_disk": sorted(json.loads(real.disk_cache.path("unit").read_text())["entries"]),
     }
 
 
@@ -226,6 +227,8 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     assert by_kind == r1["contention_by_kind"] and set(by_kind) == {"reduce", "move"}
     assert min(by_kind.values()) >= 1.0 and r0["contention"] == max(by_kind.values())
     assert (r0["issue_factor"], r0["p2p_factor"]) == (by_kind["reduce"], by_kind["move"])
+    # the disk cache holds compute ops only: collectives and contention depend on the link
+    assert r0["on_disk"] and not any(k.startswith("contention|") or "c10d" in k for k in r0["on_disk"])
     # the max over ranks wins: rank 1 "measured" 2 ms
     assert r0["skewed"] == r1["skewed"] and set(r0["skewed"].values()) == {2e-3}
     assert not math.isnan(r0["allreduce_s"])

@@ -16,6 +16,8 @@ Contract
            byte (a broadcast rather than an all_to_all or all_gather: gloo runs it in place,
            with no ATen work on its thread; see graph_passes.gloo_gathers)
     key    "contention|<op signature>|bytes=..|iters=..|backend=..|size=..|in_flight=..|<xfer>"
+           (``cache`` is the caller's in-process memo: the key cannot name the link, so a factor
+           never goes to the disk cache; see cost_model.profile.estimator)
     if every rank has key in cache:   factor = max over ranks of the cached factors
     else:  t_one = one xfer(bytes), timed after a warm-up (the slowest rank's)
            k = transfers back to back that outlast the iters calls (1 if t_one outlasts them,
@@ -58,6 +60,8 @@ MAX_ITERS: int = 1000
 MAX_IN_FLIGHT: int = 64
 
 Transfer = Literal["reduce", "move"]
+CONTENTION_KEY_PREFIX = "contention|"
+"""What every contention key starts with (the module docstring's ``key``)."""
 TRANSFERS: tuple[Transfer, ...] = ("reduce", "move")
 REDUCING_COLLECTIVES = frozenset({"all_reduce", "reduce_scatter", "reduce"})
 
@@ -89,7 +93,7 @@ def measure_contention(
     nbytes = int(min(max(largest_bytes, MIN_BYTES), MAX_BYTES))
     iters = int(min(MAX_ITERS, max(1, math.ceil(MAX_SAMPLE_S / max(t_compute, 1e-7)))))
     key = (
-        f"contention|{sig}|bytes={nbytes}|iters={iters}|backend={backend_name(group)}|size={resolve_group_size(group)}"
+        f"{CONTENTION_KEY_PREFIX}{sig}|bytes={nbytes}|iters={iters}|backend={backend_name(group)}|size={resolve_group_size(group)}"
         f"|in_flight=all|{transfer}"
     )
     # Every rank must take the same branch: measure unless the key is cached everywhere.
@@ -165,4 +169,4 @@ def _comm_nbytes(node: torch.fx.Node) -> int:
     return int(evaluate(nbytes, size_hints([node, *node.all_input_nodes])))
 
 
-__all__ = ["TRANSFERS", "Transfer", "measure_contention", "transfer_of"]
+__all__ = ["CONTENTION_KEY_PREFIX", "TRANSFERS", "Transfer", "measure_contention", "transfer_of"]

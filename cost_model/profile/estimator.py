@@ -25,7 +25,12 @@ except that a node whose *signature* has been measured gets the measured time.
              is a terminal and at least 8 signatures are measured
 
 Collectives are never cached on disk: their time depends on the link, which nothing in
-the key names (the same shapes on NVLink, InfiniBand or a rate-limited veth).
+the key names (the same shapes on NVLink, InfiniBand or a rate-limited veth). Nor are contention
+factors, for the same reason: a transfer's CPU per second grows with its rate, so a factor
+measured over loopback (a test's) is not the one on a 1 Gbit/s link. They were cached until
+2026-11-25: a bench on the link recorded 1.0 for both kinds, where compute under a 1 MiB all-reduce
+on that link measured 1.2-1.3x slower. Both are measured once per process
+(``self.measurements``, ``_contention_cache``).
 
 P2P exchanges (``dhelix::exchange``, which the decompose pass creates and hands to
 ``measure_new``) on a live group are measured like collectives, each rank running its own
@@ -76,7 +81,7 @@ from cost_model.memory import is_schema_view
 from cost_model.nodes import NodesLike, call_target, node_list
 from cost_model.op_kinds import P2P_OP_NAMES, kind_of, op_name
 from cost_model.profile.cache import MeasurementCache, device_key
-from cost_model.profile.contention import TRANSFERS, Transfer, measure_contention, transfer_of
+from cost_model.profile.contention import CONTENTION_KEY_PREFIX, TRANSFERS, Transfer, measure_contention, transfer_of
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
 from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args, run_node, transfer_tensors
 from cost_model.profile.segments import segment_times
@@ -194,6 +199,8 @@ class ProfiledEstimator(EstimatorBase):
         self.issue_measurements: dict[str, float] = {}
         #: compute slowdown under each kind of transfer (cost_model.profile.contention), as measured
         self.measured_contention: dict[Transfer, float] = {}
+        #: every contention measurement of this process by its key: never on disk (module docstring)
+        self._contention_cache: dict[str, float] = {}
         self._link_ratios: dict[str, float] = {}  # collective signature -> measured / base time
         self._compute_ratios: dict[str, dict[str, float]] = {}  # op -> {signature: measured / base time}
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
@@ -446,12 +453,12 @@ class ProfiledEstimator(EstimatorBase):
             ]
             for transfer in TRANSFERS:
                 factor = measure_contention(
-                    measured_compute, measured_comms, agree_group, cache, self.repeats, transfer
+                    measured_compute, measured_comms, agree_group, self._contention_cache, self.repeats, transfer
                 )
                 if factor is not None:
                     self.measured_contention[transfer] = factor
                     contention = max(contention or 1.0, factor)
-        self.disk_cache.store(key, cache)
+        self.disk_cache.store(key, {k: v for k, v in cache.items() if not k.startswith(CONTENTION_KEY_PREFIX)})
         return CalibrationReport(
             measured=measured,
             cached=cached,
