@@ -111,8 +111,7 @@ def plan_pairs(
     """
     cost = cost or formula_cost(fwd, bwd)
     a, b = len(fwd), len(bwd)
-    f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
-    b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
+    peaks = _MovePeaks(fwd, bwd, fwd_base_bytes, bwd_base_bytes)
     inf = math.inf
     best = [[inf] * (b + 1) for _ in range(a + 1)]
     step: list[list[Pair | None]] = [[None] * (b + 1) for _ in range(a + 1)]
@@ -122,48 +121,57 @@ def plan_pairs(
             here = best[i][j]
             if here == inf:
                 continue
-            if i < a:  # F_{i+1} alone
-                peak = _move_peak(i, j, True, False, fwd, bwd, f_after, b_after)
-                _relax(best, step, i + 1, j, here + cost(i, None), (i, None), peak, budget_bytes)
-            if j < b:  # B_{j+1} alone
-                peak = _move_peak(i, j, False, True, fwd, bwd, f_after, b_after)
-                _relax(best, step, i, j + 1, here + cost(None, j), (None, j), peak, budget_bytes)
-            if i < a and j < b:  # B_{j+1} then F_{i+1}
-                peak = _move_peak(i, j, True, True, fwd, bwd, f_after, b_after)
-                _relax(best, step, i + 1, j + 1, here + cost(i, j), (i, j), peak, budget_bytes)
+            for ti, tj, pair in _moves(i, j, a, b):
+                _relax(best, step, ti, tj, here + cost(*pair), pair, peaks.of(i, j, pair), budget_bytes)
     if best[a][b] == inf:  # nothing fits the budget: the sequential order
-        path: list[Pair] = [(None, j) for j in range(b)] + [(i, None) for i in range(a)]
+        path = sequential_path(a, b)
         return path, math.fsum(cost(*p) for p in path)
     path = []
     i, j = a, b
     while (i, j) != (0, 0):
-        pair = step[i][j]
-        assert pair is not None
-        path.append(pair)
-        i, j = i - (pair[0] is not None), j - (pair[1] is not None)
+        taken = step[i][j]
+        assert taken is not None
+        path.append(taken)
+        i, j = i - (taken[0] is not None), j - (taken[1] is not None)
     path.reverse()
     return path, best[a][b]
 
 
-def _move_peak(
-    i: int,
-    j: int,
-    with_f: bool,
-    with_b: bool,
-    fwd: Sequence[Segment],
-    bwd: Sequence[Segment],
-    f_after: Sequence[int],
-    b_after: Sequence[int],
-) -> int:
-    """Live bytes of the move from state ``(i, j)``: F_i alone, B_j alone, or B_j then F_i.
+def sequential_path(fwd_segments: int, bwd_segments: int) -> list[Pair]:
+    """All of the backward, then all of the forward: the plans' fallback and their yardstick."""
+    return [(None, j) for j in range(bwd_segments)] + [(i, None) for i in range(fwd_segments)]
 
-    ``f_after[i]`` / ``b_after[j]``: each strand's live bytes after its first i / j segments.
-    """
-    if with_f and with_b:
-        return max(f_after[i] + bwd[j].peak_bytes, fwd[i].peak_bytes + b_after[j + 1])
-    if with_f:
-        return fwd[i].peak_bytes + b_after[j]
-    return f_after[i] + bwd[j].peak_bytes
+
+def _moves(i: int, j: int, a: int, b: int) -> list[tuple[int, int, Pair]]:
+    """The DPs' moves from state ``(i, j)`` as ``(next i, next j, pair)``, in their fixed order
+    (ties go to the first): F_{i+1} alone, B_{j+1} alone, B_{j+1} then F_{i+1}."""
+    moves: list[tuple[int, int, Pair]] = []
+    if i < a:
+        moves.append((i + 1, j, (i, None)))
+    if j < b:
+        moves.append((i, j + 1, (None, j)))
+    if i < a and j < b:
+        moves.append((i + 1, j + 1, (i, j)))
+    return moves
+
+
+class _MovePeaks:
+    """Live bytes of each move, as every plan and path check counts them against the budget."""
+
+    def __init__(self, fwd: Sequence[Segment], bwd: Sequence[Segment], fwd_base_bytes: int, bwd_base_bytes: int):
+        self.fwd, self.bwd = fwd, bwd
+        #: each strand's live bytes after its first i / j segments
+        self.f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
+        self.b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
+
+    def of(self, i: int, j: int, pair: Pair) -> int:
+        """Live bytes of the move ``pair`` from state ``(i, j)``: F_i alone, B_j alone, or B_j then F_i."""
+        with_f, with_b = pair[0] is not None, pair[1] is not None
+        if with_f and with_b:
+            return max(self.f_after[i] + self.bwd[j].peak_bytes, self.fwd[i].peak_bytes + self.b_after[j + 1])
+        if with_f:
+            return self.fwd[i].peak_bytes + self.b_after[j]
+        return self.f_after[i] + self.bwd[j].peak_bytes
 
 
 def _relax(
@@ -276,29 +284,19 @@ def plan_timed(
     the budget. Deterministic: fixed move order, stable sorts.
     """
     a, b = len(fwd), len(bwd)
-    f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
-    b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
+    peaks = _MovePeaks(fwd, bwd, fwd_base_bytes, bwd_base_bytes)
     cells: list[list[list[_Partial]]] = [[[] for _ in range(b + 1)] for _ in range(a + 1)]
     cells[0][0] = [_Partial(PathState(), None, None)]
     for i in range(a + 1):
         for j in range(b + 1):
             kept = cells[i][j] = _frontier(cells[i][j], width)
-            moves: list[tuple[int, int, Pair]] = []
-            if i < a:
-                moves.append((i + 1, j, (i, None)))
-            if j < b:
-                moves.append((i, j + 1, (None, j)))
-            if i < a and j < b:
-                moves.append((i + 1, j + 1, (i, j)))
-            for ti, tj, pair in moves:
-                with_f, with_b = pair[0] is not None, pair[1] is not None
-                if _move_peak(i, j, with_f, with_b, fwd, bwd, f_after, b_after) > budget_bytes:
-                    continue
-                cells[ti][tj].extend(
-                    _Partial(advance(p.state, pair, fwd, bwd, contention_factor), p, pair) for p in kept
-                )
+            for ti, tj, pair in _moves(i, j, a, b):
+                if peaks.of(i, j, pair) <= budget_bytes:
+                    cells[ti][tj].extend(
+                        _Partial(advance(p.state, pair, fwd, bwd, contention_factor), p, pair) for p in kept
+                    )
     if not cells[a][b]:
-        path: list[Pair] = [(None, j) for j in range(b)] + [(i, None) for i in range(a)]
+        path = sequential_path(a, b)
         return path, path_time(path, fwd, bwd, contention_factor)
     best = cells[a][b][0]
     return best.path(), best.state.end_s
@@ -340,13 +338,12 @@ def path_peak_bytes(
     bwd_base_bytes: int = 0,
 ) -> int:
     """Peak live bytes of a path, as ``plan_pairs`` counts them for each move."""
-    f_after = [fwd_base_bytes, *(s.live_after_bytes for s in fwd)]
-    b_after = [bwd_base_bytes, *(s.live_after_bytes for s in bwd)]
+    peaks = _MovePeaks(fwd, bwd, fwd_base_bytes, bwd_base_bytes)
     fi = bj = 0
     peak = 0
     for i, j in path:
         if i is not None or j is not None:
-            peak = max(peak, _move_peak(fi, bj, i is not None, j is not None, fwd, bwd, f_after, b_after))
+            peak = max(peak, peaks.of(fi, bj, (i, j)))
         fi, bj = fi + (i is not None), bj + (j is not None)
     return peak
 

@@ -84,7 +84,16 @@ from cost_model.estimator import Estimator, MemoizedEstimator
 from cost_model.memory import live_bytes_profile
 from cost_model.op_kinds import is_comm
 from cost_model.simulator import simulate
-from cost_model.strand_plan import Pair, PairCost, Segment, formula_cost, plan_pairs, plan_timed, refine_path
+from cost_model.strand_plan import (
+    Pair,
+    PairCost,
+    Segment,
+    formula_cost,
+    plan_pairs,
+    plan_timed,
+    refine_path,
+    sequential_path,
+)
 from graph_passes.annotate import META_KEY
 from graph_passes.context import PassContext
 from graph_passes.deferral import defer_off_chain
@@ -192,10 +201,7 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         for name, order in _backward_orders(bwd_nodes, estimator, options.defer_weight_grads).items()
     }
     captured = bwd_segments["dp"]  # the backward as captured: the sequential order, the budget's base
-    sequential_path: list[Pair] = [(None, j) for j in range(len(captured))] + [
-        (i, None) for i in range(len(fwd_segments))
-    ]
-    sequential = emit(sequential_path, fwd_segments, captured)
+    sequential = emit(sequential_path(len(fwd_segments), len(captured)), fwd_segments, captured)
     budget_bytes = options.memory_budget_ratio * _sequential_peak(fwd_segments, captured, bwd_base)
     measure_s = 0.0
     measured_pairs = 0
