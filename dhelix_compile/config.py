@@ -261,6 +261,13 @@ class DHelixConfig:
         return "\n".join(rows)
 
 
+def ranks_from_fork_server() -> bool:
+    """``DHELIX_FORKSERVER``: whether ``testing.run_on_ranks`` forks its ranks from a process that
+    has imported torch once (the default) or, with ``0``, starts every rank cold. Not an option
+    of the backend: it only changes how the test harness starts processes."""
+    return os.environ.get("DHELIX_FORKSERVER", "1") != "0"
+
+
 def option_names() -> tuple[str, ...]:
     """Names of every valid option, in declaration order."""
     return tuple(f.name for f in dataclasses.fields(DHelixConfig))

@@ -31,6 +31,9 @@ at ``returncodes`` (and ``unfinished``: the ranks killed while still running).
   result says ``timed_out``).
 * ``stack_signal``: sent to every rank about to be killed while still running, ``_STACK_DUMP_S``
   before the kill (``run_on_ranks`` registers ``faulthandler`` on it to record where a rank hung).
+* ``forkserver``: on loopback, ranks that it can run (``launch.forkserver``: ``python -m``
+  commands, the same import-time environment) are forked from it instead of started cold; the
+  rest of this contract holds for them as for any rank.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from dhelix_compile.launch.forkserver import ForkedProcess, ForkServer
 from dhelix_compile.launch.link import LinkSpec, Placement, delete_namespaces, place
 
 __all__ = ["LaunchResult", "LinkSpec", "launch_ranks"]
@@ -79,7 +83,7 @@ class LaunchResult:
 
 @dataclasses.dataclass
 class _Rank:
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     out: IO[bytes]
     err: IO[bytes]
 
@@ -131,9 +135,19 @@ def _rendezvous(placement: Placement, world_size: int, timeout_s: float) -> Iter
 
 
 def _start_rank(
-    prefix: list[str], argv: Sequence[str], env: dict[str, str], cwd: str | None, files: ExitStack
+    prefix: list[str],
+    argv: Sequence[str],
+    env: dict[str, str],
+    cwd: str | None,
+    files: ExitStack,
+    forkserver: ForkServer | None,
 ) -> _Rank:
     # The ExitStack of the caller closes them once the ranks are reaped and their output read.
+    if forkserver is not None and not prefix and forkserver.can_run(argv, env):
+        named_out = files.enter_context(tempfile.NamedTemporaryFile())  # noqa: SIM115
+        named_err = files.enter_context(tempfile.NamedTemporaryFile())  # noqa: SIM115
+        child = forkserver.spawn(argv, env, cwd, named_out.name, named_err.name)
+        return _Rank(child, named_out.file, named_err.file)
     out = files.enter_context(tempfile.TemporaryFile())  # noqa: SIM115
     err = files.enter_context(tempfile.TemporaryFile())  # noqa: SIM115
     proc = subprocess.Popen(
@@ -228,6 +242,7 @@ def launch_ranks(
     failure_grace_s: float = 10.0,
     stack_signal: int | None = None,
     raise_on_timeout: bool = True,
+    forkserver: ForkServer | None = None,
 ) -> LaunchResult:
     """Run ``argv`` on ``world_size`` ranks over ``link`` (or loopback); see the module doc.
 
@@ -250,7 +265,7 @@ def launch_ranks(
                 try:
                     for r, prefix in enumerate(placement.prefixes):
                         rank_env = _rank_env({**base, **extra}, r, world_size, placement, port)
-                        ranks.append(_start_rank(prefix, argv, rank_env, cwd, files))
+                        ranks.append(_start_rank(prefix, argv, rank_env, cwd, files, forkserver))
                     unfinished, timed_out = _wait_ranks(ranks, deadline, failure_grace_s)
                     _signal_running(ranks, unfinished, stack_signal)
                 finally:

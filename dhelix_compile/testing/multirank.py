@@ -6,7 +6,9 @@ Contract
 
 * ``fn`` must be picklable by reference (a module-level function). It is called in a fresh
   Python process (``dhelix_compile.testing.rank_main``, started by the project's one launcher,
-  ``dhelix_compile.launch.ranks.launch_ranks``, with this process's ``sys.path``) as
+  ``dhelix_compile.launch.ranks.launch_ranks``, with this process's ``sys.path``; forked from
+  this process's fork server, ``launch.forkserver``, which has imported torch, its compilers
+  and this package once; ``DHELIX_FORKSERVER=0`` starts it cold instead) as
   ``fn(rank, world_size, *args, **kwargs)`` after the default process group has been
   initialised with the gloo backend on 127.0.0.1; the group is destroyed after ``fn`` returns.
   ``args``/``kwargs`` and the return value must be picklable; the return value crosses the
@@ -50,6 +52,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from dhelix_compile.config import ranks_from_fork_server
+from dhelix_compile.launch import forkserver
+from dhelix_compile.launch.forkserver import ForkServer
 from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
 _LOOPBACK = LinkSpec(rate=None)
@@ -172,8 +177,31 @@ def run_on_ranks(
             failure_grace_s=grace_s,
             stack_signal=signal.SIGUSR1,
             raise_on_timeout=False,
+            forkserver=_forkserver(),
         )
         return _Outcome(launched, Path(workdir), timeout_s, grace_s).results()
+
+
+#: What the fork server imports once: torch and its compilers, the package, and the test tools
+#: the modules of ``fn`` import (each a few hundred ms to seconds per rank otherwise).
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.distributed.tensor",
+    "dhelix_compile",
+    "dhelix_compile.ops",
+    "dhelix_compile.testing.rank_main",
+    "dhelix_compile.testing.checks",
+    "pytest",
+    "hypothesis",
+)
+
+
+def _forkserver() -> ForkServer | None:
+    """The process's fork server for ranks (``DHELIX_FORKSERVER=0``: every rank starts cold)."""
+    return forkserver.shared(_PRELOAD) if ranks_from_fork_server() else None
 
 
 class _Outcome:
