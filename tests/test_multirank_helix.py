@@ -20,8 +20,10 @@ from dhelix_compile.testing.multirank import run_on_ranks
 pytestmark = pytest.mark.multirank
 
 #: 2 ranks: every kind, n = 1, 2 and 5, float32 and bfloat16 (DHELIX_TEST_FULL=1; by default one case
-#: per kind: the suite's time budget); 4 ranks (FULL only: each case compiles three graphs per rank)
-#: the same. 4-rank helix runs by default in the pipeline tests; tp_sp with 3 micro-batches below.
+#: per kind: the suite's time budget); 4 ranks the same with FULL, by default the MoE layer (its
+#: all-to-alls with 3 peers; a transformer case takes a minute or more on 4 ranks of 2 cores, and
+#: 4-rank transformers run by default in the pipeline tests). tp_sp with 3 micro-batches below.
+FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
 CASES = [
     ("tp", 2, "float32"),
     ("functional_sp", 2, "float32"),
@@ -31,15 +33,14 @@ CASES = [
     ("moe", 5, "bfloat16"),
     ("tp", 2, "bfloat16"),
 ]
-DEFAULT_CASES = [
-    ("tp", 2, "bfloat16"),
-    ("functional_sp", 2, "float32"),
-    ("moe", 5, "bfloat16"),
-    ("tp_sp", 1, "float32"),
-]
-CASES_BY_WORLD_SIZE = {
-    2: CASES if os.environ.get("DHELIX_TEST_FULL") else DEFAULT_CASES,
-    4: CASES,  # DHELIX_TEST_FULL=1 only
+DEFAULT_CASES = {
+    2: [
+        ("tp", 2, "bfloat16"),
+        ("functional_sp", 2, "float32"),
+        ("moe", 5, "bfloat16"),
+        ("tp_sp", 1, "float32"),
+    ],
+    4: [("moe", 2, "float32")],
 }
 
 
@@ -53,15 +54,12 @@ def _assert_passed(results: list[dict]) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize(
-    "world_size",
-    [2, pytest.param(4, marks=pytest.mark.skipif(not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1"))],
-)
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_helix_equals_eager_loop_on_reference_models(world_size: int, tmp_path: Path) -> None:
     results = run_on_ranks(
         check_helix_cases,
         world_size,
-        CASES_BY_WORLD_SIZE[world_size],
+        CASES if FULL else DEFAULT_CASES[world_size],
         codegen="eager",
         fallback="error",
         dump_dir=str(tmp_path),
@@ -119,9 +117,7 @@ def test_merged_graph_through_inductor_keeps_the_interleaved_order(tmp_path: Pat
     "decompose",
     [
         "off",
-        pytest.param(
-            "per_peer", marks=pytest.mark.skipif(not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1")
-        ),
+        pytest.param("per_peer", marks=pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1")),
     ],
 )
 def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path, decompose: str) -> None:
@@ -183,9 +179,7 @@ def _helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str | None) -> d
     "dumps",
     [
         True,
-        pytest.param(
-            False, marks=pytest.mark.skipif(not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1")
-        ),
+        pytest.param(False, marks=pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1")),
     ],
     ids=["dumps", "no-dumps"],
 )
