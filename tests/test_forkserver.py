@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from dhelix_compile.launch.forkserver import ForkServer, import_time_env
+from dhelix_compile.launch.forkserver import ForkServer, fixed_env
 from dhelix_compile.testing.multirank import run_on_ranks
 
 _CHILD = textwrap.dedent(
     """
     import os, sys
     print("args", sys.argv[1:], "cwd", os.getcwd(), "pgid", os.getpgid(0) == os.getpid())
-    print("env", os.environ.get("FORKED_VALUE"), "absent", "ONLY_IN_SERVER" in os.environ)
+    print("env", os.environ.get("DHELIX_FORKED_VALUE"), "absent", "DHELIX_ONLY_IN_SERVER" in os.environ)
     print("stdin", sys.stdin.read() == "", flush=True)
     print("on stderr", file=sys.stderr)
     if sys.argv[1] == "sleep":
@@ -33,14 +33,14 @@ _CHILD = textwrap.dedent(
 def server(tmp_path: Path):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "forked_child.py").write_text(_CHILD)
-    env = {**os.environ, "ONLY_IN_SERVER": "1"}
+    env = {**os.environ, "DHELIX_ONLY_IN_SERVER": "1"}
     started = ForkServer(["json"], env=env)
     yield started
     started.close()
 
 
 def _spawn(server: ForkServer, tmp_path: Path, *args: str, **extra_env: str):
-    env = {k: v for k, v in os.environ.items() if k != "ONLY_IN_SERVER"}
+    env = {k: v for k, v in os.environ.items() if k != "DHELIX_ONLY_IN_SERVER"}
     env.update(PYTHONPATH=str(tmp_path / "lib"), **extra_env)
     out, err = tmp_path / "out", tmp_path / "err"
     out.write_bytes(b"")
@@ -51,7 +51,7 @@ def _spawn(server: ForkServer, tmp_path: Path, *args: str, **extra_env: str):
 
 
 def test_a_forked_child_runs_the_module_with_its_arguments_environment_folder_and_files(server, tmp_path) -> None:
-    child, out, err = _spawn(server, tmp_path, "3", "x", FORKED_VALUE="42")
+    child, out, err = _spawn(server, tmp_path, "3", "x", DHELIX_FORKED_VALUE="42")
     assert child.wait(timeout=30) == 3 and child.poll() == 3
     lines = out.read_text().splitlines()
     assert lines[0] == f"args ['3', 'x'] cwd {tmp_path} pgid True"  # its own process group
@@ -75,9 +75,17 @@ def test_requests_it_cannot_honour_are_left_to_a_cold_start(server, tmp_path) ->
     env = dict(os.environ)
     assert not server.can_run([sys.executable, "script.py"], env)  # only `python -m`
     assert not server.can_run(["/usr/bin/env", "-m", "x"], env)
-    # read while torch is imported: a forked child would keep the server's value
+    # read when the server started or imported torch: a forked child would keep the server's value
     assert not server.can_run([sys.executable, "-m", "x"], {**env, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
-    assert import_time_env({"RANK": "0", "MASTER_PORT": "1"}) == import_time_env({})
+    assert not server.can_run([sys.executable, "-m", "x"], {**env, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert server.why_not([sys.executable, "-m", "x"], {**env, "MALLOC_MMAP_THRESHOLD_": "1"}) == (
+        "environment variables differ from the server's: MALLOC_MMAP_THRESHOLD_"
+    )
+    assert not server.can_run([sys.executable, "-m", "x"], {k: v for k, v in env.items() if k != "HOME"})
+    # read after a rank starts: free to differ
+    runtime = {"RANK": "3", "DHELIX_CODEGEN": "eager", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "1"}
+    assert server.can_run([sys.executable, "-m", "x"], {**env, **runtime})
+    assert fixed_env({"RANK": "0", "MASTER_PORT": "1", "DHELIX_DUMP_DIR": "d"}) == fixed_env({})
     server.close()
     assert not server.can_run([sys.executable, "-m", "x"], env)
 

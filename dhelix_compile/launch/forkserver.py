@@ -22,9 +22,12 @@ When it does not serve (``can_run`` is False; the caller starts a subprocess as 
 * the server refused to fork: it had more than one thread after its imports (forking a
   threaded process can deadlock the child);
 * ``argv`` is not ``[sys.executable, "-m", module, ...]``;
-* ``env`` differs from the server's in a variable read while torch is imported (prefixes in
-  ``IMPORT_TIME_PREFIXES``: ``TORCHINDUCTOR_*`` sets Inductor's config at import, ``OMP_*``
-  the thread pools), since those the child could not honour;
+* ``env`` differs from the server's outside ``RUNTIME_VARIABLES`` and ``RUNTIME_PREFIXES``
+  (``DHELIX_*``, which ``dhelix_compile.config`` reads when a model compiles, and Inductor's
+  per-process ``_TORCHINDUCTOR_*`` values): the server's were read when it
+  started and imported torch (``MALLOC_*`` by the C library, ``TORCHINDUCTOR_*`` by
+  Inductor's config, ``OMP_*`` by the thread pools), so a child could not honour other values.
+  What the server's imports set themselves (Inductor's cache folder) may be absent or equal;
 * the server has exited.
 
 Lifetime: the server exits when its stdin closes (the process that started it is gone or
@@ -48,13 +51,27 @@ from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
-__all__ = ["IMPORT_TIME_PREFIXES", "ForkServer", "ForkedProcess", "import_time_env"]
+__all__ = ["RUNTIME_PREFIXES", "RUNTIME_VARIABLES", "ForkServer", "ForkedProcess", "fixed_env"]
 
-#: Environment variables read while torch and its compilers are imported: a forked child keeps
-#: the server's values, so a request that sets other values is not forked.
-IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "PYTHON")
-#: Set per run by the launcher and read only when the process group starts.
-_RUNTIME_VARIABLES = frozenset({"TORCHELASTIC_USE_AGENT_STORE", "PYTHONPATH"})
+#: Read only after a rank starts (by ``init_process_group`` or the harness), so they may differ
+#: between the server and a request; every other variable must be the server's.
+RUNTIME_VARIABLES = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "GLOO_SOCKET_IFNAME",
+        "PYTHONPATH",
+        "PYTEST_CURRENT_TEST",
+    }
+)
+#: The same, by prefix: dhelix's own (``dhelix_compile.config`` reads them when a model compiles)
+#: and the values Inductor keeps in ``os.environ`` for its own process once it has compiled
+#: (``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``: an address in that process, set again in each).
+RUNTIME_PREFIXES = ("DHELIX_", "_TORCHINDUCTOR_")
 #: Set in the server before its imports, unless the environment sets them: what a rank process
 #: sets before importing torch (``testing.rank_main``), and a single-threaded OpenBLAS, whose
 #: thread pool would otherwise start with torch and leave the server unable to fork safely
@@ -65,11 +82,16 @@ _START_TIMEOUT_S = 120.0
 _SPAWN_TIMEOUT_S = 30.0
 
 
-def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The part of ``env`` a forked child could not change (see ``IMPORT_TIME_PREFIXES``)."""
+def fixed_env(env: Mapping[str, str], imports_set: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What of ``env`` a forked child would keep from the server: every variable but the
+    runtime ones (module docstring), with the rank defaults where ``env`` lacks them, and
+    without those equal to what the server's imports set (``imports_set``)."""
     merged = {**_RANK_DEFAULTS, **env}
+    imports_set = imports_set or {}
     return {
-        k: v for k, v in sorted(merged.items()) if k.startswith(IMPORT_TIME_PREFIXES) and k not in _RUNTIME_VARIABLES
+        k: v
+        for k, v in sorted(merged.items())
+        if k not in RUNTIME_VARIABLES and not k.startswith(RUNTIME_PREFIXES) and imports_set.get(k) != v
     }
 
 
@@ -118,31 +140,40 @@ class ForkServer:
         first = _readline(self._proc.stdout, _START_TIMEOUT_S)
         word, _, rest = first.partition(" ")
         if word == "ready":
-            self.import_env: dict[str, str] = json.loads(rest)
+            reply = json.loads(rest)
+            self._fixed: dict[str, str] = reply["fixed"]
+            self._imports_set: dict[str, str] = reply["imports_set"]
         else:
-            self.import_env = {}
+            self._fixed, self._imports_set = {}, {}
             self.refused = rest.strip() or first.strip() or "the server exited while importing"
         self._reader = threading.Thread(target=self._read_replies, name="forkserver-replies", daemon=True)
         self._reader.start()
 
     def can_run(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether ``spawn`` serves this request (module docstring)."""
-        return (
-            self.refused is None
-            and not self._closed
-            and self._proc.poll() is None
-            and len(argv) >= 3
-            and argv[0] == sys.executable
-            and argv[1] == "-m"
-            and import_time_env(env) == self.import_env
-        )
+        return self.why_not(argv, env) is None
+
+    def why_not(self, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+        """Why ``spawn`` would not serve this request, or None when it would."""
+        if self.refused is not None:
+            return f"the server refused to fork: {self.refused}"
+        if self._closed or self._proc.poll() is not None:
+            return "the server has stopped"
+        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+            return "not a `python -m` command of this interpreter"
+        fixed = fixed_env(env, self._imports_set)
+        differ = sorted(k for k in set(fixed) | set(self._fixed) if fixed.get(k) != self._fixed.get(k))
+        if differ:
+            return f"environment variables differ from the server's: {', '.join(differ)}"
+        return None
 
     def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, stdout: str, stderr: str
     ) -> ForkedProcess:
         """Fork a child running ``argv`` (``can_run`` must hold); its output goes to the two paths."""
-        if not self.can_run(argv, env):
-            raise RuntimeError(f"the fork server cannot run {list(argv)[:3]} (refused: {self.refused})")
+        why = self.why_not(argv, env)
+        if why is not None:
+            raise RuntimeError(f"the fork server cannot run {list(argv)[:3]}: {why}")
         with self._cond:
             request_id = self._next_id
             self._next_id += 1
@@ -296,7 +327,7 @@ def _serve(preload: Sequence[str]) -> int:
         return 0
     # what the imports set (Inductor's cache folder), as a cold process would have it too
     added = {k: v for k, v in os.environ.items() if k not in before}
-    _send("ready " + json.dumps(import_time_env(before)))
+    _send("ready " + json.dumps({"fixed": fixed_env(before), "imports_set": added}))
     children: set[int] = set()
     pending = b""
     while True:

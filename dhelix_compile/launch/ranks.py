@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import random
 import signal
@@ -64,6 +65,9 @@ _POLL_S = 0.02
 _REAP_S = 10.0
 _STACK_DUMP_S = 1.0
 _STDERR_TAIL_CHARS = 2000
+#: Why ranks were started cold although a fork server was given, each logged once per process.
+_COLD_REASONS_LOGGED: set[str] = set()
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +147,13 @@ def _start_rank(
     forkserver: ForkServer | None,
 ) -> _Rank:
     # The ExitStack of the caller closes them once the ranks are reaped and their output read.
-    if forkserver is not None and not prefix and forkserver.can_run(argv, env):
+    why_cold = None
+    if forkserver is not None:
+        why_cold = "it runs in a network namespace" if prefix else forkserver.why_not(argv, env)
+        if why_cold is not None and why_cold not in _COLD_REASONS_LOGGED:
+            _COLD_REASONS_LOGGED.add(why_cold)
+            log.info("rank started cold, not forked: %s", why_cold)
+    if forkserver is not None and why_cold is None:
         named_out = files.enter_context(tempfile.NamedTemporaryFile())  # noqa: SIM115
         named_err = files.enter_context(tempfile.NamedTemporaryFile())  # noqa: SIM115
         child = forkserver.spawn(argv, env, cwd, named_out.name, named_err.name)
