@@ -34,7 +34,7 @@ def server(tmp_path: Path):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "forked_child.py").write_text(_CHILD)
     env = {**os.environ, "DHELIX_ONLY_IN_SERVER": "1"}
-    started = ForkServer(["json"], env=env)
+    started = ForkServer(["json", "a_module_that_is_not_installed"], env=env)  # the missing one is skipped
     yield started
     started.close()
 

@@ -3,7 +3,9 @@
 Contract
 --------
 ``ForkServer(preload)`` starts ``python -m dhelix_compile.launch.forkserver <modules>``: it
-imports ``preload`` once, then forks one child per ``spawn(argv, env, cwd, stdout, stderr)``.
+imports ``preload`` once (those installed: a module that is missing is skipped, one that fails
+to import stops the server, which then refuses), then forks one child per
+``spawn(argv, env, cwd, stdout, stderr)``.
 Each child runs ``argv`` (``[sys.executable, "-m", module, *args]``, the only form served) as
 ``python -m`` would, in a fresh session (its own process group, like ``start_new_session``),
 with ``env`` as its environment (plus what the server's imports set there and ``env`` lacks:
@@ -320,7 +322,11 @@ def _serve(preload: Sequence[str]) -> int:
         os.environ.setdefault(key, value)
     before = dict(os.environ)
     for module in preload:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as missing:  # an optional one (pytest without the dev extra)
+            if missing.name != module:
+                raise
     threads = _thread_count()
     if threads != 1:
         _send(f"refuse {threads} threads after importing {' '.join(preload)}")

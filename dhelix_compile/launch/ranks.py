@@ -32,8 +32,9 @@ at ``returncodes`` (and ``unfinished``: the ranks killed while still running).
 * ``stack_signal``: sent to every rank about to be killed while still running, ``_STACK_DUMP_S``
   before the kill (``run_on_ranks`` registers ``faulthandler`` on it to record where a rank hung).
 * ``forkserver``: on loopback, ranks that it can run (``launch.forkserver``: ``python -m``
-  commands, the same import-time environment) are forked from it instead of started cold; the
-  rest of this contract holds for them as for any rank.
+  commands whose environment is the server's but for the variables read after a rank starts)
+  are forked from it instead of started cold; the reason a rank starts cold is logged once. The
+  rest of this contract holds for forked ranks as for any rank.
 """
 
 from __future__ import annotations
