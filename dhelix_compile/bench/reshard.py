@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = None if args.rate == "none" else args.rate
     link = LinkSpec(rate=rate)
     where = f"4 ranks, every rank's link {rate} each way" if rate and can_rate_limit()[0] else "4 ranks on loopback"
-    per_rank = run_on_ranks(this._bench, 4, sizes, args.repeats, timeout_s=args.timeout_s, link=link)
+    per_rank = run_on_ranks(this._bench, 4, sizes, args.repeats, timeout_s=args.timeout_s, link=link, forked=False)
     print(f"reshard microbenchmarks: {where}, float32, {_COLUMNS} columns, median of {args.repeats}")
     print("| layout | MB | naive ms | per_tile ms | dhelix ms | naive MB | per_tile MB | dhelix MB | correct |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")

@@ -136,6 +136,7 @@ def run_on_ranks(
     pg_timeout_s: float | None = None,
     num_threads: int = 1,
     link: LinkSpec = _LOOPBACK,
+    forked: bool = True,
     **kwargs: Any,
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; see module doc.
@@ -150,6 +151,8 @@ def run_on_ranks(
         num_threads: ``torch.set_num_threads`` in each worker.
         link: where the ranks run (``launch.link``): loopback by default; a rate gives every rank
             a rate-limited link of its own (namespaces; loopback where they cannot be made).
+        forked: loopback ranks forked from the fork server (module docstring); False starts
+            them cold, as a user's processes start (the benchmarks' measurements do).
         kwargs: passed to ``fn``.
 
     Returns:
@@ -177,7 +180,7 @@ def run_on_ranks(
             failure_grace_s=grace_s,
             stack_signal=signal.SIGUSR1,
             raise_on_timeout=False,
-            forkserver=_forkserver(),
+            forkserver=_forkserver() if forked else None,
         )
         return _Outcome(launched, Path(workdir), timeout_s, grace_s).results()
 
