@@ -191,47 +191,24 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the RSS at once
     # the ranks start cold (forked=False), as a user's processes do, not forked from a server's heap
+    run = functools.partial(run_on_ranks, timeout_s=args.timeout_s, forked=False)
     if args.pipeline:
         from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
 
         kinds = [k for k in args.pipeline.split(",") if k]
         variants = [v for v in (args.variants or ",".join(PIPELINE_VARIANTS)).split(",") if v]
-        per_rank = run_on_ranks(
-            memory._pipeline_peaks,
-            args.ranks,
-            args.model,
-            args.microbatches,
-            kinds,
-            variants,
-            timeout_s=args.timeout_s,
-            forked=False,
-        )
+        per_rank = run(memory._pipeline_peaks, args.ranks, args.model, args.microbatches, kinds, variants)
         what = f"pipeline {', '.join(kinds)}"
     elif args.data_parallel:
         variants = [v for v in (args.variants or ",".join(DATA_PARALLEL_VARIANTS)).split(",") if v]
-        per_rank = run_on_ranks(
-            memory._data_parallel_peaks,
-            args.ranks,
-            args.model,
-            args.microbatches,
-            args.data_parallel,
-            variants,
-            timeout_s=args.timeout_s,
-            forked=False,
+        per_rank = run(
+            memory._data_parallel_peaks, args.ranks, args.model, args.microbatches, args.data_parallel, variants
         )
         per_rank = [{f"{args.data_parallel} {name}": peak for name, peak in rank.items()} for rank in per_rank]
         what = f"data-parallel {args.data_parallel} (torch: {'DDP' if args.data_parallel == 'replicate' else 'FSDP2'})"
     else:
         variants = [v for v in (args.variants or ",".join(MEMORY_VARIANTS)).split(",") if v]
-        per_rank = run_on_ranks(
-            memory._rank_peaks,
-            args.ranks,
-            args.model,
-            args.microbatches,
-            variants,
-            timeout_s=args.timeout_s,
-            forked=False,
-        )
+        per_rank = run(memory._rank_peaks, args.ranks, args.model, args.microbatches, variants)
         what = "TP+SP"
     peaks = {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
     print(
