@@ -122,14 +122,11 @@ class ForkServer:
     """The client side: starts the server process and asks it for children (module docstring)."""
 
     def __init__(self, preload: Sequence[str], env: Mapping[str, str] | None = None) -> None:
-        server_env = dict(os.environ if env is None else env)
-        for key, value in _RANK_DEFAULTS.items():
-            server_env.setdefault(key, value)
-        self._proc = subprocess.Popen(
+        self._proc = subprocess.Popen(  # the server sets _RANK_DEFAULTS itself, before its imports
             [sys.executable, "-m", __name__, *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=server_env,
+            env=dict(os.environ if env is None else env),
             start_new_session=True,
         )
         self._cond = threading.Condition()

@@ -54,7 +54,6 @@ from typing import Any, Literal, TypeVar
 
 from dhelix_compile.config import ranks_from_fork_server
 from dhelix_compile.launch import forkserver
-from dhelix_compile.launch.forkserver import ForkServer
 from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
 _LOOPBACK = LinkSpec(rate=None)
@@ -202,7 +201,7 @@ _PRELOAD = (
 )
 
 
-def _forkserver() -> ForkServer | None:
+def _forkserver() -> forkserver.ForkServer | None:
     """The process's fork server for ranks (``DHELIX_FORKSERVER=0``: every rank starts cold)."""
     return forkserver.shared(_PRELOAD) if ranks_from_fork_server() else None
 
