@@ -67,9 +67,10 @@ def test_ceiling_hides_each_collective_under_its_share_of_the_compute(monkeypatc
 
     compute_alone, overlapped = ceiling_steps(_FakeReplay(3, log), 0.040, agree, alone_s=[0.010, 0.030, 0.0])
     assert sorted(overlapped) == [1, 2]
-    # 20 matmuls from the lone one's 2 ms, agreed to 21; they took 21 ms, so 40 are needed, agreed to 41
-    assert agreed == [[20], [40]]
-    assert log == [("matmuls", 21)]  # the calibration loop; nothing else runs until a step is called
+    # 20 matmuls from the lone one's 2 ms, agreed to 21; they took 21 ms, so 40 are needed, agreed
+    # to 41; those took 41 ms, 40 again, agreed to 41: settled
+    assert agreed == [[20], [40], [40]]
+    assert log == [("matmuls", 21), ("matmuls", 41)]  # the calibration loops; nothing else runs until a step is called
     log.clear()
     overlapped[1]()
     assert log == [  # 41 matmuls in proportion to the collectives' times alone, one collective in flight
@@ -99,3 +100,35 @@ def test_ceiling_hides_each_collective_under_its_share_of_the_compute(monkeypatc
     log.clear()
     compute_alone()
     assert log == [("matmuls", 41)]  # the same compute, with no communication
+
+
+def test_ceiling_calibration_times_the_loop_again_until_the_count_settles(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, loops = [0.0], []
+
+    def run(self, count: int) -> None:  # 1 ms a matmul, but the first loop ran on a busy machine: 2 ms
+        clock[0] += count * (0.002 if not loops else 0.001)
+        loops.append(count)
+
+    monkeypatch.setattr(measure._Matmuls, "seconds_each", lambda self: 0.001)
+    monkeypatch.setattr(measure._Matmuls, "run", run)
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    compute_alone, _ = ceiling_steps(_FakeReplay(1, []), 0.100, lambda counts: counts, alone_s=[0.010])
+    # 100 from the lone matmul; the busy loop said 50; the next loop took 50 ms: 100; then settled
+    assert loops == [100, 50, 100]
+    loops.clear()
+    compute_alone()
+    assert loops == [100]
+
+
+def test_ceiling_calibration_stops_after_its_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, loops = [0.0], []
+
+    def run(self, count: int) -> None:  # a machine whose speed keeps changing: the count never settles
+        clock[0] += count * (0.001 if len(loops) % 2 else 0.002)
+        loops.append(count)
+
+    monkeypatch.setattr(measure._Matmuls, "seconds_each", lambda self: 0.001)
+    monkeypatch.setattr(measure._Matmuls, "run", run)
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    ceiling_steps(_FakeReplay(1, []), 0.100, lambda counts: counts, alone_s=[0.010])
+    assert len(loops) == measure.CALIBRATION_ROUNDS

@@ -190,9 +190,9 @@ def ceiling_steps(
     share show up here as they do in the step). One collective at a time pays each one's fixed
     cost in series, which a step of many small collectives (a data-parallel step's per-parameter
     gathers) does not have to; two at a time share the link between them. ``agree(counts)``: the
-    element-wise maximum over ranks, so every rank runs the same matmul counts (it is called
-    twice: the count from one matmul's time, then corrected by the loop's); every rank must call
-    this together. ``alone_s``: the collectives' times alone, if already known (then only the
+    element-wise maximum over ranks, so every rank runs the same matmul counts (called once
+    for the count from one matmul's time, then once per calibration loop: ``_calibrated_count``);
+    every rank must call this together. ``alone_s``: the collectives' times alone, if already known (then only the
     matmuls are timed). The matmuls are small enough to stay in cache, so if anything the
     ceiling is optimistic.
     """
@@ -200,12 +200,7 @@ def ceiling_steps(
         raise ValueError(f"in_flight must list depths >= 1, got {list(in_flight)}")
     alone = list(alone_s) if alone_s is not None else _times_alone(replay, samples)
     matmuls = _Matmuls()
-    # a first count from one matmul's time, then corrected by the loop's own time: a lone matmul
-    # timed while the other ranks do something else runs at another speed than a long loop of them
-    total = agree([max(round(compute_s / matmuls.seconds_each()), 1)])[0]
-    start = time.perf_counter()
-    matmuls.run(total)
-    total = agree([round(total * compute_s / (time.perf_counter() - start))])[0]
+    total = _calibrated_count(matmuls, compute_s, agree)
     counts = _shares(total, alone)
 
     def compute_alone() -> None:
@@ -222,6 +217,34 @@ def ceiling_steps(
             replay.wait(pending.popleft())
 
     return compute_alone, {depth: functools.partial(overlapped, depth) for depth in in_flight}
+
+
+#: ``_calibrated_count``: the loop is timed again until the count moves by at most this share ...
+CALIBRATION_TOLERANCE = 0.02
+#: ... or this many times
+CALIBRATION_ROUNDS = 4
+
+
+def _calibrated_count(matmuls: _Matmuls, compute_s: float, agree: Callable[[list[int]], list[int]]) -> int:
+    """How many of ``matmuls`` take ``compute_s``, the same count on every rank (``agree``).
+
+    A first count from one matmul's time, then corrected by the loop's own time, again until the
+    count settles (``CALIBRATION_TOLERANCE``, at most ``CALIBRATION_ROUNDS`` loops): a lone matmul
+    timed while the other ranks do something else runs at another speed than a long loop of them,
+    and one loop timed while the machine was still busy with something else (a rank writing its
+    profiles, a transfer's tail) counted 12% too few matmuls (the MoE layer's ceiling on
+    2026-11-26: 221 ms of matmuls for a 251 ms ``T_compute``).
+    """
+    total = agree([max(round(compute_s / matmuls.seconds_each()), 1)])[0]
+    for _ in range(CALIBRATION_ROUNDS):
+        start = time.perf_counter()
+        matmuls.run(total)
+        corrected = agree([max(round(total * compute_s / (time.perf_counter() - start)), 1)])[0]
+        settled = abs(corrected - total) <= CALIBRATION_TOLERANCE * total
+        total = corrected
+        if settled:
+            break
+    return total
 
 
 def _shares(count: int, weights: Sequence[float]) -> list[int]:
