@@ -137,6 +137,14 @@ class DHelixConfig:
         "Off by default: measured slower than those on the MLP block, and the model cannot yet "
         "tell them apart reliably (BENCHMARKS.md).",
     )
+    decompose_all_to_all_chains: bool = _option(
+        True,
+        "Rewrite an MoE layer's dispatch all-to-all -> experts -> combine all-to-all as one per-peer "
+        "pipeline: each peer's tokens go through the experts as they land and go straight back, "
+        "where that saves more than the two all-to-alls decomposed on their own (measured where the "
+        "candidates run, else predicted). A helix merged graph is also planned from strands without "
+        "it, and the faster is compiled.",
+    )
     decompose_min_gain_ratio: float = _option(
         0.02,
         "decompose='auto' rewrites a site only if its time (measured where the candidates run, else "
@@ -229,6 +237,10 @@ class DHelixConfig:
             )
         if not isinstance(self.decompose_chains, bool):
             raise ConfigError(f"dhelix option decompose_chains={self.decompose_chains!r}: expected True or False")
+        if not isinstance(self.decompose_all_to_all_chains, bool):
+            raise ConfigError(
+                f"dhelix option decompose_all_to_all_chains={self.decompose_all_to_all_chains!r}: expected True or False"
+            )
         _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)
         if self.decompose_min_gain_ratio >= 1.0:
             raise ConfigError(f"dhelix option decompose_min_gain_ratio={self.decompose_min_gain_ratio!r}: must be < 1")

@@ -13,7 +13,7 @@ from typing import Any
 
 from dhelix_compile.config import DHelixConfig
 from graph_passes.bucket_collectives import BucketOptions
-from graph_passes.decompose import CHAIN, DecomposeOptions
+from graph_passes.decompose import A2A_CHAIN, CHAIN, SINGLE_SITE_PATTERNS, DecomposeOptions
 from graph_passes.interleave import InterleaveOptions
 from graph_passes.reorder import ReorderOptions
 
@@ -50,11 +50,16 @@ FIELDS: dict[str, tuple[type, dict[str, str]]] = {
 }
 
 #: Options fields computed from config fields rather than copied: (pass, field) -> config fields read.
-DERIVED: dict[tuple[str, str], tuple[str, ...]] = {("decompose", "patterns"): ("decompose_chains",)}
+DERIVED: dict[tuple[str, str], tuple[str, ...]] = {
+    ("decompose", "patterns"): ("decompose_chains", "decompose_all_to_all_chains")
+}
 
 
 def _derived(config: DHelixConfig) -> dict[str, dict[str, Any]]:
-    return {"decompose": {"patterns": ((CHAIN,) if config.decompose_chains else ()) + DecomposeOptions.patterns}}
+    chains = ((CHAIN,) if config.decompose_chains else ()) + (
+        (A2A_CHAIN,) if config.decompose_all_to_all_chains else ()
+    )
+    return {"decompose": {"patterns": chains + SINGLE_SITE_PATTERNS}}
 
 
 def pass_options(config: DHelixConfig) -> dict[str, Any]:

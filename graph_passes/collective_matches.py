@@ -22,6 +22,8 @@ Reason codes (``<collective>: <why>``)::
     all_to_all: not fed by bmms          the input is not a bmm output or a sum of them (through regrouping)
     all_to_all: feeds no matmul          the output reaches no mm / addmm / bmm (through regrouping)
     chain: no feeding all-gather         no all-gather on the reduce-scatter's group feeds its matmuls
+    all_to_all chain: no feeding dispatch
+                                         no all-to-all on the combine's group feeds its bmms
 
 Patterns (aten IR as AOTAutograd hands it to dhelix)::
 
@@ -33,6 +35,8 @@ Patterns (aten IR as AOTAutograd hands it to dhelix)::
     BmmAllToAll              bmm ─[add ─ bmm ...]─[views, transposes, clones]─ all_to_all_single ─ wait
     AllGatherChain           AllGatherMatmul ─ ... compute ... ─ MatmulReduceScatter  (same group; the
                              scatter's matmuls descend from the gathered tensor: SP's MLP block)
+    AllToAllChain            AllToAllCompute ─ ... compute ... ─ BmmAllToAll  (same group; the combine's
+                             bmms descend from the dispatched tokens: an MoE layer's experts)
 
 ``all_gather_into_tensor`` always gathers along dim 0; a gather along dim ``d`` (sequence
 parallelism gathers the sequence dim) appears as the dim-0 gather followed by
@@ -152,6 +156,24 @@ class BmmAllToAll:
     issue: torch.fx.Node
     wait: torch.fx.Node
     group_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AllToAllChain:
+    """A dispatch all-to-all whose received tokens reach, through compute, the bmm(s) of a combine
+    all-to-all on the same group (an MoE layer's experts between the two). Whether every op
+    between them works row by row is the rewrite's check, not the finder's."""
+
+    dispatch: AllToAllCompute
+    combine: BmmAllToAll
+
+    @property
+    def issue(self) -> torch.fx.Node:
+        return self.dispatch.issue
+
+    @property
+    def group_name(self) -> str:
+        return self.dispatch.group_name
 
 
 def _count(skipped: Counter[str] | None, code: str) -> None:
@@ -479,6 +501,27 @@ def find_all_to_all_computes(graph: torch.fx.Graph, skipped: Counter[str] | None
     return matches
 
 
+def find_all_to_all_chains(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[AllToAllChain]:
+    """Each combine paired with the latest dispatch (same group, each used once) whose received
+    tokens its bmms descend from. The two finders' own skips are theirs to count."""
+    dispatches = find_all_to_all_computes(graph)
+    matches = []
+    for combine in find_bmm_all_to_alls(graph):
+        ancestors = _ancestors(combine.bmms)
+        paired = [
+            d
+            for d in dispatches
+            if d.group_name == combine.group_name and d.wait in ancestors and d.issue is not combine.issue
+        ]
+        if not paired:
+            _count(skipped, "all_to_all chain: no feeding dispatch")
+            continue
+        dispatch = paired[-1]
+        dispatches.remove(dispatch)
+        matches.append(AllToAllChain(dispatch, combine))
+    return matches
+
+
 def find_all(graph: torch.fx.Graph) -> tuple[dict[str, Sequence[object]], Counter[str]]:
     """Every pattern of this module, by name, and the skip reason codes."""
     skipped: Counter[str] = Counter()
@@ -489,5 +532,6 @@ def find_all(graph: torch.fx.Graph) -> tuple[dict[str, Sequence[object]], Counte
         "all_to_all_compute": find_all_to_all_computes(graph, skipped),
         "bmm_all_to_all": find_bmm_all_to_alls(graph, skipped),
         "all_gather_chain": find_all_gather_chains(graph, skipped),
+        "all_to_all_chain": find_all_to_all_chains(graph, skipped),
     }
     return found, skipped

@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from dhelix_compile.ops.exchange import P2P_EXCHANGE
 from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes.decompose import CHAIN, DecomposeOptions
-from graph_passes.decompose.chain import Rows, locate
+from graph_passes.decompose.row_region import Rows, locate
 from tests.test_collective_matches import _swiglu_backward_graph
 from tests.test_decompose import _decompose_stats, _ops, _p2p_peers, _run, _tp_sp, _traced, per_peer_sites
 

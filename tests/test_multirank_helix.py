@@ -11,6 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -209,3 +210,46 @@ def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path, dumps: boo
             merged["comm_order"],
         )
         assert merged["records"]["interleave"]["predicted_makespan_s"] == min(decomposed_s, undecomposed_s)
+
+
+def _moe_on_a_slow_link(rank: int, world_size: int, dump_dir: str) -> dict:
+    """The MoE model priced as H100s on a 100 MB/s link (analytic: the same plan every run), every
+    all-to-all decomposed, the chain preferred to its two single sites wherever it applies."""
+    from cost_model.hardware import Link, register_link
+    from dhelix_compile.testing.helix_checks import check_helix
+
+    register_link(Link("test_slow_link", 1e8, 1e-7, "a test link"), overwrite=True)
+    with mock.patch("graph_passes.decompose.selection.Selection.single_site_rivals", return_value=[]):
+        return check_helix(
+            rank,
+            world_size,
+            "moe",
+            2,
+            "float32",
+            codegen="eager",
+            fallback="error",
+            cost_model="analytic",
+            device="h100_sxm",
+            link="test_slow_link",
+            decompose="per_peer",
+            decompose_pieces=1,
+            dump_dir=dump_dir,
+        )
+
+
+def test_merged_graph_weighs_strands_without_the_all_to_all_chain(tmp_path: Path) -> None:
+    """A strand with an all-to-all chain is planned again without it (its two all-to-alls then
+    decomposed on their own), and the merged graph of those strands is a second candidate: the
+    lower is compiled, and helix still equals the eager loop."""
+    run_on_ranks(_moe_on_a_slow_link, 2, str(tmp_path), timeout_s=400)
+    for rank in range(2):
+        summaries = {
+            path.parent.name.rsplit("_", 1)[-1]: json.loads(path.read_text())
+            for path in (tmp_path / f"rank{rank}").glob("*/summary.json")
+        }
+        assert summaries["fwd"]["stats"]["decompose"].get("all_to_all_chain: per_peer") == 1, summaries["fwd"]["stats"]
+        merged = summaries["merged"]
+        candidates = merged["records"]["merge"]
+        times = [candidates["rewritten_strands_s"], candidates["unchained_strands_s"]]
+        assert all(0 < t < float("inf") for t in times), candidates
+        assert merged["records"]["interleave"]["predicted_makespan_s"] == min(times)

@@ -8,7 +8,7 @@ collectives, interleaved with the matmul on the blocks already there.
 
 Modules, in the order they build on each other (no module imports a later one)::
 
-    options              DecomposeOptions, the pattern names (CHAIN), MAX_PIECES / AUTO_PIECES
+    options              DecomposeOptions, the pattern names (CHAIN, A2A_CHAIN), MAX_PIECES / AUTO_PIECES
     emit                 Emitter: inserts nodes with meta["val"]; the exchange op by its name
     site                 the Site protocol every site implements, Variant, SkipSite and its codes,
                          transfer tags, the graph edits sites share (hoist, erase)
@@ -17,7 +17,9 @@ Modules, in the order they build on each other (no module imports a later one)::
     reduce_scatter_site  matmul(s) -> reduce-scatter
     all_reduce_site      matmul -> all-reduce
     all_to_all_sites     all-to-all -> bmm (dispatch) and bmm -> all-to-all (combine)
+    row_region           the row-wise compute between two collectives, emitted block by block
     chain                all-gather -> row-wise compute -> reduce-scatter as one pipeline
+    all_to_all_chain     dispatch all-to-all -> experts -> combine all-to-all as one pipeline
     selection            variants built, priced with cost_model.simulate, one chosen (or none)
     entry                decompose_pass: finds the sites (collective_matches), drives the
                          selection per site, commits, counts
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 from graph_passes.decompose.entry import decompose_pass
 from graph_passes.decompose.options import (
+    A2A_CHAIN,
     AUTO_PIECES,
     CHAIN,
+    DEFAULT_PATTERNS,
     MAX_PIECES,
     MODES,
     PASS,
@@ -41,8 +45,10 @@ from graph_passes.decompose.options import (
 from graph_passes.decompose.site import TAG_BASE, TAG_STRIDE
 
 __all__ = [
+    "A2A_CHAIN",
     "AUTO_PIECES",
     "CHAIN",
+    "DEFAULT_PATTERNS",
     "MAX_PIECES",
     "MODES",
     "PASS",

@@ -47,19 +47,16 @@ Contract
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.fx
 
-from graph_passes._torch_compat import OpOverload
 from graph_passes.collective_matches import AllGatherChain
 from graph_passes.decompose.all_gather_site import AllGatherSite
 from graph_passes.decompose.emit import Emitter, val
 from graph_passes.decompose.reduce_scatter_site import ReduceScatterSite
+from graph_passes.decompose.row_region import RowRegion, locate
 from graph_passes.decompose.site import (
     PerPeerOnly,
     Site,
@@ -71,39 +68,9 @@ from graph_passes.decompose.site import (
     per_peer_name,
     send_shard_pieces,
     transfer_tag,
-    ways,
 )
-from graph_passes.node_args import as_node
-from graph_passes.op_groups import MATMULS, RESHAPES
 
 aten = torch.ops.aten
-
-
-def _pointwise(node: torch.fx.Node) -> bool:
-    target = node.target
-    return target == aten._to_copy.default or (isinstance(target, OpOverload) and torch.Tag.pointwise in target.tags)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rows:
-    """Where the blocks sit in a region tensor viewed ``[before, K, rest]`` (``K`` blocks, the
-    same ``before`` for the whole region): inside dim ``dim``, of size ``outer * K * inner``;
-    a block has ``outer * inner`` there."""
-
-    dim: int
-    outer: int
-    inner: int
-
-
-def locate(shape: Sequence[int], before: int, blocks: int) -> Rows | None:
-    """The ``Rows`` of a tensor of ``shape`` viewed ``[before, blocks, rest]``; None when a dim
-    boundary cuts through a block (such a view mixes rows of different blocks)."""
-    prefix = 1
-    for t, size in enumerate(shape):
-        if before % prefix == 0 and (prefix * size) % (before * blocks) == 0:
-            return Rows(t, before // prefix, prefix * size // (before * blocks))
-        prefix *= size
-    return None
 
 
 class ChainSite(PerPeerOnly):
@@ -126,34 +93,36 @@ class ChainSite(PerPeerOnly):
         if math.prod(self.scatter.shape[: self.scatter.d]) != self.before:
             raise SkipSite("scatter dim differs", "the reduce-scatter splits another dim than the all-gather gathered")
         position = node_positions(graph)
-        self.region = self._region(position)
-        for node in self.region:
-            if not (node.target in RESHAPES or node.target in MATMULS or _pointwise(node)):
-                raise SkipSite("not row-wise", f"a {node.target} between the all-gather and the reduce-scatter")
-        self.sliced: set[torch.fx.Node] = set()  # outside tensors read block by block
-        for node in self.region:
-            self._check(node)
-        inside = {*self.region, gather.gathered}
+        self.region = RowRegion(graph, gather.gathered, self.scatter.matmuls, self.before, self.n, position)
+        inside = {*self.region.nodes, gather.gathered}
         self.outputs = [
             node
-            for node in [gather.gathered, *self.region]
+            for node in [gather.gathered, *self.region.nodes]
             if any(u not in inside and u not in self.scatter.old_nodes for u in node.users)
         ]
         first_users = [u for node in self.outputs for u in node.users if u not in inside]
-        self.anchor = min([*self.own, *first_users], key=position.__getitem__)
+        self.anchor = min([*self.region.own, *first_users], key=position.__getitem__)
         self.hoist: list[torch.fx.Node] = []
-        for node in self.region:
+        for node in self.region.nodes:
             for arg in node.all_input_nodes:
-                if arg not in inside and arg not in self.sliced:
+                if arg not in inside and arg not in self.region.sliced:
                     late_operands(arg, self.anchor, position, self.hoist)
-        for leaf in self.sliced:
+        for leaf in self.region.sliced:
             if position[leaf] >= position[self.anchor]:
                 raise SkipSite(
                     "late operand", f"{leaf.name} ({leaf.target}), read row by row, is computed after the chain starts"
                 )
         chunkers = [u for u in gather.wait.users] if gather.gathered is not gather.wait else []
         getitems = [g for c in chunkers for g in c.users]
-        old = {gather.issue, gather.wait, *chunkers, *getitems, gather.gathered, *self.region, *self.scatter.old_nodes}
+        old = {
+            gather.issue,
+            gather.wait,
+            *chunkers,
+            *getitems,
+            gather.gathered,
+            *self.region.nodes,
+            *self.scatter.old_nodes,
+        }
         self.old_nodes = sorted(old, key=position.__getitem__)
 
     def single_sites(self) -> list[tuple[str, Site]]:
@@ -164,129 +133,7 @@ class ChainSite(PerPeerOnly):
             sites.insert(0, ("all_gather_matmul", AllGatherSite(self.m.gather, self.graph)))
         return sites
 
-    # ------------------------------------------------------------------ analysis
-
-    def _region(self, position: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
-        """Descendants of the gathered tensor that feed the scatter's matmuls (``self.own``),
-        then the pointwise ops and views only they read (to a fixpoint), in graph order."""
-        gathered = self.m.gather.gathered
-        matmuls = self.scatter.matmuls
-        below = {gathered}
-        for node in list(self.graph.nodes)[position[gathered] + 1 :]:
-            if any(a in below for a in node.all_input_nodes):
-                below.add(node)
-        if not all(mm in below for mm in matmuls):
-            raise SkipSite("matmuls not all fed", "the reduce-scatter's matmuls do not all read the gathered rows")
-        above: set[torch.fx.Node] = set()
-        stack = list(matmuls)
-        while stack:
-            node = stack.pop()
-            if node not in above and node in below:
-                above.add(node)
-                stack.extend(node.all_input_nodes)
-        self.own = above - {gathered}
-        region = set(self.own)
-        grew = True
-        while grew:  # pull in recomputed activations: pointwise ops and views read only by the region
-            grew = False
-            for node in list(region):
-                for arg in node.all_input_nodes:
-                    if arg not in region and arg is not gathered and self._pullable(arg, node, region):
-                        region.add(arg)
-                        grew = True
-        return sorted(region, key=position.__getitem__)
-
-    def _pullable(self, arg: torch.fx.Node, reader: torch.fx.Node, region: set[torch.fx.Node]) -> bool:
-        """Whether ``arg`` (outside the region) can be computed block by block inside it: a
-        pointwise op or view, read only by the region, with whole blocks, read by a view, or
-        elementwise (same shape) by a pointwise op."""
-        if arg.op != "call_function" or not (_pointwise(arg) or arg.target in RESHAPES):
-            return False
-        if not all(u in region for u in arg.users) or locate(val(arg).shape, self.before, self.n) is None:
-            return False
-        return reader.target in RESHAPES or (_pointwise(reader) and val(arg).shape == val(reader).shape)
-
-    def _rows(self, node: torch.fx.Node, blocks: int) -> Rows:
-        rows = locate(list(val(node).shape), self.before, blocks)
-        if rows is None:
-            raise SkipSite(
-                "unsupported layout", f"a {node.target} cuts through the blocks of {ways(self.n, blocks // self.n)}"
-            )
-        return rows
-
-    def _inside(self, arg: Any) -> bool:
-        return isinstance(arg, torch.fx.Node) and (arg in self.region or arg is self.m.gather.gathered)
-
-    def _operand(self, node: torch.fx.Node, arg: Any, what: str) -> None:
-        """An operand from outside the region: read block by block when it has the op's shape,
-        else it must be broadcast along the blocks' dim."""
-        if not isinstance(arg, torch.fx.Node) or self._inside(arg) or not isinstance(val(arg), torch.Tensor):
-            return
-        shape, out = list(val(arg).shape), list(val(node).shape)
-        if shape == out:
-            self.sliced.add(arg)
-            return
-        at = self._rows(node, self.n).dim - (len(out) - len(shape))  # the blocks' dim, right-aligned
-        if at >= 0 and shape[at] != 1:
-            raise SkipSite(
-                "not row-wise", f"{what} of a {node.target} is neither broadcast along the rows nor row by row"
-            )
-
-    def _check(self, node: torch.fx.Node) -> None:
-        """``node``'s operands fit block-by-block compute (``SkipSite`` otherwise)."""
-        rows = self._rows(node, self.n)
-        if node.target in RESHAPES:
-            if not self._inside(node.args[0]):
-                self.sliced.add(as_node(node.args[0]))
-        elif node.target in MATMULS:
-            row = node.args[0] if node.target == aten.mm.default else node.args[1]
-            weight = node.args[1] if node.target == aten.mm.default else node.args[2]
-            if not self._inside(row) or self._inside(weight):
-                raise SkipSite("not row-wise", f"the gathered rows reach the other operand of {node.name}")
-            if rows.dim != 0:
-                raise SkipSite("not row-wise", f"the gathered dim is not in the rows of {node.name}")
-            if node.target == aten.addmm.default:
-                self._operand(node, node.args[0], "the bias")
-        else:  # pointwise
-            for arg in [*node.args, *node.kwargs.values()]:
-                if self._inside(arg) and list(val(arg).shape) != list(val(node).shape):
-                    raise SkipSite("not row-wise", f"a {node.target} broadcasts a tensor with the gathered rows")
-                self._operand(node, arg, "an operand")
-
     # ------------------------------------------------------------------ emission
-
-    def _block_shape(self, node: torch.fx.Node, blocks: int) -> list[int]:
-        shape, rows = list(val(node).shape), self._rows(node, blocks)
-        shape[rows.dim] = rows.outer * rows.inner
-        return shape
-
-    def _slice(self, e: Emitter, node: torch.fx.Node, b: int, blocks: int) -> torch.fx.Node:
-        """Block ``b`` of ``blocks`` of an outside tensor, contiguous."""
-        shape = self._block_shape(node, blocks)  # SkipSite when the blocks do not fit its shape
-        part = e.slice(e.view(node, [self.before, blocks, -1]), 1, b, b + 1, contiguous=True)
-        return e.view(part, shape)
-
-    def _cat(self, e: Emitter, node: torch.fx.Node, parts: Sequence[torch.fx.Node]) -> torch.fx.Node:
-        """``node``'s full tensor from its blocks (in block order)."""
-        return e.view(e.cat([e.view(p, [self.before, 1, -1]) for p in parts], 1), list(val(node).shape))
-
-    def _chain(self, e: Emitter, rows: torch.fx.Node, b: int, blocks: int) -> dict[torch.fx.Node, torch.fx.Node]:
-        """The region on block ``b`` of ``blocks``, from the gathered tensor's block ``rows``: old node -> new."""
-        env: dict[torch.fx.Node, torch.fx.Node] = {self.m.gather.gathered: rows}
-
-        def arg(a: Any) -> Any:
-            if isinstance(a, torch.fx.Node) and a not in env and a in self.sliced:
-                env[a] = self._slice(e, a, b, blocks)
-            return env.get(a, a) if isinstance(a, torch.fx.Node) else a
-
-        for node in self.region:
-            if node.target in RESHAPES:
-                env[node] = e.view(arg(node.args[0]), self._block_shape(node, blocks))
-            else:
-                args = torch.fx.node.map_aggregate(node.args, arg)
-                kwargs = torch.fx.node.map_aggregate(dict(node.kwargs), arg)
-                env[node] = e.call(node.target, *args, **kwargs)
-        return env
 
     def _partial(self, e: Emitter, env: dict[torch.fx.Node, torch.fx.Node], blocks: int) -> torch.fx.Node:
         """The reduce-scatter's summand on one block, in its (scatter) layout."""
@@ -316,7 +163,9 @@ class ChainSite(PerPeerOnly):
         flights = issue(1)
         for p in range(pieces):
             b = rank * pieces + p
-            envs[b] = self._chain(e, e.slice(gather.shard, d, p * size, (p + 1) * size, contiguous=True), b, blocks)
+            envs[b] = self.region.chain(
+                e, e.slice(gather.shard, d, p * size, (p + 1) * size, contiguous=True), b, blocks
+            )
         sent: list[list[torch.fx.Node]] = []
         for step in range(1, n):
             peer = (rank + step) % n
@@ -326,7 +175,7 @@ class ChainSite(PerPeerOnly):
                 if p == pieces - 1 and step + 1 < n:
                     flights = issue(step + 1)
                 b = peer * pieces + p
-                envs[b] = self._chain(e, rows, b, blocks)
+                envs[b] = self.region.chain(e, rows, b, blocks)
                 tag_j = transfer_tag(tag, (n - 1 + step - 1) * pieces + p)
                 sent_now.append(
                     e.exchange(self._partial(e, envs[b], blocks), peer, (rank - step) % n, tag_j, gather.group_name)
@@ -340,7 +189,7 @@ class ChainSite(PerPeerOnly):
             total = e.call(aten.div.Tensor, total, n)
         replace = [(self.m.scatter.wait, total)]
         for node in self.outputs:
-            replace.append((node, self._cat(e, node, [envs[b][node] for b in range(blocks)])))
+            replace.append((node, self.region.cat(e, node, [envs[b][node] for b in range(blocks)])))
         return Variant(per_peer_name(pieces), e, replace)
 
     def commit(self, variant: Variant) -> None:

@@ -36,12 +36,15 @@ is in ``ctx.notes["decompose"][code]``)::
     <pattern>: skipped: no variant applies
     <pattern>: <family> skipped: <SkipCode>   one family (per_peer, chunked) does not apply
     <pattern>: kept: no gain              mode "auto": no variant beats the original by min_gain_ratio
-    all_gather_chain: left to the single sites   the graph predicts less with the two sites
+    <chain>: left to the single sites     (all_gather_chain, all_to_all_chain) the two sites save
+                                          more, as measured where every candidate was run, else
+                                          the graph predicts less with them
     not matched: <finder code>            a collective no pattern matched (``collective_matches``)
 
 ``ctx.records["decompose"]``: ``<site>_original_s``, ``<site>_<variant>_s`` (predicted),
 ``<site>_original_measured_s``, ``<site>_<variant>_measured_s`` (run on the live group, where
 there was a choice and the estimator measures), ``<site>_chosen_s``,
+``<site>_chain_saved_measured_s`` / ``<site>_sites_saved_measured_s`` or, unmeasured,
 ``<site>_graph_chain_s`` / ``<site>_graph_single_sites_s`` (chains), ``predicted_saved_s`` and
 ``sites_rewritten``; ``<site>`` is the pattern and the site's index (``all_gather_matmul0``).
 """
@@ -65,6 +68,7 @@ from graph_passes.collective_matches import (
     MatmulReduceScatter,
     find_all_gather_chains,
     find_all_gather_matmuls,
+    find_all_to_all_chains,
     find_all_to_all_computes,
     find_bmm_all_to_alls,
     find_matmul_all_reduces,
@@ -73,9 +77,10 @@ from graph_passes.collective_matches import (
 from graph_passes.context import PassContext
 from graph_passes.decompose.all_gather_site import AllGatherSite
 from graph_passes.decompose.all_reduce_site import AllReduceSite
+from graph_passes.decompose.all_to_all_chain import AllToAllChainSite
 from graph_passes.decompose.all_to_all_sites import AllToAllSite, BmmAllToAllSite
 from graph_passes.decompose.chain import ChainSite
-from graph_passes.decompose.options import CHAIN, PASS, DecomposeOptions
+from graph_passes.decompose.options import A2A_CHAIN, CHAIN, PASS, DecomposeOptions
 from graph_passes.decompose.reduce_scatter_site import ReduceScatterSite
 from graph_passes.decompose.selection import Selection
 from graph_passes.decompose.site import TAG_BASE, TAG_STRIDE, Site, SkipSite, discard_all_but
@@ -104,6 +109,7 @@ class _Decomposer:
         graph = self.graph
         kinds = (  # pattern, its finder, its site (given the match and the group size)
             (CHAIN, find_all_gather_chains, lambda m, n: ChainSite(m, graph)),
+            (A2A_CHAIN, find_all_to_all_chains, lambda m, n: AllToAllChainSite(m, graph, n)),
             ("all_gather_matmul", find_all_gather_matmuls, lambda m, n: AllGatherSite(m, graph)),
             ("matmul_reduce_scatter", find_matmul_reduce_scatters, lambda m, n: ReduceScatterSite(m, graph)),
             ("matmul_all_reduce", find_matmul_all_reduces, lambda m, n: AllReduceSite(m, graph, n)),
@@ -149,7 +155,7 @@ class _Decomposer:
         selection = self.selection
         # a chain competes with its two collectives decomposed on their own (built first, on the
         # graph as it is)
-        chain = site if label == CHAIN and isinstance(site, ChainSite) and selection.estimator is not None else None
+        chain = site if isinstance(site, (ChainSite, AllToAllChainSite)) and selection.estimator is not None else None
         rivals = selection.single_site_rivals(chain, group_name, strand) if chain is not None else []
 
         def variant_skipped(family: str, why: SkipSite) -> None:
@@ -159,8 +165,8 @@ class _Decomposer:
             site, group_name, TAG_BASE + index * TAG_STRIDE, strand, variant_skipped
         )
         if not variants:
-            for rival, _ in rivals:
-                rival.discard()
+            for rival in rivals:
+                rival.variant.discard()
             self.ctx.count(PASS, f"{label}: skipped: no variant applies")
             return
         self.ctx.record(
@@ -178,15 +184,27 @@ class _Decomposer:
         if measured:
             detail += f" (measured: {', '.join(f'{candidate} {t:.4g} s' for candidate, t in measured.items())})"
         if chain is not None and best is not None and rivals:
-            chain_s, sites_s = selection.chain_and_single_sites_s(best, chain, variants, rivals)
-            self.ctx.record(PASS, **{f"{name}_graph_chain_s": chain_s, f"{name}_graph_single_sites_s": sites_s})
-            if sites_s <= chain_s:
-                best, why_not = None, "left to the single sites"
-                detail = (
-                    f"{name}: the graph predicts {sites_s:.4g} s with the single sites, {chain_s:.4g} s with the chain"
+            chain_saved, sites_saved = selection.chain_and_single_sites_saved_measured_s(
+                best, original_measured_s, rivals
+            )
+            if not math.isnan(chain_saved):  # measured: what each saves on its own originals
+                self.ctx.record(
+                    PASS,
+                    **{f"{name}_chain_saved_measured_s": chain_saved, f"{name}_sites_saved_measured_s": sites_saved},
                 )
-        for rival, _ in rivals:
-            rival.discard()
+                if sites_saved >= chain_saved:
+                    best, why_not = None, "left to the single sites"
+                    detail = (
+                        f"{name}: measured, the single sites save {sites_saved:.4g} s, the chain {chain_saved:.4g} s"
+                    )
+            else:
+                chain_s, sites_s = selection.chain_and_single_sites_s(best, chain, variants, rivals)
+                self.ctx.record(PASS, **{f"{name}_graph_chain_s": chain_s, f"{name}_graph_single_sites_s": sites_s})
+                if sites_s <= chain_s:
+                    best, why_not = None, "left to the single sites"
+                    detail = f"{name}: the graph predicts {sites_s:.4g} s with the single sites, {chain_s:.4g} s with the chain"
+        for rival in rivals:
+            rival.variant.discard()
         discard_all_but(variants, best)
         if best is None:
             self.ctx.explain(PASS, f"{label}: {why_not}", detail)

@@ -15,6 +15,8 @@ from typing import Literal
 PASS = "decompose"
 #: The cross-site pattern (``chain``), opt-in.
 CHAIN = "all_gather_chain"
+#: Expert parallelism's cross-site pattern (``all_to_all_chain``), on by default.
+A2A_CHAIN = "all_to_all_chain"
 #: The single-site patterns, in the order the pass tries them (after ``CHAIN`` when enabled).
 SINGLE_SITE_PATTERNS: tuple[str, ...] = (
     "all_gather_matmul",
@@ -23,6 +25,8 @@ SINGLE_SITE_PATTERNS: tuple[str, ...] = (
     "all_to_all_compute",
     "bmm_all_to_all",
 )
+#: The patterns the pass tries by default, in order.
+DEFAULT_PATTERNS: tuple[str, ...] = (A2A_CHAIN, *SINGLE_SITE_PATTERNS)
 Mode = Literal["auto", "per_peer", "chunked", "off"]
 MODES: tuple[str, ...] = ("auto", "per_peer", "chunked", "off")
 
@@ -61,8 +65,10 @@ class DecomposeOptions:
     (``DHelixConfig.decompose_pieces``); this dataclass keeps 1, what the pass does unmeasured."""
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
-    patterns: tuple[str, ...] = SINGLE_SITE_PATTERNS
-    """Which patterns may be rewritten. Add ``CHAIN`` (an all-gather and a reduce-scatter with
+    patterns: tuple[str, ...] = DEFAULT_PATTERNS
+    """Which patterns may be rewritten. ``A2A_CHAIN`` (an MoE layer's dispatch, experts and
+    combine as one pipeline, ``all_to_all_chain``) is tried before the single sites and priced
+    against them. Add ``CHAIN`` (an all-gather and a reduce-scatter with
     row-wise compute between them as one pipeline, ``chain``; tried before the single
     sites, whose two collectives stay sites of their own when it is not rewritten). Not by
     default: measured slower than the two sites in pieces on the MLP block, and the whole-graph

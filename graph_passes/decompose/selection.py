@@ -30,19 +30,23 @@ Choice (by measured times where every candidate has one, else by predicted times
     forced mode                        the variant with the least time (first of equals)
     auto                               that variant only if its time < original's x (1 - min_gain_ratio)
 
-A chain (``chain.ChainSite``) competes with its two collectives decomposed on their own: each
-single site at the variant ``choose`` picks for it (``single_site_rivals``, emitted, not
-committed), then the whole graph in its current order is simulated once with the chain's best
-variant and once with the single sites' (every other emitted node left out, readers of a
-replaced node counted as reading a ready input). The chain is rewritten only if it predicts
-less; otherwise the single-site patterns rewrite the two collectives later, on their own.
+A chain (``chain.ChainSite``, ``all_to_all_chain.AllToAllChainSite``) competes with its two
+collectives decomposed on their own: each single site at the variant ``choose`` picks for it
+(``single_site_rivals``, emitted, not committed). Where the chain's variant, its original and
+each single site's variant and original were all run, the chain is rewritten only if it saves
+more on its original than the two sites save on theirs, together
+(``chain_and_single_sites_saved_measured_s``). Otherwise the whole graph in its current order is
+simulated once with the chain's best variant and once with the single sites' (every other
+emitted node left out, readers of a replaced node counted as reading a ready input), and the
+chain is rewritten only if it predicts less. When it is not, the single-site patterns rewrite
+the two collectives later, on their own.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.fx
 
@@ -50,13 +54,25 @@ from cost_model.comm_nodes import resolve_group_rank
 from cost_model.estimator import MemoizedEstimator
 from cost_model.simulator import simulate
 from graph_passes.context import PassContext
+from graph_passes.decompose.all_to_all_chain import AllToAllChainSite
 from graph_passes.decompose.chain import ChainSite
 from graph_passes.decompose.emit import Emitter
 from graph_passes.decompose.options import AUTO_PIECES, DecomposeOptions
 from graph_passes.decompose.site import TAG_BASE, Site, SkipSite, Variant, discard_all_but
 
-#: A single site's chosen variant, emitted, and the nodes it would replace.
-Rival = tuple[Variant, Sequence[torch.fx.Node]]
+#: A variant, emitted, and the nodes it would replace.
+Replacement = tuple[Variant, Sequence[torch.fx.Node]]
+
+
+class Rival(NamedTuple):
+    """A chain's single site at its chosen variant, emitted, and the nodes it would replace."""
+
+    variant: Variant
+    old_nodes: Sequence[torch.fx.Node]
+    saved_measured_s: float
+    """The site's original measured time minus the variant's (NaN when either was not measured)."""
+
+
 #: Told each variant family that does not apply: ``(family, why)``.
 OnSkip = Callable[[str, SkipSite], None]
 
@@ -152,7 +168,9 @@ class Selection:
             return best
         return None
 
-    def single_site_rivals(self, chain: ChainSite, group_name: str, strand: int | None) -> list[Rival]:
+    def single_site_rivals(
+        self, chain: ChainSite | AllToAllChainSite, group_name: str, strand: int | None
+    ) -> list[Rival]:
         """The chain's all-gather and reduce-scatter as single sites, each at the variant
         ``choose`` picks (none when it keeps the original), with the nodes it would replace:
         emitted, not committed (the caller discards them; if the chain loses, the single-site
@@ -163,18 +181,32 @@ class Selection:
             best = self.choose(variants, original_s, original_measured_s) if variants else None
             discard_all_but(variants, best)
             if best is not None:
-                rivals.append((best, site.old_nodes))
+                rivals.append(Rival(best, site.old_nodes, original_measured_s - best.measured_s))
         return rivals
 
     def chain_and_single_sites_s(
-        self, best: Variant, chain: ChainSite, variants: Sequence[Variant], rivals: Sequence[Rival]
+        self, best: Variant, chain: ChainSite | AllToAllChainSite, variants: Sequence[Variant], rivals: Sequence[Rival]
     ) -> tuple[float, float]:
         """The whole graph's predicted makespan with the chain's ``best`` variant, and with the
         single sites' ``rivals`` instead (every other emitted variant left out of both)."""
-        emitted = {n for v in [*variants, *(r for r, _ in rivals)] for n in v.emitter.nodes}
-        return self._graph_s([(best, chain.old_nodes)], emitted), self._graph_s(rivals, emitted)
+        emitted = {n for v in [*variants, *(r.variant for r in rivals)] for n in v.emitter.nodes}
+        sites = [(r.variant, r.old_nodes) for r in rivals]
+        return self._graph_s([(best, chain.old_nodes)], emitted), self._graph_s(sites, emitted)
 
-    def _graph_s(self, chosen: Sequence[Rival], emitted: set[torch.fx.Node]) -> float:
+    @staticmethod
+    def chain_and_single_sites_saved_measured_s(
+        best: Variant, original_measured_s: float, rivals: Sequence[Rival]
+    ) -> tuple[float, float]:
+        """The time the chain's ``best`` variant saves on the chain's original, as measured, and
+        the time its single sites' ``rivals`` save together (each on its own original, as
+        measured); NaN for both unless every one of them was measured."""
+        chain_saved = original_measured_s - best.measured_s
+        sites_saved = sum(r.saved_measured_s for r in rivals)
+        if math.isnan(chain_saved) or math.isnan(sites_saved):
+            return math.nan, math.nan
+        return chain_saved, sites_saved
+
+    def _graph_s(self, chosen: Sequence[Replacement], emitted: set[torch.fx.Node]) -> float:
         """The whole graph's predicted makespan in its current order with each ``chosen`` variant
         in place of the nodes it replaces, and every other ``emitted`` (uncommitted) node left out.
         Nodes after a rewrite that read a replaced node count as reading a ready input."""
