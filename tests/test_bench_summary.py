@@ -50,6 +50,7 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
         {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110, 0.1155)},
         ceiling={
             "step_s_median": 0.105,
+            "step_s_measured": 0.107,
             "in_flight": 2,
             "step_s_by_in_flight": {1: 0.112, 2: 0.105},
             "t_compute_s": 0.095,
@@ -116,6 +117,22 @@ def test_the_ceiling_is_the_faster_of_one_and_two_collectives_in_flight() -> Non
     assert ceiling["cpu_s_median"] == 0.1 and ceiling["t_compute_s"] == 0.095
     assert ceiling["hidden_share"] == pytest.approx(hidden_share(0.110, 0.095, 0.050))
     assert ceiling_row(None, 0.050) is None
+
+
+def test_the_ceiling_is_corrected_by_its_matmuls_distance_from_t_compute_repeat_by_repeat() -> None:
+    measured = {
+        "compute_s": [0.110, 0.100, 0.120],  # the matmuls ran 10-30 ms long against a 90 ms T_compute
+        "in_flight": {
+            "1": {"step_s": [0.140, 0.125, 0.160], "cpu_s": [0.1, 0.1, 0.1]},
+            "2": {"step_s": [0.150, 0.150, 0.150], "cpu_s": [0.1, 0.1, 0.1]},
+        },
+    }
+    ceiling = ceiling_row(measured, t_comm=0.050, t_compute=0.090)
+    assert ceiling is not None
+    # one in flight: 140 - 20, 125 - 10, 160 - 30 -> median 120; two: 130, 140, 120 -> 130
+    assert ceiling["step_s_by_in_flight"] == pytest.approx({1: 0.120, 2: 0.130})
+    assert (ceiling["in_flight"], ceiling["step_s_measured"]) == (1, 0.140)
+    assert ceiling["hidden_share"] == pytest.approx(hidden_share(0.120, 0.090, 0.050))
 
 
 def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:

@@ -702,10 +702,12 @@ def test_moe_reference_model_with_per_peer_all_to_alls(world_size: int, codegen:
     """Expert parallelism: the all-to-alls feeding the experts' bmm (the forward's dispatch, the
     backward's gradient of the combine) and those sending a bmm's output (the forward's combine,
     the backward's gradient of the dispatch) rewritten per peer, results as the single-process
-    reference."""
+    reference. A dispatch and its combine may go as one chain instead (``all_to_all_chain``), as
+    measured times choose."""
     for stats in run_on_ranks(_tp_sp, world_size, "per_peer", codegen, "moe", timeout_s=540):
-        assert per_peer_sites(stats, "all_to_all_compute") >= 2, stats
-        assert per_peer_sites(stats, "bmm_all_to_all") >= 2, stats
+        chains = per_peer_sites(stats, "all_to_all_chain")
+        assert chains + per_peer_sites(stats, "all_to_all_compute") >= 2, stats
+        assert chains + per_peer_sites(stats, "bmm_all_to_all") >= 2, stats
 
 
 @pytest.mark.multirank

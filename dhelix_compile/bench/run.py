@@ -166,22 +166,39 @@ def _compile_times(link_run: dict[str, Any], name: str) -> dict[str, float | Non
     }
 
 
-def ceiling_row(measured: dict[str, Any] | None, t_comm: float) -> dict[str, Any] | None:
+def ceiling_row(
+    measured: dict[str, Any] | None, t_comm: float, t_compute: float | None = None
+) -> dict[str, Any] | None:
     """The ceiling row: of the replays with one and with two collectives in flight, the faster
-    median (``in_flight`` says which; ``step_s_by_in_flight`` keeps both)."""
+    median (``in_flight`` says which; ``step_s_by_in_flight`` keeps both).
+
+    With ``t_compute`` (the top-level ``T_compute``), each repeat's step is corrected by how far
+    its matmuls alone (``compute_s``, timed in the same repeat) were from it: the matmuls are
+    calibrated to ``T_compute``, but their speed drifts within a run (``small``, 2026-11-26:
+    378.7 ms of matmuls for a 327.4 ms ``T_compute``), and a ceiling with more compute than the
+    step's would flatter every variant. ``step_s_measured`` keeps the uncorrected median; the
+    hidden share is then against ``t_compute``."""
     if not measured:
         return None
     by_depth = {int(depth): times for depth, times in measured["in_flight"].items()}
-    medians = {depth: statistics.median(times["step_s"]) for depth, times in by_depth.items()}
+    compute = measured["compute_s"]
+
+    def corrected(steps: list[float]) -> list[float]:
+        if t_compute is None:
+            return steps
+        return [step - (own - t_compute) for step, own in zip(steps, compute, strict=True)]
+
+    medians = {depth: statistics.median(corrected(times["step_s"])) for depth, times in by_depth.items()}
     depth = min(medians, key=lambda d: (medians[d], d))
-    own = statistics.median(measured["compute_s"])
+    own = statistics.median(compute)
     return {
         "step_s_median": medians[depth],
+        "step_s_measured": statistics.median(by_depth[depth]["step_s"]),
         "in_flight": depth,
         "step_s_by_in_flight": medians,
         "t_compute_s": own,
         **_cpu_and_idle(medians[depth], by_depth[depth]["cpu_s"]),
-        "hidden_share": hidden_share(medians[depth], own, t_comm),
+        "hidden_share": hidden_share(medians[depth], own if t_compute is None else t_compute, t_comm),
     }
 
 
@@ -208,7 +225,7 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
             **_compile_times(link_run, name),
         }
     comm_cpu = link_run.get("t_comm_cpu_s")
-    ceiling = ceiling_row(link_run.get("ceiling"), t_comm)
+    ceiling = ceiling_row(link_run.get("ceiling"), t_comm, t_compute)
     return {
         "link": link,
         "model": link_run["model"],
@@ -306,7 +323,9 @@ def markdown(summary: dict[str, Any]) -> str:
             "(its own T_compute: those matmuls alone), one or two in flight at a time, whichever was faster "
             f"(here {ceiling['in_flight']}: "
             + ", ".join(f"{d} in flight {format_ms(t)} ms" for d, t in sorted(ceiling["step_s_by_in_flight"].items()))
-            + ") -- the most this machine hides of this communication."
+            + ") -- the most this machine hides of this communication. Each repeat's ceiling step is corrected "
+            "by its matmuls' time alone minus T_compute, measured in the same repeat "
+            f"(uncorrected: {format_ms(ceiling['step_s_measured'])} ms)."
         )
     predicted = {n: v for n, v in summary["variants"].items() if v.get("predicted_step_s")}
     if predicted:

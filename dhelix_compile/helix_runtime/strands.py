@@ -67,9 +67,10 @@ _T = TypeVar("_T")
 
 #: ``ctx.records`` group of a merged graph whose strands were rewritten by a pass's own choice
 #: (decomposed, or bucketed): the predicted makespans of M from the strands as scheduled
-#: (``rewritten_strands_s``) and from the strands without those passes (``plain_strands_s``),
-#: and where both were run on the live group their measured times (``*_measured_s``); the lower
-#: (measured where there is one) was compiled.
+#: (``rewritten_strands_s``), from the strands without those passes (``plain_strands_s``) and
+#: from the strands without all-to-all chains (``unchained_strands_s``), those that were
+#: candidates; where every candidate was run on the live group, their measured times
+#: (``<label>_strands_measured_s``). The lowest (measured where measured) was compiled.
 MERGE_RECORDS = "merge"
 
 #: Passes that rewrite a strand by their own choice for the strand running alone, weighed again
@@ -188,10 +189,12 @@ def _compile_merged(
 
     Decomposition and bucketing were decided for F and B each running alone. When either
     rewrote one of them (``_CHOSEN_REWRITES``), M is also planned from the plain strands (those
-    passes off), and the faster merged graph is compiled: measured, both run on the live group,
-    where the estimator measures (``cost_model="profile"``), else by the lower predicted makespan
-    (MoE layer: the strands with the all-to-all chain predicted 102 ms, 13% more than plain,
-    and the forward alone predicted 58 ms against 40 measured). In a merged
+    passes off); when either holds an all-to-all chain, also from the strands planned again
+    without chains (their all-to-alls decomposed on their own). The fastest merged graph is
+    compiled: measured, every candidate run on the live group, where the estimator measures
+    (``cost_model="profile"``), else by the lowest predicted makespan. On the MoE layer the
+    chain makes the forward alone 15% faster, but the merged graph with it measured 88 ms
+    against 78 without (its forward's sends wait behind the backward's compute). In a merged
     graph the other strand's compute may hide a whole collective, and per-peer steps then only
     add their overheads (HF Llama with PyTorch's TP plan measured 999 ms decomposed against
     922 ms undecomposed), and one bucket of all the next forward's parameter gathers holds that
