@@ -56,8 +56,8 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.fx
@@ -427,18 +427,41 @@ def find_matmul_all_reduces(graph: torch.fx.Graph, skipped: Counter[str] | None 
 def find_all_gather_chains(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[AllGatherChain]:
     """Each reduce-scatter paired with the latest all-gather (same group, each used once) whose
     gathered tensor its matmuls descend from. The two finders' own skips are theirs to count."""
-    gathers = find_all_gather_matmuls(graph)
-    matches = []
-    for scatter in find_matmul_reduce_scatters(graph):
-        ancestors = _ancestors([scatter.matmul, *scatter.addends])
-        paired = [g for g in gathers if g.group_name == scatter.group_name and g.gathered in ancestors]
+    pairs = _paired(
+        find_all_gather_matmuls(graph),
+        find_matmul_reduce_scatters(graph),
+        lambda gather: gather.gathered,
+        lambda scatter: [scatter.matmul, *scatter.addends],
+        skipped,
+        "chain: no feeding all-gather",
+    )
+    return [AllGatherChain(gather, scatter) for gather, scatter in pairs]
+
+
+_First = TypeVar("_First", AllGatherMatmul, AllToAllCompute)
+_Second = TypeVar("_Second", MatmulReduceScatter, BmmAllToAll)
+
+
+def _paired(
+    firsts: list[_First],
+    seconds: Sequence[_Second],
+    output: Callable[[_First], torch.fx.Node],
+    inputs: Callable[[_Second], Sequence[torch.fx.Node]],
+    skipped: Counter[str] | None,
+    code: str,
+) -> list[tuple[_First, _Second]]:
+    """Each of ``seconds`` paired with the latest of ``firsts`` on its group (each used once)
+    whose ``output`` its ``inputs`` descend from; ``code`` counted for one with none."""
+    pairs = []
+    for second in seconds:
+        ancestors = _ancestors(inputs(second))
+        paired = [f for f in firsts if f.group_name == second.group_name and output(f) in ancestors]
         if not paired:
-            _count(skipped, "chain: no feeding all-gather")
+            _count(skipped, code)
             continue
-        gather = paired[-1]
-        gathers.remove(gather)
-        matches.append(AllGatherChain(gather, scatter))
-    return matches
+        firsts.remove(paired[-1])
+        pairs.append((paired[-1], second))
+    return pairs
 
 
 def _ancestors(nodes: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -504,22 +527,15 @@ def find_all_to_all_computes(graph: torch.fx.Graph, skipped: Counter[str] | None
 def find_all_to_all_chains(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[AllToAllChain]:
     """Each combine paired with the latest dispatch (same group, each used once) whose received
     tokens its bmms descend from. The two finders' own skips are theirs to count."""
-    dispatches = find_all_to_all_computes(graph)
-    matches = []
-    for combine in find_bmm_all_to_alls(graph):
-        ancestors = _ancestors(combine.bmms)
-        paired = [
-            d
-            for d in dispatches
-            if d.group_name == combine.group_name and d.wait in ancestors and d.issue is not combine.issue
-        ]
-        if not paired:
-            _count(skipped, "all_to_all chain: no feeding dispatch")
-            continue
-        dispatch = paired[-1]
-        dispatches.remove(dispatch)
-        matches.append(AllToAllChain(dispatch, combine))
-    return matches
+    pairs = _paired(
+        find_all_to_all_computes(graph),
+        find_bmm_all_to_alls(graph),
+        lambda dispatch: dispatch.wait,
+        lambda combine: combine.bmms,
+        skipped,
+        "all_to_all chain: no feeding dispatch",
+    )
+    return [AllToAllChain(dispatch, combine) for dispatch, combine in pairs]
 
 
 def find_all(graph: torch.fx.Graph) -> tuple[dict[str, Sequence[object]], Counter[str]]:

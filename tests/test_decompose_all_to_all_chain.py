@@ -27,15 +27,15 @@ aten = torch.ops.aten
 _FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
 
 
-def _moe(send, w1, w3, w2, group, experts=2):
-    """Expert parallelism: dispatch, each local expert's SwiGLU on its slots, combine."""
+def _moe(send, w1, w3, w2, group, experts=2, act=torch.nn.functional.silu):
+    """Expert parallelism: dispatch, each local expert's SwiGLU (``act``) on its slots, combine."""
     world = dist.get_world_size(group)
     rows, dim = send.shape
     slots = rows // (world * experts)
     split = [rows // world] * world
     recv = funcol.all_to_all_single(send, split, split, group)
     tokens = recv.view(world, experts, slots, dim).transpose(0, 1).reshape(experts, world * slots, dim)
-    h = torch.nn.functional.silu(torch.bmm(tokens, w1)) * torch.bmm(tokens, w3)
+    h = act(torch.bmm(tokens, w1)) * torch.bmm(tokens, w3)
     y = torch.bmm(h, w2).view(experts, world, slots, -1).transpose(0, 1).reshape(rows, -1)
     return funcol.all_to_all_single(y, split, split, group)
 
@@ -120,16 +120,8 @@ def test_measured_savings_decide_between_the_chain_and_its_two_sites(chain_s: fl
 
 
 def test_experts_that_are_not_row_wise_leave_the_two_sites_to_themselves() -> None:
-    def mixing(send, w1, w3, w2, group, experts=2):  # a softmax over the slots mixes the sources' tokens
-        world = dist.get_world_size(group)
-        rows, dim = send.shape
-        slots = rows // (world * experts)
-        split = [rows // world] * world
-        recv = funcol.all_to_all_single(send, split, split, group)
-        tokens = recv.view(world, experts, slots, dim).transpose(0, 1).reshape(experts, world * slots, dim)
-        h = torch.bmm(tokens, w1).softmax(1) * torch.bmm(tokens, w3)
-        y = torch.bmm(h, w2).view(experts, world, slots, -1).transpose(0, 1).reshape(rows, -1)
-        return funcol.all_to_all_single(y, split, split, group)
+    def mixing(send, w1, w3, w2, group):  # a softmax over the slots mixes the sources' tokens
+        return _moe(send, w1, w3, w2, group, act=lambda h: h.softmax(1))
 
     gm = _traced(mixing, *_shapes(2))
     ctx = _run(gm, mode="per_peer")

@@ -11,6 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -156,9 +157,12 @@ def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path, dec
     assert records[0]["predicted_makespan_s"] == records[1]["predicted_makespan_s"]
 
 
-def _helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str | None) -> dict:
-    """The TP+SP model priced as H100s on a 100 MB/s link: decomposing each strand alone pays,
-    and merging the strands undecomposed predicts shorter still (the HF Llama TP case, analytic)."""
+def _helix_on_a_slow_link(
+    rank: int, world_size: int, dump_dir: str | None, kind: str = "tp_sp", **options: Any
+) -> dict:
+    """The ``kind`` reference model (TP+SP by default) priced as H100s on a 100 MB/s link, with
+    ``decompose="auto"`` unless ``options`` say otherwise. TP+SP: decomposing each strand alone
+    pays, and merging the strands undecomposed predicts shorter still (the HF Llama TP case)."""
     from cost_model.hardware import Link, register_link
     from dhelix_compile.testing.helix_checks import check_helix
 
@@ -166,7 +170,7 @@ def _helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str | None) -> d
     return check_helix(
         rank,
         world_size,
-        "tp_sp",
+        kind,
         2,
         "float32",
         codegen="eager",
@@ -174,8 +178,8 @@ def _helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str | None) -> d
         cost_model="analytic",
         device="h100_sxm",
         link="test_slow_link",
-        decompose="auto",
         dump_dir=dump_dir,
+        **{"decompose": "auto", **options},
     )
 
 
@@ -215,26 +219,8 @@ def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path, dumps: boo
 def _moe_on_a_slow_link(rank: int, world_size: int, dump_dir: str) -> dict:
     """The MoE model priced as H100s on a 100 MB/s link (analytic: the same plan every run), every
     all-to-all decomposed, the chain preferred to its two single sites wherever it applies."""
-    from cost_model.hardware import Link, register_link
-    from dhelix_compile.testing.helix_checks import check_helix
-
-    register_link(Link("test_slow_link", 1e8, 1e-7, "a test link"), overwrite=True)
     with mock.patch("graph_passes.decompose.selection.Selection.single_site_rivals", return_value=[]):
-        return check_helix(
-            rank,
-            world_size,
-            "moe",
-            2,
-            "float32",
-            codegen="eager",
-            fallback="error",
-            cost_model="analytic",
-            device="h100_sxm",
-            link="test_slow_link",
-            decompose="per_peer",
-            decompose_pieces=1,
-            dump_dir=dump_dir,
-        )
+        return _helix_on_a_slow_link(rank, world_size, dump_dir, "moe", decompose="per_peer", decompose_pieces=1)
 
 
 def test_merged_graph_weighs_strands_without_the_all_to_all_chain(tmp_path: Path) -> None:

@@ -51,8 +51,7 @@ from graph_passes.decompose.site import (
     Site,
     SkipSite,
     Variant,
-    hoist,
-    late_operands,
+    commit_chain,
     node_positions,
     per_peer_name,
     transfer_tag,
@@ -78,25 +77,8 @@ class AllToAllChainSite(PerPeerOnly):
         tokens = self.dispatch.merged
         self.region = RowRegion(graph, tokens, m.combine.bmms, self.experts, group_size, position)
         regroup = [n for n in self.dispatch.old_nodes if n not in self.dispatch.bmms]
-        inside = {*self.region.nodes, tokens}
         combine_nodes = set(self.combine.old_nodes)
-        self.outputs = [
-            node
-            for node in [tokens, *self.region.nodes]
-            if any(u not in inside and u not in combine_nodes for u in node.users)
-        ]
-        first_users = [u for node in self.outputs for u in node.users if u not in inside]
-        self.anchor = min([*self.region.own, *first_users], key=position.__getitem__)
-        self.hoist: list[torch.fx.Node] = []
-        for node in self.region.nodes:
-            for arg in node.all_input_nodes:
-                if arg not in inside and arg not in self.region.sliced:
-                    late_operands(arg, self.anchor, position, self.hoist)
-        for leaf in self.region.sliced:
-            if position[leaf] >= position[self.anchor]:
-                raise SkipSite(
-                    "late operand", f"{leaf.name} ({leaf.target}), read row by row, is computed after the chain starts"
-                )
+        self.outputs, self.anchor, self.hoist = self.region.edges(combine_nodes, position)
         old = {*regroup, *self.region.nodes, *combine_nodes}
         self.old_nodes = sorted(old, key=position.__getitem__)
 
@@ -167,11 +149,4 @@ class AllToAllChainSite(PerPeerOnly):
         return Variant(per_peer_name(pieces), e, replace)
 
     def commit(self, variant: Variant) -> None:
-        hoist(variant, self.hoist)
-        old = set(self.old_nodes)
-        for before, after in variant.replace:
-            before.replace_all_uses_with(after, delete_user_cb=lambda user: user not in old)
-        for node in reversed(self.old_nodes):
-            if node.users:
-                raise RuntimeError(f"decompose chain: replaced node {node.name} still has users {list(node.users)}")
-            self.graph.erase_node(node)
+        commit_chain(self.graph, variant, self.hoist, self.old_nodes)

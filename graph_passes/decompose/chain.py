@@ -62,8 +62,7 @@ from graph_passes.decompose.site import (
     Site,
     SkipSite,
     Variant,
-    hoist,
-    late_operands,
+    commit_chain,
     node_positions,
     per_peer_name,
     send_shard_pieces,
@@ -94,24 +93,7 @@ class ChainSite(PerPeerOnly):
             raise SkipSite("scatter dim differs", "the reduce-scatter splits another dim than the all-gather gathered")
         position = node_positions(graph)
         self.region = RowRegion(graph, gather.gathered, self.scatter.matmuls, self.before, self.n, position)
-        inside = {*self.region.nodes, gather.gathered}
-        self.outputs = [
-            node
-            for node in [gather.gathered, *self.region.nodes]
-            if any(u not in inside and u not in self.scatter.old_nodes for u in node.users)
-        ]
-        first_users = [u for node in self.outputs for u in node.users if u not in inside]
-        self.anchor = min([*self.region.own, *first_users], key=position.__getitem__)
-        self.hoist: list[torch.fx.Node] = []
-        for node in self.region.nodes:
-            for arg in node.all_input_nodes:
-                if arg not in inside and arg not in self.region.sliced:
-                    late_operands(arg, self.anchor, position, self.hoist)
-        for leaf in self.region.sliced:
-            if position[leaf] >= position[self.anchor]:
-                raise SkipSite(
-                    "late operand", f"{leaf.name} ({leaf.target}), read row by row, is computed after the chain starts"
-                )
+        self.outputs, self.anchor, self.hoist = self.region.edges(set(self.scatter.old_nodes), position)
         chunkers = [u for u in gather.wait.users] if gather.gathered is not gather.wait else []
         getitems = [g for c in chunkers for g in c.users]
         old = {
@@ -193,11 +175,4 @@ class ChainSite(PerPeerOnly):
         return Variant(per_peer_name(pieces), e, replace)
 
     def commit(self, variant: Variant) -> None:
-        hoist(variant, self.hoist)
-        old = set(self.old_nodes)
-        for before, after in variant.replace:
-            before.replace_all_uses_with(after, delete_user_cb=lambda user: user not in old)
-        for node in reversed(self.old_nodes):
-            if node.users:
-                raise RuntimeError(f"decompose chain: replaced node {node.name} still has users {list(node.users)}")
-            self.graph.erase_node(node)
+        commit_chain(self.graph, variant, self.hoist, self.old_nodes)

@@ -36,7 +36,7 @@ import torch.fx
 
 from graph_passes._torch_compat import OpOverload
 from graph_passes.decompose.emit import Emitter, val
-from graph_passes.decompose.site import SkipSite, ways
+from graph_passes.decompose.site import SkipSite, late_operands, ways
 from graph_passes.node_args import as_node
 from graph_passes.op_groups import MATMULS, RESHAPES
 
@@ -93,6 +93,33 @@ class RowRegion:
         self.sliced: set[torch.fx.Node] = set()  # outside tensors read block by block
         for node in self.nodes:
             self._check(node)
+
+    def edges(
+        self, replaced: set[torch.fx.Node], position: dict[torch.fx.Node, int]
+    ) -> tuple[list[torch.fx.Node], torch.fx.Node, list[torch.fx.Node]]:
+        """``(outputs, anchor, hoist)`` of a rewrite that replaces the region and ``replaced``:
+        the region tensors (``start`` included) read by other nodes, which the rewrite rebuilds
+        from their blocks; the node its new nodes go before (the first of the region's own nodes
+        and those readers); the operands defined at or after it that must move before it (free
+        views only). ``SkipSite`` for other late operands, and for a tensor read block by block
+        that is computed after the anchor."""
+        inside = {*self.nodes, self.start}
+        outputs = [
+            node for node in [self.start, *self.nodes] if any(u not in inside and u not in replaced for u in node.users)
+        ]
+        first_users = [u for node in outputs for u in node.users if u not in inside]
+        anchor = min([*self.own, *first_users], key=position.__getitem__)
+        hoist: list[torch.fx.Node] = []
+        for node in self.nodes:
+            for arg in node.all_input_nodes:
+                if arg not in inside and arg not in self.sliced:
+                    late_operands(arg, anchor, position, hoist)
+        for leaf in self.sliced:
+            if position[leaf] >= position[anchor]:
+                raise SkipSite(
+                    "late operand", f"{leaf.name} ({leaf.target}), read row by row, is computed after the chain starts"
+                )
+        return outputs, anchor, hoist
 
     # ------------------------------------------------------------------ analysis
 

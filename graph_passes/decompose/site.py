@@ -215,6 +215,22 @@ def erase_dead(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node]) -> None:
             raise RuntimeError(f"decompose: replaced node {node.name} still has users {list(node.users)}")
 
 
+def commit_chain(
+    graph: torch.fx.Graph, variant: Variant, hoisted: Sequence[torch.fx.Node], old_nodes: Sequence[torch.fx.Node]
+) -> None:
+    """Commit a chain site's variant: ``hoisted`` moved before it, every replaced node's readers
+    outside ``old_nodes`` moved to its replacement, then ``old_nodes`` erased (last first); a
+    replaced node still read afterwards is a bug in the site."""
+    hoist(variant, hoisted)
+    old = set(old_nodes)
+    for before, after in variant.replace:
+        before.replace_all_uses_with(after, delete_user_cb=lambda user: user not in old)
+    for node in reversed(old_nodes):
+        if node.users:
+            raise RuntimeError(f"decompose chain: replaced node {node.name} still has users {list(node.users)}")
+        graph.erase_node(node)
+
+
 class PerPeerOnly:
     """A site with a per-peer variant and no chunked one."""
 
