@@ -133,6 +133,9 @@ def test_the_ceiling_is_corrected_by_its_matmuls_distance_from_t_compute_repeat_
     assert ceiling["step_s_by_in_flight"] == pytest.approx({1: 0.120, 2: 0.130})
     assert (ceiling["in_flight"], ceiling["step_s_measured"]) == (1, 0.140)
     assert ceiling["hidden_share"] == pytest.approx(hidden_share(0.120, 0.090, 0.050))
+    # a correction that would put the ceiling under the physical limit stops at it
+    floored = ceiling_row(measured, t_comm=0.200, t_compute=0.090)
+    assert floored is not None and floored["step_s_median"] == 0.200
 
 
 def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:

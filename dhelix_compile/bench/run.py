@@ -176,8 +176,9 @@ def ceiling_row(
     its matmuls alone (``compute_s``, timed in the same repeat) were from it: the matmuls are
     calibrated to ``T_compute``, but their speed drifts within a run (``small``, 2026-11-26:
     378.7 ms of matmuls for a 327.4 ms ``T_compute``), and a ceiling with more compute than the
-    step's would flatter every variant. ``step_s_measured`` keeps the uncorrected median; the
-    hidden share is then against ``t_compute``."""
+    step's would flatter every variant. The corrected median is never below the physical limit
+    ``max(t_compute, t_comm)``. ``step_s_measured`` keeps the uncorrected median; the hidden share
+    is then against ``t_compute``."""
     if not measured:
         return None
     by_depth = {int(depth): times for depth, times in measured["in_flight"].items()}
@@ -188,7 +189,9 @@ def ceiling_row(
             return steps
         return [step - (own - t_compute) for step, own in zip(steps, compute, strict=True)]
 
-    medians = {depth: statistics.median(corrected(times["step_s"])) for depth, times in by_depth.items()}
+    # corrected, never below the physical limit: the correction is per repeat, and noisy
+    floor = 0.0 if t_compute is None else max(t_compute, t_comm)
+    medians = {depth: max(statistics.median(corrected(times["step_s"])), floor) for depth, times in by_depth.items()}
     depth = min(medians, key=lambda d: (medians[d], d))
     own = statistics.median(compute)
     return {
