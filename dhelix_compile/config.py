@@ -231,16 +231,8 @@ class DHelixConfig:
         _check_number("decompose_pieces", self.decompose_pieces, int, minimum=0)
         if self.decompose_pieces > 16:
             raise ConfigError(f"dhelix option decompose_pieces={self.decompose_pieces!r}: must be <= 16")
-        if not isinstance(self.decompose_auto_chunked, bool):
-            raise ConfigError(
-                f"dhelix option decompose_auto_chunked={self.decompose_auto_chunked!r}: expected True or False"
-            )
-        if not isinstance(self.decompose_chains, bool):
-            raise ConfigError(f"dhelix option decompose_chains={self.decompose_chains!r}: expected True or False")
-        if not isinstance(self.decompose_all_to_all_chains, bool):
-            raise ConfigError(
-                f"dhelix option decompose_all_to_all_chains={self.decompose_all_to_all_chains!r}: expected True or False"
-            )
+        for name in ("decompose_auto_chunked", "decompose_chains", "decompose_all_to_all_chains"):
+            _check_bool(name, getattr(self, name))
         _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)
         if self.decompose_min_gain_ratio >= 1.0:
             raise ConfigError(f"dhelix option decompose_min_gain_ratio={self.decompose_min_gain_ratio!r}: must be < 1")
@@ -302,6 +294,11 @@ def _field_types() -> dict[str, Any]:
 def _literal_choices(name: str) -> tuple[Any, ...]:
     hint = _field_types()[name]
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"dhelix option {name}={value!r}: expected True or False")
 
 
 def _check_number(name: str, value: Any, kind: type, *, minimum: float) -> None:
