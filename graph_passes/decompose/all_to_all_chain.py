@@ -58,8 +58,6 @@ from graph_passes.decompose.site import (
 )
 from graph_passes.node_args import as_node
 
-aten = torch.ops.aten
-
 
 class AllToAllChainSite(PerPeerOnly):
     """One dispatch -> experts -> combine chain; ``per_peer`` builds its variants."""
@@ -90,11 +88,7 @@ class AllToAllChainSite(PerPeerOnly):
 
     def _result(self, e: Emitter, env: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node:
         """The combine's bmm(s) on one block, summed in the combine site's order."""
-        total = None
-        for bmm in self.m.combine.bmms:
-            total = env[bmm] if total is None else e.call(aten.add.Tensor, total, env[bmm])
-        assert total is not None, "a BmmAllToAll has at least one bmm"
-        return total
+        return e.sum(env[bmm] for bmm in self.m.combine.bmms)
 
     def per_peer(self, e: Emitter, rank: int, tag: int, pieces: int = 1) -> Variant:
         n, experts, slots, group = self.n, self.experts, self.slots, self.m.group_name

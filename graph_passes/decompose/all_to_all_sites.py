@@ -165,14 +165,13 @@ class BmmAllToAllSite(PerPeerOnly, ReplacesOutput):
 
     def _part(self, e: Emitter, j: int) -> torch.fx.Node:
         """Destination ``j``'s chunk: the bmm(s) on its slots of every expert (summed), rows flattened."""
-        total = None
-        for bmm in self.m.bmms:
-            tokens, weight = as_node(bmm.args[0]), bmm.args[1]
-            rows = e.slice(tokens, 1, j * self.slots, (j + 1) * self.slots)
-            part = e.call(aten.bmm.default, rows, weight)
-            total = part if total is None else e.call(aten.add.Tensor, total, part)
-        assert total is not None, "a BmmAllToAll has at least one bmm"
-        return e.view(total, self.chunk_shape)
+        parts = (
+            e.call(
+                aten.bmm.default, e.slice(as_node(bmm.args[0]), 1, j * self.slots, (j + 1) * self.slots), bmm.args[1]
+            )
+            for bmm in self.m.bmms
+        )
+        return e.view(e.sum(parts), self.chunk_shape)
 
     def per_peer(self, e: Emitter, rank: int, tag: int, pieces: int = 1) -> Variant:
         if pieces != 1:

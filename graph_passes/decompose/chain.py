@@ -124,12 +124,7 @@ class ChainSite(PerPeerOnly):
             raise SkipSite("indivisible", f"the reduce-scatter's dim does not split into {blocks} blocks")
         shape = list(self.scatter.shape)
         shape[rows.dim] = rows.outer * rows.inner  # rows.dim is the scatter dim, outer 1
-        total = None
-        for mm in self.scatter.matmuls:
-            part = e.view(env[mm], shape)
-            total = part if total is None else e.call(aten.add.Tensor, total, part)
-        assert total is not None, "a reduce-scatter site has at least one matmul"
-        return total
+        return e.sum(e.view(env[mm], shape) for mm in self.scatter.matmuls)
 
     def per_peer(self, e: Emitter, rank: int, tag: int, pieces: int = 1) -> Variant:
         gather, n, d = self.m.gather, self.n, self.gather_d

@@ -20,7 +20,7 @@ no reader, it completes the send).
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -96,6 +96,17 @@ class Emitter:
 
     def cat(self, parts: Sequence[torch.fx.Node], dim: int) -> torch.fx.Node:
         return parts[0] if len(parts) == 1 else self.call(aten.cat.default, list(parts), dim)
+
+    def sum(self, parts: Iterable[torch.fx.Node]) -> torch.fx.Node:
+        """``parts[0] + parts[1] + ...``, added left to right. A generator is drawn one part at a
+        time, so each part's nodes are emitted right before the addition that reads them."""
+        it = iter(parts)
+        total = next(it, None)
+        if total is None:
+            raise ValueError("Emitter.sum needs at least one part")
+        for part in it:
+            total = self.call(aten.add.Tensor, total, part)
+        return total
 
     def exchange(self, send: torch.fx.Node, to_peer: int, from_peer: int, tag: int, group_name: str) -> torch.fx.Node:
         """Send ``send`` to ``to_peer`` and receive a tensor of its shape from ``from_peer``."""
