@@ -184,25 +184,10 @@ class _Decomposer:
         if measured:
             detail += f" (measured: {', '.join(f'{candidate} {t:.4g} s' for candidate, t in measured.items())})"
         if chain is not None and best is not None and rivals:
-            chain_saved, sites_saved = selection.chain_and_single_sites_saved_measured_s(
-                best, original_measured_s, rivals
-            )
-            if not math.isnan(chain_saved):  # measured: what each saves on its own originals
-                self.ctx.record(
-                    PASS,
-                    **{f"{name}_chain_saved_measured_s": chain_saved, f"{name}_sites_saved_measured_s": sites_saved},
-                )
-                if sites_saved >= chain_saved:
-                    best, why_not = None, "left to the single sites"
-                    detail = (
-                        f"{name}: measured, the single sites save {sites_saved:.4g} s, the chain {chain_saved:.4g} s"
-                    )
-            else:
-                chain_s, sites_s = selection.chain_and_single_sites_s(best, chain, variants, rivals)
-                self.ctx.record(PASS, **{f"{name}_graph_chain_s": chain_s, f"{name}_graph_single_sites_s": sites_s})
-                if sites_s <= chain_s:
-                    best, why_not = None, "left to the single sites"
-                    detail = f"{name}: the graph predicts {sites_s:.4g} s with the single sites, {chain_s:.4g} s with the chain"
+            numbers, lost = selection.chain_loses(best, chain, variants, rivals, original_measured_s)
+            self.ctx.record(PASS, **{f"{name}_{key}": t for key, t in numbers.items()})
+            if lost is not None:
+                best, why_not, detail = None, "left to the single sites", f"{name}: {lost}"
         for rival in rivals:
             rival.variant.discard()
         discard_all_but(variants, best)

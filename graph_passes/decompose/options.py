@@ -17,7 +17,7 @@ PASS = "decompose"
 CHAIN = "all_gather_chain"
 #: Expert parallelism's cross-site pattern (``all_to_all_chain``), on by default.
 A2A_CHAIN = "all_to_all_chain"
-#: The single-site patterns, in the order the pass tries them (after ``CHAIN`` when enabled).
+#: The single-site patterns, in the order the pass tries them (after the chains that are enabled).
 SINGLE_SITE_PATTERNS: tuple[str, ...] = (
     "all_gather_matmul",
     "matmul_reduce_scatter",

@@ -34,12 +34,11 @@ A chain (``chain.ChainSite``, ``all_to_all_chain.AllToAllChainSite``) competes w
 collectives decomposed on their own: each single site at the variant ``choose`` picks for it
 (``single_site_rivals``, emitted, not committed). Where the chain's variant, its original and
 each single site's variant and original were all run, the chain is rewritten only if it saves
-more on its original than the two sites save on theirs, together
-(``chain_and_single_sites_saved_measured_s``). Otherwise the whole graph in its current order is
-simulated once with the chain's best variant and once with the single sites' (every other
-emitted node left out, readers of a replaced node counted as reading a ready input), and the
-chain is rewritten only if it predicts less. When it is not, the single-site patterns rewrite
-the two collectives later, on their own.
+more on its original than the two sites save on theirs, together (``chain_loses``). Otherwise
+the whole graph in its current order is simulated once with the chain's best variant and once
+with the single sites' (every other emitted node left out, readers of a replaced node counted
+as reading a ready input), and the chain is rewritten only if it predicts less. When it is not,
+the single-site patterns rewrite the two collectives later, on their own.
 """
 
 from __future__ import annotations
@@ -171,7 +170,7 @@ class Selection:
     def single_site_rivals(
         self, chain: ChainSite | AllToAllChainSite, group_name: str, strand: int | None
     ) -> list[Rival]:
-        """The chain's all-gather and reduce-scatter as single sites, each at the variant
+        """The chain's two collectives as single sites, each at the variant
         ``choose`` picks (none when it keeps the original), with the nodes it would replace:
         emitted, not committed (the caller discards them; if the chain loses, the single-site
         patterns build them again)."""
@@ -184,7 +183,29 @@ class Selection:
                 rivals.append(Rival(best, site.old_nodes, original_measured_s - best.measured_s))
         return rivals
 
-    def chain_and_single_sites_s(
+    def chain_loses(
+        self,
+        best: Variant,
+        chain: ChainSite | AllToAllChainSite,
+        variants: Sequence[Variant],
+        rivals: Sequence[Rival],
+        original_measured_s: float,
+    ) -> tuple[dict[str, float], str | None]:
+        """Whether the chain's ``best`` variant loses to its single sites' ``rivals`` (module
+        docstring): the numbers it was decided on (record name suffix -> seconds), and why it
+        loses (None when the chain wins)."""
+        chain_saved = original_measured_s - best.measured_s
+        sites_saved = sum(r.saved_measured_s for r in rivals)
+        if not (math.isnan(chain_saved) or math.isnan(sites_saved)):  # every candidate was run
+            numbers = {"chain_saved_measured_s": chain_saved, "sites_saved_measured_s": sites_saved}
+            why = f"measured, the single sites save {sites_saved:.4g} s, the chain {chain_saved:.4g} s"
+            return numbers, why if sites_saved >= chain_saved else None
+        chain_s, sites_s = self._chain_and_single_sites_s(best, chain, variants, rivals)
+        numbers = {"graph_chain_s": chain_s, "graph_single_sites_s": sites_s}
+        why = f"the graph predicts {sites_s:.4g} s with the single sites, {chain_s:.4g} s with the chain"
+        return numbers, why if sites_s <= chain_s else None
+
+    def _chain_and_single_sites_s(
         self, best: Variant, chain: ChainSite | AllToAllChainSite, variants: Sequence[Variant], rivals: Sequence[Rival]
     ) -> tuple[float, float]:
         """The whole graph's predicted makespan with the chain's ``best`` variant, and with the
@@ -192,19 +213,6 @@ class Selection:
         emitted = {n for v in [*variants, *(r.variant for r in rivals)] for n in v.emitter.nodes}
         sites = [(r.variant, r.old_nodes) for r in rivals]
         return self._graph_s([(best, chain.old_nodes)], emitted), self._graph_s(sites, emitted)
-
-    @staticmethod
-    def chain_and_single_sites_saved_measured_s(
-        best: Variant, original_measured_s: float, rivals: Sequence[Rival]
-    ) -> tuple[float, float]:
-        """The time the chain's ``best`` variant saves on the chain's original, as measured, and
-        the time its single sites' ``rivals`` save together (each on its own original, as
-        measured); NaN for both unless every one of them was measured."""
-        chain_saved = original_measured_s - best.measured_s
-        sites_saved = sum(r.saved_measured_s for r in rivals)
-        if math.isnan(chain_saved) or math.isnan(sites_saved):
-            return math.nan, math.nan
-        return chain_saved, sites_saved
 
     def _graph_s(self, chosen: Sequence[Replacement], emitted: set[torch.fx.Node]) -> float:
         """The whole graph's predicted makespan in its current order with each ``chosen`` variant
