@@ -218,7 +218,7 @@ def _compile_merged(
         candidates.append(_Candidate("plain", *merge(forward.raw, backward.raw), rival_config))
     if forward.chained or backward.chained:  # chain or single sites: the pass's choice in every mode
         unchained = config.patch(decompose_all_to_all_chains=False)
-        strands = [_replanned(forward, unchained, "fwd"), _replanned(backward, unchained, "bwd")]
+        strands = [_unchained(forward, unchained, "fwd"), _unchained(backward, unchained, "bwd")]
         if strands[0] is not None and strands[1] is not None:
             candidates.append(_Candidate("unchained", *merge(strands[0], strands[1]), unchained))
     records: dict[str, dict[str, float]] = {}
@@ -267,8 +267,11 @@ class _Candidate:
     config: DHelixConfig
 
 
-def _replanned(strand: _Strand, config: DHelixConfig, phase: Phase) -> torch.fx.GraphModule | None:
-    """``strand`` as AOTAutograd gave it, through the passes with ``config`` (None: they failed)."""
+def _unchained(strand: _Strand, config: DHelixConfig, phase: Phase) -> torch.fx.GraphModule | None:
+    """``strand`` without all-to-all chains: as scheduled when it has none, else as AOTAutograd
+    gave it through the passes with ``config`` (None: they failed)."""
+    if not strand.chained:
+        return strand.gm
     try:
         return plan_partition(strand.raw, strand.example_inputs, config=config, graph_name=strand.name, phase=phase)[0]
     except PassError as exc:
