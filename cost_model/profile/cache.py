@@ -4,8 +4,18 @@ Contract
 --------
 ``<cache_dir>/<device key>.json`` holds::
 
-    {"version": 1, "device": "<device key>", "entries": {"<signature>": seconds, ...}}
+    {"version": 3, "device": "<device key>", "entries": {"<signature>": [seconds, ...], ...}}
 
+* each entry holds up to :data:`CACHE_SAMPLES` measurements of the signature, each from another
+  calibration (another process, or another estimator), lowest first; an entry is *settled*
+  (:func:`settled`) once it has them all, and its time is the lowest (:func:`cached_seconds`).
+  Why: a measurement only ever errs high (the other rank's compile, a start-up on the same
+  cores), and one such time used to stay in the cache for good: a piece's ``bmm`` cached at
+  3.19 ms that takes 1.99 ms made ``dhelix``'s predicted MoE step 1.22x the measured one, and
+  1.01x with the cache empty (``BENCHMARKS.md``, 2026-11-26). A second calibration
+  measures again and keeps the lower;
+* a version-2 file (one number per signature) loads as entries of one measurement each, so the
+  next calibration measures them again;
 * the device key is the GPU's product name, or the CPU's model and thread count
   (:func:`device_key`); the file name is the key with anything but ``[A-Za-z0-9-_.]`` as ``_``;
 * :meth:`MeasurementCache.load` returns ``{}`` for a missing file, one that is not JSON, and a
@@ -14,8 +24,8 @@ Contract
   ``os.replace``), entries sorted, so concurrent ranks never read half a file.
 
 What goes in is the caller's choice; :class:`cost_model.profile.ProfiledEstimator` stores compute
-signatures and contention factors, never a collective's time (it depends on the link, which the
-key does not name).
+signatures only, never a collective's time nor a contention factor (they depend on the link, which
+the key does not name).
 """
 
 from __future__ import annotations
@@ -29,8 +39,30 @@ import tempfile
 import torch
 
 #: 2: op times measured before dhelix waited for Inductor's compile workers to start could be
-#: 1.4-2.2x slow on a machine with few cores (dhelix_compile._torch_compat.wait_for_compile_workers)
-CACHE_VERSION: int = 2
+#: 1.4-2.2x slow on a machine with few cores (dhelix_compile._torch_compat.wait_for_compile_workers);
+#: 3: a list of measurements per signature (version 2's single numbers load as lists of one)
+CACHE_VERSION: int = 3
+_ONE_SAMPLE_VERSION: int = 2
+
+#: Measurements of a signature, from as many calibrations, before the cache answers for it alone.
+CACHE_SAMPLES: int = 2
+
+Samples = list[float]
+
+
+def settled(samples: Samples) -> bool:
+    """Whether an entry has all its measurements (the cache answers for it without measuring)."""
+    return len(samples) >= CACHE_SAMPLES
+
+
+def cached_seconds(samples: Samples) -> float:
+    """An entry's time: its lowest measurement."""
+    return min(samples)
+
+
+def with_sample(samples: Samples, seconds: float) -> Samples:
+    """``samples`` with ``seconds`` added, the lowest :data:`CACHE_SAMPLES` kept, lowest first."""
+    return sorted([*samples, seconds])[:CACHE_SAMPLES]
 
 
 def device_key(device: torch.device) -> str:
@@ -67,7 +99,7 @@ class MeasurementCache:
         """The file of device ``key``."""
         return self.cache_dir / f"{_safe_filename(key)}.json"
 
-    def load(self, key: str) -> dict[str, float]:
+    def load(self, key: str) -> dict[str, Samples]:
         """The entries of device ``key`` (``{}`` when there is no valid file)."""
         path = self.path(key)
         if not path.exists():
@@ -76,11 +108,15 @@ class MeasurementCache:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return {}
-        if data.get("version") != CACHE_VERSION or data.get("device") != key:
+        version = data.get("version")
+        if version not in (CACHE_VERSION, _ONE_SAMPLE_VERSION) or data.get("device") != key:
             return {}
-        return {str(k): float(v) for k, v in data.get("entries", {}).items()}
+        entries = data.get("entries", {})
+        if version == _ONE_SAMPLE_VERSION:
+            return {str(k): [float(v)] for k, v in entries.items()}
+        return {str(k): sorted(float(t) for t in v)[:CACHE_SAMPLES] for k, v in entries.items() if v}
 
-    def store(self, key: str, entries: dict[str, float]) -> None:
+    def store(self, key: str, entries: dict[str, Samples]) -> None:
         """Replace the file of device ``key`` with ``entries``."""
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
@@ -95,4 +131,13 @@ class MeasurementCache:
         os.replace(tmp, path)
 
 
-__all__ = ["CACHE_VERSION", "MeasurementCache", "device_key"]
+__all__ = [
+    "CACHE_SAMPLES",
+    "CACHE_VERSION",
+    "MeasurementCache",
+    "Samples",
+    "cached_seconds",
+    "device_key",
+    "settled",
+    "with_sample",
+]

@@ -9,10 +9,12 @@ except that a node whose *signature* has been measured gets the measured time.
     sigs   = unique signatures of the graph's compute and collective nodes, graph order
     check  every rank has the same list (hash agreed via all_reduce)  -> else RuntimeError
     need   = signatures missing on *any* rank (all_reduce MAX of flags) from what this
-             process measured before and, for compute ops only, the disk cache
+             process measured before and, for compute ops only, the disk cache's settled
+             entries (``cache.settled``: measured by two calibrations)
     for sig in need (graph order, same on every rank):
         compute:    real tensors of the node's shapes/strides/dtypes (size hints for
-                    symbols), ``warmup`` calls, then the median of ``repeats`` timed calls
+                    symbols), ``warmup`` calls, then the median of ``repeats`` timed calls;
+                    the lower of that and the cache's earlier measurement, if any
         collective: the same on the live process group (barrier first, wait included)
     times  = all_reduce(MAX) over ranks of every signature's time -> every rank plans the
              same schedule from the same numbers
@@ -20,7 +22,8 @@ except that a node whose *signature* has been measured gets the measured time.
              measured compute op timed alone and with all_reduces ("reduce") or broadcasts
              ("move") in flight on the group throughout; ratio, agreed by MAX. Each transfer's
              ``NodeCost.contention_factor`` is its kind's; ``contention_factor`` the largest
-    write the compute ops to the cache (JSON, one file per device, atomically replaced)
+    write the compute ops' measurements to the cache (JSON, one file per device, atomically
+             replaced; ``cost_model.profile.cache``)
     progress bar (cost_model.progress): rank 0 only; ``progress=None`` shows it when stderr
              is a terminal and at least 8 signatures are measured
 
@@ -80,7 +83,7 @@ from cost_model.estimator import Estimator, EstimatorBase, NodeCost
 from cost_model.memory import is_schema_view
 from cost_model.nodes import NodesLike, call_target, node_list
 from cost_model.op_kinds import P2P_OP_NAMES, kind_of, op_name
-from cost_model.profile.cache import MeasurementCache, device_key
+from cost_model.profile.cache import MeasurementCache, cached_seconds, device_key, settled, with_sample
 from cost_model.profile.contention import CONTENTION_KEY_PREFIX, TRANSFERS, Transfer, measure_contention, transfer_of
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
 from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args, run_node, transfer_tensors
@@ -401,11 +404,13 @@ class ProfiledEstimator(EstimatorBase):
         check_same_signatures([it.sig for it in items], agree_group)
         # Collectives depend on the link, which the cache key cannot name: they come only from
         # this process's own measurements, never from (or into) the disk cache.
-        known = {**{k: v for k, v in cache.items() if not is_collective_signature(k)}, **self.measurements}
+        settled_s = {k: cached_seconds(v) for k, v in cache.items() if settled(v) and not is_collective_signature(k)}
+        known = {**settled_s, **self.measurements}
         missing = [0.0 if it.sig in known else 1.0 for it in items]
         missing = agree_max(missing, agree_group)
 
         times: list[float] = []
+        new_samples: dict[str, float] = {}  # compute signature -> this rank's measurement, for the disk cache
         measured = cached = 0
         to_measure = int(sum(missing))
         with progress_bar(
@@ -415,6 +420,9 @@ class ProfiledEstimator(EstimatorBase):
                 if need:
                     bar.set_postfix_str(item_label(op_name(item.node, qualified=True)), refresh=False)
                     t = self._measure(item)
+                    if not item.is_collective and not math.isnan(t):
+                        new_samples[item.sig] = t
+                        t = cached_seconds(with_sample(cache.get(item.sig, []), t))
                     measured += 1
                     bar.update()
                 else:
@@ -435,7 +443,8 @@ class ProfiledEstimator(EstimatorBase):
             self.measurements[item.sig] = t
             base_s = self.base.node_cost(item.node).time_s
             if not item.is_collective:
-                cache[item.sig] = t
+                if item.sig in new_samples:
+                    cache[item.sig] = with_sample(cache.get(item.sig, []), new_samples[item.sig])
                 if base_s > 0:
                     self._compute_ratios.setdefault(op_name(item.node, qualified=True), {})[item.sig] = t / base_s
             elif base_s > 0 and not item.is_p2p:  # link_scale prices the P2P transfers not measured
