@@ -107,6 +107,29 @@ def test_unmeasured_compute_costs_the_base_estimate_times_its_ops_measured_ratio
     assert est.node_cost(sigmoid).time_s == pytest.approx(base.node_cost(sigmoid).time_s * est.compute_scale(sigmoid))
 
 
+def test_a_kinds_contention_factor_is_the_median_of_the_processs_measurements(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each graph measures its own factor (its slowest op, its largest transfer); one measurement
+    is noisy, so a kind's factor pools every one this process made."""
+    measured = iter([1.1, 2.0, 1.4, 1.0, 1.3, 1.0])  # reduce, move, reduce, move, ...
+    keys = iter(range(100))
+
+    def fake_measure(compute: Any, comms: Any, group: Any, cache: dict[str, float], *args: Any) -> float:
+        factor = next(measured)
+        cache[f"contention|{next(keys)}"] = factor
+        return factor
+
+    monkeypatch.setattr("cost_model.profile.estimator.measure_contention", fake_measure)
+    est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, warmup=0, repeats=1, progress=False)
+    graphs = [trace_aten(_mlp, torch.randn(8 * k, 16), torch.randn(16, 8)) for k in (1, 2, 3)]
+    factors = [est.calibrate(gm).contention_factor for gm in graphs[:2]]
+    assert est.measured_contention == {"reduce": pytest.approx(1.25), "move": pytest.approx(1.5)}
+    assert factors == [2.0, pytest.approx(1.5)]
+    est.calibrate(graphs[2])
+    assert est.measured_contention == {"reduce": pytest.approx(1.3), "move": pytest.approx(1.0)}
+
+
 def test_symbolic_graph_shares_signatures_and_scales_expression(tmp_path: pathlib.Path) -> None:
     args = (torch.randn(32, 16), torch.randn(16, 8))
     static = trace_aten(_mlp, *args)
