@@ -43,6 +43,7 @@ from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
 from graph_passes.gloo_gathers import GlooGatherOptions
 from graph_passes.regather import mark_regathers
+from graph_passes.vocab_parallel_loss import shard_gathered_losses
 
 if TYPE_CHECKING:  # observe/ is imported only when a dump or a profile is asked for
     from dhelix_compile.observe.dumps import GraphDumper
@@ -67,8 +68,21 @@ def capture(
         example_inputs,
         inner,
         inductor_config_patches=compat.inductor_mode_options(mode),
-        joint_pass=mark_regathers,
+        joint_pass=joint_pass(config),
     )
+
+
+def _joint_passes(graph: torch.fx.Graph) -> None:
+    """The joint-graph passes with ``vocab_parallel_loss`` on."""
+    rewritten = shard_gathered_losses(graph)
+    if rewritten:
+        log.info("dhelix: %d loss(es) over gathered logits computed from this rank's vocabulary shard", rewritten)
+    mark_regathers(graph)
+
+
+def joint_pass(config: DHelixConfig) -> Callable[[torch.fx.Graph], object]:
+    """What runs on AOTAutograd's joint graph before it is partitioned (``graph_passes`` README)."""
+    return _joint_passes if config.vocab_parallel_loss else mark_regathers
 
 
 def compile_partition(

@@ -103,6 +103,15 @@ class DHelixConfig:
     max_issue_distance: int = _option(
         512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."
     )
+    vocab_parallel_loss: bool = _option(
+        True,
+        "A loss over all-gathered logits (a column-wise LM head with replicated output, then the "
+        "cross-entropy) is computed from each rank's vocabulary shard: the softmax's max and sum "
+        "and the target's logit become three all-reduces of one number per token instead of the "
+        "gather, and the backward computes only this rank's part of the logits' gradient "
+        "(Megatron's vocab-parallel cross-entropy; graph_passes.vocab_parallel_loss). Sums of "
+        "exponentials are added in another order than eager's.",
+    )
     decompose: DecomposeMode = _option(
         "auto",
         "Collective decomposition (all-gather->matmul, matmul->reduce-scatter, matmul->all-reduce, "
@@ -231,7 +240,12 @@ class DHelixConfig:
         _check_number("decompose_pieces", self.decompose_pieces, int, minimum=0)
         if self.decompose_pieces > 16:
             raise ConfigError(f"dhelix option decompose_pieces={self.decompose_pieces!r}: must be <= 16")
-        for name in ("decompose_auto_chunked", "decompose_chains", "decompose_all_to_all_chains"):
+        for name in (
+            "vocab_parallel_loss",
+            "decompose_auto_chunked",
+            "decompose_chains",
+            "decompose_all_to_all_chains",
+        ):
             _check_bool(name, getattr(self, name))
         _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)
         if self.decompose_min_gain_ratio >= 1.0:

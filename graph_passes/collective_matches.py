@@ -71,6 +71,21 @@ c10d = torch.ops._c10d_functional
 
 
 @dataclasses.dataclass(frozen=True)
+class GatheredTensor:
+    """``wait(all_gather(shard))`` as the tensor gathered along ``gather_dim`` (whatever reads it)."""
+
+    shard: torch.fx.Node
+    issue: torch.fx.Node
+    wait: torch.fx.Node
+    gathered: torch.fx.Node  # the wait, or the cat of its chunks
+    gather_dim: int
+    group_size: int
+    group_name: str
+    chunking: tuple[torch.fx.Node, ...]
+    """The nodes between the wait and the cat (``split`` and its ``getitem``s, or ``slice``s)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class AllGatherMatmul:
     """``wait(all_gather(shard))`` (gathered along ``gather_dim``) is the row operand of ``matmuls``."""
 
@@ -293,16 +308,33 @@ def _gathered_layout(wait: torch.fx.Node, group_size: int) -> tuple[torch.fx.Nod
     return cat, _cat_dim(cat)
 
 
-def find_all_gather_matmuls(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[AllGatherMatmul]:
-    """All-gathers whose gathered tensor is the row operand of one or more matmuls."""
-    matches = []
+def find_gathered_tensors(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[GatheredTensor]:
+    """Every all-gather with one wait, as its gathered tensor and gather dim, in graph order."""
+    found = []
     for issue, wait in _issues_with_wait(graph, (c10d.all_gather_into_tensor.default,), "all_gather", skipped):
-        shard, group_size, group_name = as_node(issue.args[0]), as_int(issue.args[1]), str(issue.args[2])
+        group_size = as_int(issue.args[1])
         layout = _gathered_layout(wait, group_size)
         if layout is None:
             _count(skipped, "all_gather: unrecognised layout")
             continue
         gathered, gather_dim = layout
+        chunking = (
+            () if gathered is wait else (*wait.users, *(g for u in wait.users for g in u.users if g is not gathered))
+        )
+        found.append(
+            GatheredTensor(
+                as_node(issue.args[0]), issue, wait, gathered, gather_dim, group_size, str(issue.args[2]), chunking
+            )
+        )
+    return found
+
+
+def find_all_gather_matmuls(graph: torch.fx.Graph, skipped: Counter[str] | None = None) -> list[AllGatherMatmul]:
+    """All-gathers whose gathered tensor is the row operand of one or more matmuls."""
+    matches = []
+    for g in find_gathered_tensors(graph, skipped):
+        shard, issue, wait, gathered, gather_dim = g.shard, g.issue, g.wait, g.gathered, g.gather_dim
+        group_size, group_name = g.group_size, g.group_name
         val = _val(gathered)
         if val is None or gather_dim in (-1, val.dim() - 1):
             _count(skipped, "all_gather: unsupported gather dim")

@@ -50,14 +50,13 @@ import torch.fx
 
 from cost_model.op_kinds import op_name
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.capture import compile_partition, plan_partition
+from dhelix_compile.capture import compile_partition, joint_pass, plan_partition
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError
 from graph_passes.context import Phase
 from graph_passes.decompose import A2A_CHAIN
 from graph_passes.merge_strands import MergedStrands, merge_strands
-from graph_passes.regather import mark_regathers
 
 log = logging.getLogger("dhelix.helix")
 
@@ -568,7 +567,7 @@ class Strands:
     def backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         pair = StrandPair(self.config, self.exchange)
         inner = functools.partial(compile_strand_partition, config=self.config, pair=pair)
-        return compat.compile_with_aot_autograd(gm, example_inputs, inner, joint_pass=mark_regathers)
+        return compat.compile_with_aot_autograd(gm, example_inputs, inner, joint_pass=joint_pass(self.config))
 
     def run_beside(self, backward: Callable[[], None], forward: Callable[[], _T]) -> _T:
         """``backward()`` on the thread and ``forward()`` here, met in a merged graph (module docstring).
