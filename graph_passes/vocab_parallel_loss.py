@@ -23,6 +23,7 @@ Contract
                                  this rank's part (a replicated tensor, cut locally)
     ``amax`` / ``sum`` over ``d``  the shard's reduction, then an all-reduce (max / sum)
     ``sum`` over dims without ``d`` still a shard
+    ``slice`` along another dim    still a shard; along ``d``, all of it: the shard itself
     ``gather`` along ``d``         the indices this rank holds picked, the others 0, then an
                                  all-reduce (sum): the target's logit
     this rank's chunk along ``d`` (``split`` + ``getitem``, or ``slice``: the gather's backward)
@@ -79,7 +80,8 @@ class _Rule:
     """How one node of the region is computed from the shards.
 
     ``kind``: "pointwise", "reshape", "reduce" (over ``d``: all-reduced, replaces the node),
-    "reduce_shard" (over other dims: still a shard), "pick" (gather along ``d``: replaces the
+    "same" (the op with its arguments on the shard: a reduction over other dims, a slice along
+    another dim), "whole" (a slice of all of ``d``: the shard), "pick" (gather along ``d``: replaces the
     node), "chunk" (this rank's chunk: the shard itself, replaces the node), "split" (the split
     whose ``getitem`` is a chunk: nothing to emit). ``dim``: the shard dim of the node's output
     (for shards), or the dim the rule works on."""
@@ -149,7 +151,7 @@ def _plan(graph: torch.fx.Graph, gathered: GatheredTensor) -> _Site | None:
         if rule is None:
             return None
         rules[node] = rule
-        if rule.kind in ("pointwise", "reshape", "reduce_shard"):
+        if rule.kind in ("pointwise", "reshape", "same", "whole"):
             dims[node] = rule.dim
         elif rule.kind == "split":
             splits.add(node)
@@ -182,10 +184,14 @@ def _classify(
         return _Rule("split", d)
     if target == aten.slice.Tensor:
         d = dims.get(source) if source is not None else None
-        if d is None or _norm(as_int(node.args[1]), node) != d:
+        start, end = as_int(node.args[2]), min(as_int(node.args[3]), full)
+        if d is None:
             return None
-        start, end = as_int(node.args[2]), as_int(node.args[3])
-        return _Rule("chunk", d) if (start, min(end, full)) == (rank * part, (rank + 1) * part) else None
+        if _norm(as_int(node.args[1]), node) != d:
+            return _Rule("same", d)
+        if (start, end) == (0, full):
+            return _Rule("whole", d)
+        return _Rule("chunk", d) if (start, end) == (rank * part, (rank + 1) * part) else None
     if target in _REDUCTIONS:
         if source not in dims or out is None or any(i in dims for i in node.all_input_nodes[1:]):
             return None
@@ -199,7 +205,7 @@ def _classify(
         if d in reduced:
             return _Rule("reduce", d)
         keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
-        return _Rule("reduce_shard", d if keepdim else d - sum(r < d for r in reduced))
+        return _Rule("same", d if keepdim else d - sum(r < d for r in reduced))
     if target == aten.gather.default:
         index = as_node(node.args[2])
         if source not in dims or index in dims or _norm(as_int(node.args[1]), source) != dims[source]:
@@ -271,8 +277,10 @@ def _rewrite(graph: torch.fx.Graph, site: _Site) -> None:
             local[node] = emit.call(node.target, local[as_node(node.args[0])], shape)
         elif rule.kind == "pointwise":
             local[node] = _emit_pointwise(emit, node, rule.dim, local, site)
-        elif rule.kind == "reduce_shard":
+        elif rule.kind == "same":
             local[node] = emit.call(node.target, local[as_node(node.args[0])], *node.args[1:], **node.kwargs)
+        elif rule.kind == "whole":
+            local[node] = local[as_node(node.args[0])]
         else:
             node.replace_all_uses_with(_emit_all_reduced(emit, node, rule, local, site))
     for node in [*reversed(site.rules), g.gathered, *reversed(g.chunking), g.wait, g.issue]:
