@@ -17,10 +17,11 @@ Contract
 
     ============================ ========================================================
     a reshape                    keeps ``d`` whole (same product of the dims before it)
-    pointwise (``Tag.pointwise``, ``alias``, ``_to_copy``)
+    pointwise (``Tag.pointwise``, ``alias``, ``_to_copy``; not a random op)
                                  the other operands broadcast along ``d`` (size 1 or
                                  absent), or have the full ``V``: those are sliced to
-                                 this rank's part (a replicated tensor, cut locally)
+                                 this rank's part (this rank's part of the result reads
+                                 only that part of each operand)
     ``amax`` / ``sum`` over ``d``  the shard's reduction, then an all-reduce (max / sum)
     ``sum`` over dims without ``d`` still a shard
     ``slice`` along another dim    still a shard; along ``d``, all of it: the shard itself
@@ -34,8 +35,7 @@ Contract
     chunk + cat and the region's old nodes are erased; new nodes get ``meta["val"]``
     (``decompose.emit.Emitter``). Returns the number of gathers rewritten.
 
-    Numerics: ``amax`` and the picked logit are exact; the sum of exponentials is added in two
-    halves and then across ranks, another order than eager's (equal within float rounding).
+    Numerics: ``amax`` and the picked logit are exact; the sum of exponentials is added per and then across ranks, another order than eager's (equal within float rounding).
 
 Pseudo-code::
 
@@ -211,7 +211,10 @@ def _classify(
         if source not in dims or index in dims or _norm(as_int(node.args[1]), source) != dims[source]:
             return None
         return _Rule("pick", dims[source])
-    if torch.Tag.pointwise in getattr(target, "tags", ()) or target in _ALSO_POINTWISE:
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:  # a random op's draws on the shard differ from eager's
+        return None
+    if torch.Tag.pointwise in tags or target in _ALSO_POINTWISE:
         return _pointwise_rule(node, dims, full, out)
     return None
 
@@ -274,7 +277,10 @@ def _rewrite(graph: torch.fx.Graph, site: _Site) -> None:
         elif rule.kind == "reshape":
             shape = list(_shape(node) or [])
             shape[rule.dim] = site.part
-            local[node] = emit.call(node.target, local[as_node(node.args[0])], shape)
+            source = local[as_node(node.args[0])]
+            if not val(source).is_contiguous():  # a shard's view needs what the whole's had: row-major
+                source = emit.call(aten.clone.default, source, memory_format=torch.contiguous_format)
+            local[node] = emit.call(node.target, source, shape)
         elif rule.kind == "pointwise":
             local[node] = _emit_pointwise(emit, node, rule.dim, local, site)
         elif rule.kind == "same":
