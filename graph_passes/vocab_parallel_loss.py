@@ -35,7 +35,8 @@ Contract
     chunk + cat and the region's old nodes are erased; new nodes get ``meta["val"]``
     (``decompose.emit.Emitter``). Returns the number of gathers rewritten.
 
-    Numerics: ``amax`` and the picked logit are exact; the sum of exponentials is added per and then across ranks, another order than eager's (equal within float rounding).
+    Numerics: ``amax`` and the picked logit are exact; the sum of exponentials is added per
+    shard and then across ranks, another order than eager's (equal within float rounding).
 
 Pseudo-code::
 
