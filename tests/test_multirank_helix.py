@@ -75,7 +75,7 @@ def test_helix_equals_eager_loop_on_reference_models(world_size: int, tmp_path: 
     assert planned and all(s["records"]["interleave"]["fwd_segments"] > 1 for s in planned)
 
 
-# an in-place collective in the FX (``all_reduce_``: a loss's all-reduces, vocab_parallel_loss) counts as its functional op
+# an in-place collective in the FX (``all_reduce_``, which a merged graph can hold) counts as its functional op
 _FX_TOKEN = re.compile(r"torch\.ops\.(?:_c10d_functional\.(\w+?)_?|aten\.(mm|addmm|bmm))\.default\(")
 _CODE_TOKEN = re.compile(r"torch\.ops\._c10d_functional\.(\w+?)_?\.default\(|extern_kernels\.(mm|addmm|bmm)\(")
 

@@ -350,6 +350,18 @@ def test_the_account_names_a_segment_that_is_slow_in_every_call() -> None:
     assert account.verdict().split(": ", 1)[1].startswith("blocked segments")
 
 
+def test_an_in_place_collective_in_the_graph_matches_its_profile() -> None:
+    """A graph may hold Inductor's in-place variant (``all_reduce_``: a helix merged graph, built
+    from a forward that Inductor compiled), which the profile names the same way."""
+    boundaries = (
+        Boundary("ar", "all_reduce_", "_c10d_functional", "collective"),
+        Boundary("wait", "wait_tensor", "_c10d_functional", "wait", issue="ar"),
+    )
+    plan = MeasurementPlan("g", boundaries, (2e-5, 3e-5, 1e-5), 6e-5)
+    step = read_step(plan, _profile(issue="_c10d_functional::all_reduce_"))
+    assert step.mismatch is None and step.segments_s() is not None
+
+
 def test_a_profile_that_does_not_match_the_graph_keeps_only_the_whole_call() -> None:
     plan = MeasurementPlan("g", _boundaries(), (2e-5, 3e-5, 1e-5), 6e-5)
     step = read_step(plan, _profile(issue="_c10d_functional::all_reduce_"))

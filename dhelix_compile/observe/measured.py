@@ -295,7 +295,7 @@ def _match(boundaries: Sequence[Boundary], spans: list[Span]) -> tuple[tuple[Spa
     if len(spans) != len(boundaries):
         return None, f"the graph has {len(boundaries)} communication ops, the profile {len(spans)}"
     for i, (b, span) in enumerate(zip(boundaries, spans)):
-        if base_op(span.name) != b.op:
+        if base_op(span.name) != base_op(b.op):  # a merged graph may hold all_reduce_ too
             return None, f"communication op {i}: the graph has {b.op} ({b.node}), the profile {span.name}"
     return tuple(spans), None
 
