@@ -99,6 +99,8 @@ class AllGatherMatmul:
     group_name: str
     transposed: tuple[torch.fx.Node, ...] = ()
     """Matmuls ``mm(t(rows), x)`` that contract over the gathered rows (a weight gradient)."""
+    chunking: tuple[torch.fx.Node, ...] = ()
+    """The nodes between the wait and the cat (:attr:`GatheredTensor.chunking`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,10 +335,9 @@ def find_all_gather_matmuls(graph: torch.fx.Graph, skipped: Counter[str] | None 
     """All-gathers whose gathered tensor is the row operand of one or more matmuls."""
     matches = []
     for g in find_gathered_tensors(graph, skipped):
-        shard, issue, wait, gathered, gather_dim = g.shard, g.issue, g.wait, g.gathered, g.gather_dim
-        group_size, group_name = g.group_size, g.group_name
+        gathered = g.gathered
         val = _val(gathered)
-        if val is None or gather_dim in (-1, val.dim() - 1):
+        if val is None or g.gather_dim in (-1, val.dim() - 1):
             _count(skipped, "all_gather: unsupported gather dim")
             continue
         matmuls = _through_views_to_rows(gathered, int(val.shape[-1]))
@@ -350,7 +351,16 @@ def find_all_gather_matmuls(graph: torch.fx.Graph, skipped: Counter[str] | None 
             continue
         matches.append(
             AllGatherMatmul(
-                shard, issue, wait, gathered, gather_dim, tuple(matmuls), group_size, group_name, tuple(transposed)
+                g.shard,
+                g.issue,
+                g.wait,
+                gathered,
+                g.gather_dim,
+                tuple(matmuls),
+                g.group_size,
+                g.group_name,
+                tuple(transposed),
+                g.chunking,
             )
         )
     return matches

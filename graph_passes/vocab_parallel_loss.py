@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -104,7 +104,7 @@ def shard_gathered_losses(graph: torch.fx.Graph) -> int:
     """Rewrite every all-gathered tensor whose readers all qualify (module docstring)."""
     rewritten = 0
     for gathered in find_gathered_tensors(graph):
-        site = _plan(graph, gathered)
+        site = _plan(gathered)
         if site is not None:
             _rewrite(graph, site)
             rewritten += 1
@@ -123,7 +123,7 @@ def _shape(node: torch.fx.Node) -> list[int] | None:
     return list(v.shape)
 
 
-def _plan(graph: torch.fx.Graph, gathered: GatheredTensor) -> _Site | None:
+def _plan(gathered: GatheredTensor) -> _Site | None:
     shape = _shape(gathered.gathered)
     group = resolve_process_group(gathered.group_name)
     if shape is None or group is None or gathered.gather_dim >= len(shape):
@@ -136,13 +136,7 @@ def _plan(graph: torch.fx.Graph, gathered: GatheredTensor) -> _Site | None:
     dims: dict[torch.fx.Node, int] = {gathered.gathered: gathered.gather_dim}  # shards: their shard dim
     rules: dict[torch.fx.Node, _Rule] = {}
     splits: set[torch.fx.Node] = set()
-    started = False
-    for node in graph.nodes:
-        if node is gathered.gathered:
-            started = True
-            continue
-        if not started:
-            continue
+    for node in _nodes_after(gathered.gathered):
         sharded = [i for i in node.all_input_nodes if i in dims or i in splits]
         if not sharded:
             continue
@@ -159,6 +153,14 @@ def _plan(graph: torch.fx.Graph, gathered: GatheredTensor) -> _Site | None:
     if not rules:
         return None
     return _Site(gathered, rank, full, part, rules)
+
+
+def _nodes_after(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
+    """The graph's nodes after ``node``, in order (the region's readers come after what they read)."""
+    node = node.next
+    while node.op != "root":
+        yield node
+        node = node.next
 
 
 def _classify(

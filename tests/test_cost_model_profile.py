@@ -115,9 +115,11 @@ def test_a_kinds_contention_factor_is_the_median_of_the_processs_measurements(
     measured = iter([1.1, 2.0, 1.4, 1.0, 1.3, 1.0])  # reduce, move, reduce, move, ...
     keys = iter(range(100))
 
-    def fake_measure(compute: Any, comms: Any, group: Any, cache: dict[str, float], *args: Any) -> float:
+    def fake_measure(
+        compute: Any, comms: Any, group: Any, cache: dict[str, float], repeats: int, transfer: str
+    ) -> float:
         factor = next(measured)
-        cache[f"contention|{next(keys)}"] = factor
+        cache[f"contention|{next(keys)}|{transfer}"] = factor  # keys end with the kind, as measure_contention's
         return factor
 
     monkeypatch.setattr("cost_model.profile.estimator.measure_contention", fake_measure)

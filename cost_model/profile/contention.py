@@ -95,7 +95,7 @@ def measure_contention(
     key = (
         f"{CONTENTION_KEY_PREFIX}{sig}|bytes={nbytes}|iters={iters}|backend={backend_name(group)}|size={resolve_group_size(group)}"
         f"|in_flight=all|{transfer}"
-    )
+    )  # ends with the transfer's kind: factors_of reads it back
     # Every rank must take the same branch: measure unless the key is cached everywhere.
     if not agree_max([0.0 if key in cache else 1.0], group)[0]:
         factor = agree_max([cache[key]], group)[0]
@@ -158,6 +158,11 @@ def measure_contention(
     return factor
 
 
+def factors_of(cache: dict[str, float], transfer: Transfer) -> list[float]:
+    """The factors ``cache`` (``measure_contention``'s memo) holds for ``transfer``'s kind."""
+    return [factor for key, factor in cache.items() if key.endswith(f"|{transfer}")]
+
+
 def _comm_nbytes(node: torch.fx.Node) -> int:
     try:
         call = describe_comm(node, 1)
@@ -169,4 +174,4 @@ def _comm_nbytes(node: torch.fx.Node) -> int:
     return int(evaluate(nbytes, size_hints([node, *node.all_input_nodes])))
 
 
-__all__ = ["CONTENTION_KEY_PREFIX", "TRANSFERS", "Transfer", "measure_contention", "transfer_of"]
+__all__ = ["CONTENTION_KEY_PREFIX", "TRANSFERS", "Transfer", "factors_of", "measure_contention", "transfer_of"]

@@ -89,7 +89,14 @@ from cost_model.memory import is_schema_view
 from cost_model.nodes import NodesLike, call_target, node_list
 from cost_model.op_kinds import P2P_OP_NAMES, kind_of, op_name
 from cost_model.profile.cache import MeasurementCache, cached_seconds, device_key, settled, with_sample
-from cost_model.profile.contention import CONTENTION_KEY_PREFIX, TRANSFERS, Transfer, measure_contention, transfer_of
+from cost_model.profile.contention import (
+    CONTENTION_KEY_PREFIX,
+    TRANSFERS,
+    Transfer,
+    factors_of,
+    measure_contention,
+    transfer_of,
+)
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
 from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args, run_node, transfer_tensors
 from cost_model.profile.segments import segment_times
@@ -208,10 +215,9 @@ class ProfiledEstimator(EstimatorBase):
         self.issue_measurements: dict[str, float] = {}
         #: compute slowdown under each kind of transfer (cost_model.profile.contention), as measured
         self.measured_contention: dict[Transfer, float] = {}
-        #: every contention measurement of this process by its key: never on disk (module docstring)
+        #: every contention measurement of this process by its key: never on disk (module docstring);
+        #: ``measured_contention`` holds each kind's median of them
         self._contention_cache: dict[str, float] = {}
-        #: each kind's factors measured so far, one per key (``measured_contention`` is their median)
-        self._contention_samples: dict[Transfer, dict[str, float]] = {}
         self._link_ratios: dict[str, float] = {}  # collective signature -> measured / base time
         self._compute_ratios: dict[str, dict[str, float]] = {}  # op -> {signature: measured / base time}
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
@@ -418,7 +424,9 @@ class ProfiledEstimator(EstimatorBase):
         missing = agree_max(missing, agree_group)
 
         times: list[float] = []
-        new_samples: dict[str, float] = {}  # compute signature -> this rank's measurement, for the disk cache
+        new_samples: dict[
+            str, list[float]
+        ] = {}  # compute signature -> its disk-cache entry with this rank's measurement
         measured = cached = 0
         to_measure = int(sum(missing))
         with progress_bar(
@@ -429,8 +437,8 @@ class ProfiledEstimator(EstimatorBase):
                     bar.set_postfix_str(item_label(op_name(item.node, qualified=True)), refresh=False)
                     t = self._measure(item)
                     if not item.is_collective and not math.isnan(t):
-                        new_samples[item.sig] = t
-                        t = cached_seconds(with_sample(cache.get(item.sig, []), t))
+                        new_samples[item.sig] = with_sample(cache.get(item.sig, []), t)
+                        t = cached_seconds(new_samples[item.sig])
                     measured += 1
                     bar.update()
                 else:
@@ -452,7 +460,7 @@ class ProfiledEstimator(EstimatorBase):
             base_s = self.base.node_cost(item.node).time_s
             if not item.is_collective:
                 if item.sig in new_samples:
-                    cache[item.sig] = with_sample(cache.get(item.sig, []), new_samples[item.sig])
+                    cache[item.sig] = new_samples[item.sig]
                 if base_s > 0:
                     self._compute_ratios.setdefault(op_name(item.node, qualified=True), {})[item.sig] = t / base_s
             elif base_s > 0 and not item.is_p2p:  # link_scale prices the P2P transfers not measured
@@ -469,14 +477,11 @@ class ProfiledEstimator(EstimatorBase):
                 (t, it.node) for it, t in zip(items, times, strict=True) if it.is_collective and t != FAILED_S
             ]
             for transfer in TRANSFERS:
-                before = set(self._contention_cache)
                 factor = measure_contention(
                     measured_compute, measured_comms, agree_group, self._contention_cache, self.repeats, transfer
                 )
                 if factor is not None:
-                    samples = self._contention_samples.setdefault(transfer, {})
-                    samples.update({k: self._contention_cache[k] for k in set(self._contention_cache) - before})
-                    pooled = statistics.median(samples.values()) if samples else factor
+                    pooled = statistics.median(factors_of(self._contention_cache, transfer))
                     self.measured_contention[transfer] = pooled
                     contention = max(contention or 1.0, pooled)
         self.disk_cache.store(key, {k: v for k, v in cache.items() if not k.startswith(CONTENTION_KEY_PREFIX)})

@@ -87,14 +87,11 @@ class AllGatherSite:
         self.transposes = [as_node(mm.args[0]) for mm in m.transposed]  # t(view(gathered)) nodes
         self.views = [v for mm in m.matmuls for v in _chain_to(row_operand(mm), m.gathered)]
         self.views += [v for t in self.transposes for v in _chain_to(as_node(t.args[0]), m.gathered)]
-        chunkers = [u for u in m.wait.users] if m.gathered is not m.wait else []
-        getitems = [g for c in chunkers for g in c.users if g.target is operator.getitem]
         region = {
             m.issue,
             m.wait,
             m.gathered,
-            *chunkers,
-            *getitems,
+            *m.chunking,
             *self.views,
             *m.matmuls,
             *self.transposes,

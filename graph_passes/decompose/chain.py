@@ -94,13 +94,10 @@ class ChainSite(PerPeerOnly):
         position = node_positions(graph)
         self.region = RowRegion(graph, gather.gathered, self.scatter.matmuls, self.before, self.n, position)
         self.outputs, self.anchor, self.hoist = self.region.edges(set(self.scatter.old_nodes), position)
-        chunkers = [u for u in gather.wait.users] if gather.gathered is not gather.wait else []
-        getitems = [g for c in chunkers for g in c.users]
         old = {
             gather.issue,
             gather.wait,
-            *chunkers,
-            *getitems,
+            *gather.chunking,
             gather.gathered,
             *self.region.nodes,
             *self.scatter.old_nodes,
