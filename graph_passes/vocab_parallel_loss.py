@@ -181,17 +181,20 @@ def _classify(
         return None if d_out is None else _Rule("reshape", d_out)
     if target == aten.split.Tensor:
         d = dims.get(source) if source is not None else None
-        split_dim = as_int(node.args[2]) if len(node.args) > 2 else 0
-        if d is None or as_int(node.args[1]) != part or _norm(split_dim, node) != d:
+        split_dim = _arg(node, 2, "dim", 0)
+        if d is None or source is None or _arg(node, 1, "split_size", 0) != part or _norm(split_dim, source) != d:
             return None
         return _Rule("split", d)
     if target == aten.slice.Tensor:
         d = dims.get(source) if source is not None else None
-        start, end = as_int(node.args[2]), min(as_int(node.args[3]), full)
-        if d is None:
+        if d is None or source is None:
             return None
-        if _norm(as_int(node.args[1]), node) != d:
+        if _norm(_arg(node, 1, "dim", 0), source) != d:
             return _Rule("same", d)
+        start, end, step = _arg(node, 2, "start", 0), _arg(node, 3, "end", full), _arg(node, 4, "step", 1)
+        if step != 1:
+            return None
+        start, end = (min(max(i + full if i < 0 else i, 0), full) for i in (start, end))
         if (start, end) == (0, full):
             return _Rule("whole", d)
         return _Rule("chunk", d) if (start, end) == (rank * part, (rank + 1) * part) else None
@@ -199,10 +202,9 @@ def _classify(
         if source not in dims or out is None or any(i in dims for i in node.all_input_nodes[1:]):
             return None
         rank_in = len(_shape(source) or [])
-        reduced = (
-            list(range(rank_in)) if target == aten.sum.default else [_norm(d, source) for d in as_ints(node.args[1])]
-        )
-        if not reduced:  # sum(x, []) reduces every dim
+        listed = None if target == aten.sum.default else node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        reduced = [_norm(d, source) for d in as_ints(listed)] if listed is not None else []
+        if not reduced:  # sum(x), sum(x, None), sum(x, []): every dim
             reduced = list(range(rank_in))
         d = dims[source]
         if d in reduced:
@@ -220,6 +222,12 @@ def _classify(
     if torch.Tag.pointwise in tags or target in _ALSO_POINTWISE:
         return _pointwise_rule(node, dims, full, out)
     return None
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: int) -> int:
+    """An int argument given by position or name; ``default`` where it is absent or None."""
+    value = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+    return default if value is None else as_int(value)
 
 
 def _norm(dim: int, node: torch.fx.Node) -> int:

@@ -23,7 +23,16 @@ def _gathers_and_reductions(graph: torch.fx.Graph) -> tuple[list[list[int]], lis
     return gathers, reduces
 
 
-def _compare(rank: int, world_size: int, plan: str, codegen: str, return_logits: bool, ignored: int) -> dict[str, Any]:
+#: How the step takes the logits it computes the loss of: all of them, or every other one.
+_HEADS = {
+    "all": lambda logits, vocab: logits[..., :vocab],  # a slice that keeps the shard
+    "every_other": lambda logits, vocab: logits[..., ::2],  # a strided slice: the gather stays
+}
+
+
+def _compare(
+    rank: int, world_size: int, plan: str, codegen: str, return_logits: bool, ignored: int, head: str = "all"
+) -> dict[str, Any]:
     import copy
 
     import dhelix_compile.capture as capture
@@ -48,10 +57,12 @@ def _compare(rank: int, world_size: int, plan: str, codegen: str, return_logits:
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
     targets = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+    if head == "every_other":
+        targets //= 2  # classes of the strided slice
     targets.view(-1)[:ignored] = -100  # ignore_index: no target, no gradient
 
     def step(model: torch.nn.Module, t: torch.Tensor, y: torch.Tensor) -> Any:
-        logits = model(t)[..., : config.vocab_size]  # all of the vocabulary: a slice that keeps the shard
+        logits = _HEADS[head](model(t), config.vocab_size)
         loss = lm_loss(logits, y)
         return (loss, logits) if return_logits else loss
 
@@ -102,6 +113,15 @@ def test_a_loss_over_gathered_logits_runs_on_the_shards(plan: str, world_size: i
 def test_logits_the_step_returns_stay_gathered() -> None:
     """The logits are an output: every rank needs them whole, so the gather stays."""
     for result in run_on_ranks(_compare, 2, "tp", "eager", True, 0, timeout_s=100):
+        (joint,) = result["seen"]
+        assert joint["rewritten"] == 0 and joint["after"] == joint["before"]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_strided_slice_of_the_logits_keeps_the_gather() -> None:
+    """``x[..., ::2]`` runs from 0 to the end, but is not all of the vocabulary."""
+    for result in run_on_ranks(_compare, 2, "tp", "eager", False, 0, "every_other", timeout_s=100):
         (joint,) = result["seen"]
         assert joint["rewritten"] == 0 and joint["after"] == joint["before"]
 
