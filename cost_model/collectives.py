@@ -40,10 +40,10 @@ gloo (``backend="gloo"``), from the algorithms ProcessGroupGloo calls::
 
     all_reduce      ring (gloo/allreduce.cc, ring)             steps 2(n-1)   wire 2(n-1)/n * S
     all_gather      ring (gloo/allgather.cc)                   steps n-1      wire (n-1)/n * S
-    reduce_scatter  clone + all_reduce of the whole input, then keep one chunk
-                    (ProcessGroupGloo::reduce_scatter_tensor_coalesced, pytorch#118911):
-                                                               steps 2(n-1)   wire 2(n-1)/n * S
-                    -- about twice the bytes of NCCL's reduce-scatter
+    reduce_scatter  sent as an all-to-all of the input, summed after the wait
+                    (``graph_passes.gloo_collectives``: gloo's own clones and all-reduces the
+                    whole input, twice the bytes, ProcessGroupGloo::reduce_scatter_tensor_coalesced,
+                    pytorch#118911)                            steps n-1      wire (n-1)/n * S
     all_to_all      pairwise (gloo/alltoall.cc)                steps n-1      wire (n-1)/n * S
     broadcast       binomial tree (gloo/broadcast.cc)          steps ceil(log2 n)
                                                                wire ceil(log2 n) * S
@@ -121,11 +121,7 @@ def alpha_beta_terms(
         if algorithm == "tree" and backend == "nccl":
             return 2 * _ceil_log2(n), Fraction(2)
         return 2 * (n - 1), 2 * ring_share
-    if op == "reduce_scatter":
-        if backend == "gloo":
-            return 2 * (n - 1), 2 * ring_share
-        return n - 1, ring_share
-    if op in ("all_gather", "all_to_all"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
         return n - 1, ring_share
     # broadcast
     if backend == "gloo":

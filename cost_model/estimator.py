@@ -24,8 +24,8 @@ neutral answers: :class:`AnalyticEstimator` and :class:`TableEstimator` inherit 
 their own contention factor), :class:`MemoizedEstimator` forwards all of them to the estimator it
 wraps, and :class:`cost_model.profile.ProfiledEstimator` has real answers for all of them.
 
-A pass that lowers a planned node after the planning (``graph_passes.gloo_gathers``: an
-all-gather -> an all-to-all at the same issue and wait) may fix the new nodes' costs in
+A pass that lowers a planned node after the planning (``graph_passes.gloo_collectives``: an
+all-gather or a reduce-scatter -> an all-to-all at the same issue and wait) may fix the new nodes' costs in
 ``node.meta[PLANNED_COST_KEY]`` (a :class:`NodeCost`), so that the final graph is priced as it
 was planned; :class:`PlannedCosts` reads them (the dumps' predicted timeline of the final graph).
 

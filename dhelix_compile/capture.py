@@ -41,7 +41,8 @@ from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator, resolve_cost_model
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
-from graph_passes.gloo_gathers import GlooGatherOptions
+from graph_passes.gloo_collectives import PASS_NAME as GLOO_COLLECTIVES
+from graph_passes.gloo_collectives import GlooCollectiveOptions
 from graph_passes.regather import mark_regathers
 from graph_passes.vocab_parallel_loss import shard_gathered_losses
 
@@ -175,7 +176,7 @@ def _pass_context(
         phase=phase,
         example_inputs=example_inputs,
         estimator=estimator,
-        pass_options={**pass_options(config), "gloo_gathers": GlooGatherOptions(gloo_gather_groups(gm))},
+        pass_options={**pass_options(config), GLOO_COLLECTIVES: GlooCollectiveOptions(gloo_groups(gm))},
         observer=dumper,
     )
     if estimator is not None:  # building a profiled estimator measures the graph's ops and collectives
@@ -193,13 +194,14 @@ def _pass_context(
     return ctx
 
 
-def gloo_gather_groups(gm: torch.fx.GraphModule) -> frozenset[str]:
-    """The live gloo groups ``gm`` all-gathers on: the ``gloo_gathers`` pass sends those
-    all-gathers as all-to-alls (its module docstring says why)."""
+def gloo_groups(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The live gloo groups ``gm`` all-gathers or reduce-scatters on: the ``gloo_collectives``
+    pass sends those collectives as all-to-alls (its module docstring says why)."""
+    c10d = torch.ops._c10d_functional
     names = {
-        str(node.args[2])
+        str(node.args[2] if node.target is c10d.all_gather_into_tensor.default else node.args[3])
         for node in gm.graph.nodes
-        if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+        if node.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
     }
     return frozenset(name for name in names if compat.group_backend(name) == "gloo")
 

@@ -3,7 +3,9 @@
 device "auto": the CUDA device's table entry (by name), else this CPU, measured once per
                process; on several ranks, rank 0's measurement is shared through the c10d
                store so every rank plans with the same numbers (a measured device differs
-               a little from rank to rank, and different numbers mean different schedules).
+               a little from rank to rank, and different numbers mean different schedules:
+               collectives issued in another order on each rank, which exchange the wrong
+               tensors when their shapes match). device "cpu" is measured the same way.
 link "auto":   nvlink4 between GPUs, loopback between CPU processes.
 cost_model "profile": the analytic estimator as a base, calibrated on the live device and
                process group by cost_model.ProfiledEstimator (agreed across ranks, cached).
@@ -45,7 +47,7 @@ def _uses_cuda(example_inputs: Sequence[Any]) -> bool:
 
 def resolve_device(config: DHelixConfig, example_inputs: Sequence[Any]) -> Device:
     """The cost model's device for this compile (see the module docstring)."""
-    if config.device != "auto":
+    if config.device not in ("auto", "cpu"):
         return get_device(config.device)
     if _uses_cuda(example_inputs):
         name = torch.cuda.get_device_name()

@@ -33,7 +33,7 @@ from graph_passes.collapse_waits import collapse_waits_pass
 from graph_passes.combine_all_reduces import combine_all_reduces_pass
 from graph_passes.context import PassContext
 from graph_passes.decompose import decompose_pass
-from graph_passes.gloo_gathers import gloo_gathers_pass
+from graph_passes.gloo_collectives import gloo_collectives_pass
 from graph_passes.interleave import interleave_pass
 from graph_passes.reorder import reorder_pass
 from graph_passes.verify import verify_pass
@@ -85,9 +85,10 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("interleave", interleave_pass, "order a merged helix graph's two strands by the DHelix DP"),
     GraphPass("reorder", reorder_pass, "issue collectives early, wait late, within a memory budget"),
     GraphPass(
-        "gloo_gathers",
-        gloo_gathers_pass,
-        "all-gathers on gloo groups -> one all-to-all of the repeated shard (torch's gloo all-gather in flight corrupts the heap)",
+        "gloo_collectives",
+        gloo_collectives_pass,
+        "all-gathers and reduce-scatters on gloo groups -> all-to-alls (gloo's all-gather in flight corrupts the heap;"
+        " its reduce-scatter sends twice the bytes)",
     ),
     GraphPass("verify", verify_pass, "lint, topological order, every collective has its wait"),
 )

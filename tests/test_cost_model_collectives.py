@@ -40,10 +40,13 @@ def test_nccl_ring_bytes_on_wire(op: str, n: int, expected: float) -> None:
     assert collective_bytes_on_wire(op, S, n) == pytest.approx(expected, rel=0, abs=0)
 
 
-def test_gloo_reduce_scatter_moves_twice_the_bytes() -> None:
+def test_a_gloo_reduce_scatter_moves_the_bytes_of_the_all_to_all_dhelix_sends() -> None:
+    """gloo's own reduce-scatter all-reduces the whole input; graph_passes.gloo_collectives sends
+    it as an all-to-all, which moves NCCL's reduce-scatter bytes, half the all-reduce's."""
     nccl = collective_bytes_on_wire("reduce_scatter", S, 4, backend="nccl")
     gloo = collective_bytes_on_wire("reduce_scatter", S, 4, backend="gloo")
-    assert gloo == 2 * nccl == collective_bytes_on_wire("all_reduce", S, 4, backend="gloo")
+    assert gloo == nccl == collective_bytes_on_wire("all_to_all", S, 4, backend="gloo")
+    assert 2 * gloo == collective_bytes_on_wire("all_reduce", S, 4, backend="gloo")
 
 
 def test_gloo_broadcast_is_binomial_tree() -> None:

@@ -31,3 +31,19 @@ def test_profiled_compiles_share_one_estimator_per_process(tmp_path) -> None:
     assert isinstance(first, ProfiledEstimator) and first is second
     other = build_estimator(config.patch(cache_dir=str(tmp_path / "other")), _graph(), [torch.ones(2, 2)])
     assert other is not first
+
+
+def _cpu_devices(rank: int, world_size: int) -> list[tuple[float, ...]]:
+    from dhelix_compile.estimation import resolve_device
+
+    devices = [resolve_device(DHelixConfig.from_options({"device": d}, environ={}), []) for d in ("cpu", "auto")]
+    return [(*d.peak_flops_per_s.values(), d.mem_bandwidth_bytes_per_s, d.launch_overhead_s) for d in devices]
+
+
+def test_a_measured_cpu_device_is_rank_0s_on_every_rank() -> None:
+    """device="cpu", like "auto" on the CPU, plans with rank 0's measurement: each rank's own
+    differs a little, and different costs mean a different order of collectives on each rank."""
+    from dhelix_compile.testing.multirank import run_on_ranks
+
+    (rank0, rank1) = run_on_ranks(_cpu_devices, 2, timeout_s=120)
+    assert rank0 == rank1 and rank0[0] == rank0[1]

@@ -14,7 +14,7 @@ Contract
            other collective and point-to-point transfer) broadcasts from each rank in turn,
            which send and receive without adding -- on CPU the two take very different CPU per
            byte (a broadcast rather than an all_to_all or all_gather: gloo runs it in place,
-           with no ATen work on its thread; see graph_passes.gloo_gathers)
+           with no ATen work on its thread; see graph_passes.gloo_collectives)
     key    "contention|<op signature>|bytes=..|iters=..|backend=..|size=..|in_flight=..|<xfer>"
            (``cache`` is the caller's in-process memo: the key cannot name the link, so a factor
            never goes to the disk cache; see cost_model.profile.estimator)

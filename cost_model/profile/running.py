@@ -10,10 +10,11 @@ Contract
   calls, the device synchronized after each; :func:`median_run_or_nan_s` -- the same after a
   barrier on a group that runs it together, NaN when it raises (the profiler's failure value).
 * :func:`device_of_nodes` -- where the nodes' tensors live (the first one found; CPU if none).
-* :func:`run_node` -- call a node's target on real arguments, as the compiled graph will: an
-  all-gather on a gloo group goes as one all-to-all of its shard repeated once per rank
-  (:func:`gather_as_all_to_all`; torch 2.13's gloo all-gather in flight while the rank computes
-  corrupts the heap; ``graph_passes.gloo_gathers`` sends it so in the compiled graph);
+* :func:`run_node` -- call a node's target on real arguments, as the compiled graph will
+  (``graph_passes.gloo_collectives`` says why): on a gloo group, an all-gather goes as one
+  all-to-all of its shard repeated once per rank (:func:`gather_as_all_to_all`), and a sum
+  reduce-scatter as one all-to-all of its input (:func:`reduce_scatter_as_all_to_all`) whose
+  received chunks the wait run by ``run_node`` adds up (the wait's value is the reduce-scatter's);
   :func:`transfer_tensors` lists what a transfer's result leaves in flight.
 
 Nothing here knows estimators: :mod:`cost_model.profile.estimator` (ops and collectives alone)
@@ -31,6 +32,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cost_model.comm_nodes import resolve_process_group
 from cost_model.nodes import call_target
@@ -41,12 +43,31 @@ _C10D = torch.ops._c10d_functional
 
 
 def gather_as_all_to_all(shard: torch.Tensor, ranks: int, group_name: str) -> torch.Tensor:
-    """``all_gather_into_tensor(shard, ranks, group_name)`` sent as ``graph_passes.gloo_gathers``
+    """``all_gather_into_tensor(shard, ranks, group_name)`` sent as ``graph_passes.gloo_collectives``
     sends it: one all-to-all of the shard repeated ``ranks`` times, every split the shard's rows
     (its output, in flight, is the gathered tensor; wait it with ``wait_tensor``)."""
     repeated = shard.repeat(ranks, *([1] * (shard.dim() - 1)))
     splits = [shard.shape[0]] * ranks
     return _C10D.all_to_all_single.default(repeated, splits, splits, group_name)
+
+
+def reduce_scatter_as_all_to_all(x: torch.Tensor, ranks: int, group_name: str) -> torch.Tensor:
+    """``reduce_scatter_tensor(x, "sum", ranks, group_name)`` sent as ``graph_passes.gloo_collectives``
+    sends it: one all-to-all of ``x`` (contiguous), every split ``x``'s rows / ``ranks``. Its
+    output, in flight, holds every rank's chunk for this rank: :func:`sum_received` of the
+    waited output is the reduce-scatter's."""
+    x = x.contiguous()
+    splits = [x.shape[0] // ranks] * ranks
+    return _C10D.all_to_all_single.default(x, splits, splits, group_name)
+
+
+def sum_received(received: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The reduce-scatter's result from :func:`reduce_scatter_as_all_to_all`'s waited output."""
+    return received.view(ranks, received.shape[0] // ranks, *received.shape[1:]).sum(0)
+
+
+#: Outputs of reduce-scatters sent as all-to-alls by :func:`run_node`, in flight: their ranks.
+_SUMMED_AFTER_WAIT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def run_node(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
@@ -56,6 +77,14 @@ def run_node(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
         shard, ranks, group = args[0], int(args[1]), str(args[2])
         if backend_name(resolve_process_group(group)) == "gloo":
             return gather_as_all_to_all(shard, ranks, group)
+    if target is _C10D.reduce_scatter_tensor.default:
+        x, op, ranks, group = args[0], str(args[1]), int(args[2]), str(args[3])
+        if op == "sum" and x.shape[0] % ranks == 0 and backend_name(resolve_process_group(group)) == "gloo":
+            received = reduce_scatter_as_all_to_all(x, ranks, group)
+            _SUMMED_AFTER_WAIT[received] = ranks
+            return received
+    if target is _C10D.wait_tensor.default and args[0] in _SUMMED_AFTER_WAIT:
+        return sum_received(_C10D.wait_tensor.default(args[0]), _SUMMED_AFTER_WAIT.pop(args[0]))
     return target(*args, **kwargs)
 
 

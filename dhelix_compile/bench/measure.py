@@ -16,9 +16,11 @@ Contract
       share of ``compute_s`` of synthetic matmuls, with one or two of them in flight at a time
       -- the best overlap this machine allows for the step's communication and compute (see its
       docstring). The bench reports the faster of the two depths.
-    - On a gloo group an all-gather is replayed as one all-to-all, as the
-      ``gloo_gathers`` pass sends it (torch 2.13's gloo all-gather in flight beside compute
-      corrupts the heap; the pass's docstring says how that was found).
+    - On a gloo group an all-gather and a sum reduce-scatter are replayed as all-to-alls, as the
+      ``gloo_collectives`` pass sends them (torch 2.13's gloo all-gather in flight beside compute
+      corrupts the heap; its reduce-scatter all-reduces the whole input, twice the bytes; the
+      pass's docstring says how that was found). ``T_comm`` and the ceiling are the step's
+      collectives as dhelix sends them, not as Inductor does.
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ class CollectiveReplay:
 
     Calling it issues each collective and waits for it before the next (``T_comm``);
     ``issue(i)`` and ``wait(handles)`` split one collective for schedules that put work between.
-    An all-gather on a gloo group is issued as one all-to-all (see the module docstring): the
-    same bytes on the link, sent the way dhelix's compiled graphs send them.
+    An all-gather or a sum reduce-scatter on a gloo group is issued as one all-to-all (see the
+    module docstring), the way dhelix's compiled graphs send them.
     """
 
     def __init__(self, nodes: Sequence[torch.fx.Node]) -> None:
@@ -130,7 +132,9 @@ class CollectiveReplay:
 
     def issue(self, i: int) -> list[torch.Tensor]:
         node, args, kwargs = self.calls[i]
-        return transfer_tensors(run_node(node, args, kwargs))  # the profiler's runner: gloo all-gathers as all-to-alls
+        return transfer_tensors(
+            run_node(node, args, kwargs)
+        )  # the profiler's runner: gloo gathers and reduce-scatters as all-to-alls
 
     @staticmethod
     def wait(handles: Sequence[torch.Tensor]) -> None:

@@ -1,0 +1,223 @@
+"""gloo_collectives: on a gloo group, an all-gather becomes one all-to-all of its repeated shard
+and a sum reduce-scatter one all-to-all of its input summed after the wait, at the positions the
+passes gave the issue and the wait; values stay (2 and 4 gloo ranks; bitwise on 2), the profiler's
+``run_node`` sends them the same way, and a graph on another group is left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from cost_model.testing import fake_world, trace_aten
+from dhelix_compile import _torch_compat as compat
+from dhelix_compile.capture import gloo_groups
+from dhelix_compile.testing.multirank import run_on_ranks
+from graph_passes import PassContext
+from graph_passes.annotate import annotate_pass
+from graph_passes.gloo_collectives import GlooCollectiveOptions, gloo_collectives_pass
+from graph_passes.pipeline import pass_names
+from graph_passes.verify import verify_pass
+
+c10d = torch.ops._c10d_functional
+PASS = "gloo_collectives"
+
+
+def _gather_then_compute(x: torch.Tensor, w: torch.Tensor, group: object) -> torch.Tensor:
+    gathered = funcol.all_gather_single(x, 0, group)  # type: ignore[arg-type]
+    early = (x @ w).relu()  # independent compute between the issue and the wait
+    return (gathered @ w).sum(0) + early.sum(0)
+
+
+def _traced(group: object, ranks: int) -> torch.fx.GraphModule:
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    gm = trace_aten(lambda a, b: _gather_then_compute(a, b, group), x, w)
+    # issue first, wait last: what reorder makes of an all-gather with compute beside it
+    gather = next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default)
+    wait = next(iter(gather.users))
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    first.prepend(gather)
+    user = min(wait.users, key=lambda n: list(gm.graph.nodes).index(n))
+    user.prepend(wait)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _ops(gm: torch.fx.GraphModule) -> list[str]:
+    names = {
+        c10d.all_gather_into_tensor.default: "ag",
+        c10d.all_to_all_single.default: "a2a",
+        torch.ops.aten.repeat.default: "repeat",
+        c10d.wait_tensor.default: "wait",
+        torch.ops.aten.cat.default: "cat",
+        torch.ops.aten.mm.default: "mm",
+    }
+    return [names[n.target] for n in gm.graph.nodes if n.target in names]
+
+
+def _rewritten(gm: torch.fx.GraphModule, groups: frozenset[str]) -> PassContext:
+    ctx = PassContext("test", "fwd", pass_options={PASS: GlooCollectiveOptions(groups)})
+    annotate_pass(gm, ctx)
+    gloo_collectives_pass(gm, ctx)
+    verify_pass(gm, ctx)
+    gm.recompile()
+    return ctx
+
+
+def test_an_all_gather_becomes_an_all_to_all_of_the_repeated_shard_where_it_was_issued() -> None:
+    with fake_world(4) as group:
+        gm = _traced(group, 4)
+        assert _ops(gm) == ["ag", "mm", "wait", "mm"]
+        name = str(next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default).args[2])
+        ctx = _rewritten(gm, frozenset({name}))
+    assert _ops(gm) == ["repeat", "a2a", "mm", "wait", "mm"]
+    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.repeat.default]
+    (sent,) = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
+    assert repeat.args[1] == [4, 1] and sent.args[1:] == ([3] * 4, [3] * 4, name)  # the shard is 3 x 8
+    assert repeat.meta["dhelix"]["kind"] == "compute" and sent.meta["dhelix"]["kind"] == "collective"
+    assert ctx.stats[PASS] == {"all-gathers sent as all-to-alls": 1}
+
+
+def test_other_groups_and_graphs_without_options_are_left_alone() -> None:
+    with fake_world(2) as group:
+        gm = _traced(group, 2)
+        before = _ops(gm)
+        ctx = _rewritten(gm, frozenset({"some other group"}))
+        assert _ops(gm) == before and PASS not in ctx.stats
+        gloo_collectives_pass(gm, PassContext("test", "fwd"))
+        assert _ops(gm) == before
+        assert gloo_groups(gm) == frozenset()  # the fake group is no gloo group
+    assert pass_names()[-2:] == (PASS, "verify")
+
+
+def _on_ranks(rank: int, world_size: int) -> float:
+    group = dist.group.WORLD
+    gm = _traced(group, world_size)
+    x, w = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank)), torch.randn(8, 8)
+    dist.broadcast(w, 0)
+    want = gm(x, w)
+    groups = gloo_groups(gm)
+    assert groups == {compat.group_name(group)}, groups
+    _rewritten(gm, groups)
+    assert _ops(gm).count("a2a") == 1 and "ag" not in _ops(gm)
+    return float((gm(x, w) - want).abs().max())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo_all_to_all_gathers_equal_the_all_gather_on_gloo_ranks(world_size: int) -> None:
+    for diff in run_on_ranks(_on_ranks, world_size, timeout_s=240):
+        assert diff == 0.0
+
+
+def test_the_all_to_all_keeps_the_price_the_plan_gave_the_all_gather() -> None:
+    """The estimator measured the all-gather, never the all-to-all node: the final graph's
+    predicted timeline (``PlannedCosts``) must price it as the plan priced the gather."""
+    from cost_model import PlannedCosts, TableEstimator, simulate
+
+    with fake_world(4) as group:
+        gm = _traced(group, 4)
+        gather = next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default)
+        estimator = TableEstimator({gather.name: 0.030}, {"compute": 0.001, "collective": 0.0005})
+        planned_s = simulate(gm.graph, estimator).makespan_s
+        ctx = PassContext(
+            "test", "fwd", estimator=estimator, pass_options={PASS: GlooCollectiveOptions(frozenset({gather.args[2]}))}
+        )
+        annotate_pass(gm, ctx)
+        gloo_collectives_pass(gm, ctx)
+    assert ctx.stats[PASS] == {"all-gathers sent as all-to-alls": 1}
+    assert simulate(gm.graph, estimator).makespan_s < planned_s  # priced as an all-to-all of its own: 0.5 ms
+    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.repeat.default]  # the lowering's own op
+    as_planned_s = planned_s + estimator.node_cost(repeat).time_s
+    assert simulate(gm.graph, PlannedCosts(estimator)).makespan_s == pytest.approx(as_planned_s)
+
+
+def _traced_scatter(group: object, ranks: int, op: str = "sum") -> torch.fx.GraphModule:
+    x, w = torch.randn(3 * ranks, 8), torch.randn(8, 8)
+
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        scattered = funcol.reduce_scatter_tensor(a @ b, op, 0, group)  # type: ignore[arg-type]
+        early = (a @ b).relu()
+        return (scattered @ b).sum(0) + early.sum(0)
+
+    gm = trace_aten(f, x, w)
+    # issue right after its input, wait last: what reorder makes of it
+    scatter = next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default)
+    wait = next(iter(scatter.users))
+    user = min(wait.users, key=lambda n: list(gm.graph.nodes).index(n))
+    user.prepend(wait)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _scatter_ops(gm: torch.fx.GraphModule) -> list[str]:
+    names = {
+        c10d.reduce_scatter_tensor.default: "rs",
+        c10d.all_to_all_single.default: "a2a",
+        c10d.wait_tensor.default: "wait",
+        torch.ops.aten.sum.dim_IntList: "sum",
+        torch.ops.aten.mm.default: "mm",
+    }
+    return [names[n.target] for n in gm.graph.nodes if n.target in names]
+
+
+def test_a_reduce_scatter_becomes_an_all_to_all_summed_after_its_wait() -> None:
+    with fake_world(4) as group:
+        gm = _traced_scatter(group, 4)
+        assert _scatter_ops(gm) == ["mm", "rs", "mm", "wait", "mm", "sum", "sum"]
+        name = str(next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default).args[3])
+        ctx = _rewritten(gm, frozenset({name}))
+    assert _scatter_ops(gm) == ["mm", "a2a", "mm", "wait", "sum", "mm", "sum", "sum"]
+    (sent,) = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
+    assert sent.args[1:] == ([3] * 4, [3] * 4, name)  # the input is 12 x 8: 3 rows per rank
+    assert list(sent.meta["val"].shape) == [12, 8] and sent.meta["dhelix"]["kind"] == "collective"
+    (wait,) = sent.users
+    (view,) = wait.users
+    assert list(view.meta["val"].shape) == [4, 3, 8] and view.meta["dhelix"]["kind"] == "view"
+    (total,) = view.users
+    assert list(total.meta["val"].shape) == [3, 8] and total.meta["dhelix"]["kind"] == "compute"
+    assert ctx.stats[PASS] == {"reduce-scatters sent as all-to-alls": 1}
+
+
+def test_a_reduce_scatter_of_another_op_is_left_alone() -> None:
+    with fake_world(2) as group:
+        gm = _traced_scatter(group, 2, op="avg")
+        before = _scatter_ops(gm)
+        name = str(next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default).args[3])
+        ctx = _rewritten(gm, frozenset({name}))
+    assert _scatter_ops(gm) == before
+    assert ctx.stats[PASS] == {"reduce-scatter left: reduce op avg": 1}
+
+
+def _scatter_on_ranks(rank: int, world_size: int) -> tuple[float, float]:
+    from cost_model.profile.running import run_node
+
+    group = dist.group.WORLD
+    gm = _traced_scatter(group, world_size)
+    x = torch.randn(3 * world_size, 8, generator=torch.Generator().manual_seed(rank))
+    w = torch.randn(8, 8)
+    dist.broadcast(w, 0)
+    want = gm(x, w)
+    groups = gloo_groups(gm)
+    assert groups == {compat.group_name(group)}, groups
+    scatter = next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default)
+    y = x @ w
+    wanted = c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world_size, compat.group_name(group)))
+    # the profiler's runner sends it as the pass does: the wait it runs adds the received chunks up
+    (wait,) = scatter.users
+    run = run_node(wait, (run_node(scatter, (y, *scatter.args[1:]), {}),), {})
+    _rewritten(gm, groups)
+    assert _scatter_ops(gm).count("a2a") == 1 and "rs" not in _scatter_ops(gm)
+    scale = float(want.abs().max())
+    return float((gm(x, w) - want).abs().max()) / scale, float((run - wanted).abs().max()) / float(wanted.abs().max())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo_all_to_all_reduce_scatters_equal_the_reduce_scatter_on_gloo_ranks(world_size: int) -> None:
+    """Bitwise on 2 ranks (two operands add the same either way); on 4, gloo's ring adds in
+    another order (relative differences of float32 rounding)."""
+    for diffs in run_on_ranks(_scatter_on_ranks, world_size, timeout_s=240):
+        for diff in diffs:
+            assert diff == 0.0 if world_size == 2 else diff < 1e-6
