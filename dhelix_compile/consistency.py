@@ -2,15 +2,20 @@
 
 If two ranks of a group disagree (different graphs after a rank-dependent branch, or
 different schedules after different cost estimates), the job deadlocks at the first
-mismatched collective. dhelix checks before any code runs:
+mismatched collective, or, worse, runs: collectives of equal shapes issued in another order on
+each rank exchange each other's tensors, and the results are silently wrong (the measured
+``device="cpu"`` planned with each rank's own numbers did that to a merged helix graph).
+dhelix checks before any code runs:
 
     for each process group a scheduled graph communicates on:
-        signature = [(op, shapes, dtypes) of each collective on that group, in graph order]
+        signature = [(node name, op, shapes, dtypes) of each collective on that group, in graph order]
         publish  dhelix/consistency/<group>/<n>/<rank>  = signature      (c10d store, outside the graph)
         wait for the other ranks of the group (consistency_timeout_s)
         first difference -> RankMismatchError naming the collective and both ranks' versions
         a rank that never publishes -> RankMismatchError naming it (never a hang)
 
+Node names identify a collective across ranks: every rank traces the same code and runs the
+same passes on it, which name the nodes they make in the order they make them.
 ``n`` counts the checks on each group in this process; ranks of one group compile the same
 graphs in the same order, so it matches across them. The check runs only when
 ``torch.distributed`` is initialized and the graph holds collectives. The decompose pass's
@@ -75,7 +80,7 @@ def collective_signatures(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
             continue
         op = op_name(node, qualified=True).removeprefix("_c10d_functional.")
         inputs = ", ".join(_describe(a) for a in node.args if isinstance(a, (torch.fx.Node, list, tuple)))
-        per_group.setdefault(group, []).append(f"{op}({inputs}) -> {_describe(node)}")
+        per_group.setdefault(group, []).append(f"{node.name} = {op}({inputs}) -> {_describe(node)}")
     return per_group
 
 
@@ -120,5 +125,6 @@ def _compare(mine: Sequence[str], theirs: dict, me: int, rank: int, group: str, 
         if a != b:
             raise RankMismatchError(
                 f"{graph_name}: collective #{index} on process group '{group}' differs between ranks "
-                f"(the job would deadlock):\n  rank {me}: {a}\n  rank {rank}: {b}  (its graph: {theirs['graph']})"
+                f"(the job would deadlock, or exchange the wrong tensors where only the names differ):"
+                f"\n  rank {me}: {a}\n  rank {rank}: {b}  (its graph: {theirs['graph']})"
             )

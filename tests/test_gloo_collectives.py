@@ -191,8 +191,18 @@ def test_a_reduce_scatter_of_another_op_is_left_alone() -> None:
     assert ctx.stats[PASS] == {"reduce-scatter left: reduce op avg": 1}
 
 
+def test_only_a_gloo_sum_reduce_scatter_is_sent_as_an_all_to_all_by_the_profiler() -> None:
+    from cost_model.profile.running import scatter_sent_as_all_to_all
+
+    with fake_world(2) as group:
+        for op in ("sum", "avg"):
+            gm = _traced_scatter(group, 2, op=op)
+            (scatter,) = [n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default]
+            assert not scatter_sent_as_all_to_all(scatter)  # the fake group is no gloo group
+
+
 def _scatter_on_ranks(rank: int, world_size: int) -> tuple[float, float]:
-    from cost_model.profile.running import run_node
+    from cost_model.profile.running import run_node, scatter_sent_as_all_to_all
 
     group = dist.group.WORLD
     gm = _traced_scatter(group, world_size)
@@ -203,6 +213,7 @@ def _scatter_on_ranks(rank: int, world_size: int) -> tuple[float, float]:
     groups = gloo_groups(gm)
     assert groups == {compat.group_name(group)}, groups
     scatter = next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default)
+    assert scatter_sent_as_all_to_all(scatter)  # the estimator prices its contention as a move
     y = x @ w
     wanted = c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", world_size, compat.group_name(group)))
     # the profiler's runner sends it as the pass does: the wait it runs adds the received chunks up

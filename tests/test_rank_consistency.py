@@ -62,8 +62,8 @@ def test_signatures_group_collectives_by_process_group() -> None:
         signatures = collective_signatures(gm)
     (sequence,) = signatures.values()
     assert sequence == [
-        "all_gather_into_tensor.default(float32[2, 3]) -> float32[8, 3]",
-        "all_reduce.default(float32[8, 3]) -> float32[8, 3]",
+        "all_gather_into_tensor = all_gather_into_tensor.default(float32[2, 3]) -> float32[8, 3]",
+        "all_reduce = all_reduce.default(float32[8, 3]) -> float32[8, 3]",
     ]
 
 
@@ -83,6 +83,26 @@ def test_signatures_compare_the_exchanges_with_the_collectives() -> None:
         signatures = collective_signatures(gm)
     (sequence,) = signatures.values()
     assert sequence == [
-        "dhelix.exchange.default(float32[2, 3]) -> [float32[0], float32[2, 3]]",
-        "all_reduce.default(float32[2, 3]) -> float32[2, 3]",
+        "exchange = dhelix.exchange.default(float32[2, 3]) -> [float32[0], float32[2, 3]]",
+        "all_reduce = all_reduce.default(float32[2, 3]) -> float32[2, 3]",
     ]
+
+
+def test_collectives_of_equal_shapes_in_another_order_are_a_mismatch() -> None:
+    """Two ranks that schedule two same-shape all-reduces in opposite orders would not deadlock:
+    each would reduce the other's tensor. The node names tell them apart."""
+    from cost_model.testing import fake_world, trace_aten
+    from dhelix_compile.consistency import RankMismatchError, _compare
+
+    with fake_world(2) as group:
+        gm = trace_aten(
+            lambda x, y: funcol.all_reduce(x, "sum", group) + funcol.all_reduce(y, "sum", group),
+            *[torch.ones(2, 3)] * 2,
+        )
+        (mine,) = collective_signatures(gm).values()
+        first, second = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+        first.prepend(second)  # the other rank's order: y's all-reduce first
+        (theirs,) = collective_signatures(gm).values()
+    assert mine != theirs and sorted(mine) == sorted(theirs)
+    with pytest.raises(RankMismatchError, match=r"collective #0 .* exchange the wrong tensors"):
+        _compare(mine, {"graph": "g", "collectives": theirs}, 0, 1, "0", "g")

@@ -25,8 +25,9 @@ except that a node whose *signature* has been measured gets the measured time.
              its own slowest op and largest transfer): one measurement varies by up to 1.2x
              from the next on this project's CPU machine, more than from op to op, and a
              merged graph priced with a low one was predicted 17% short of its measured time.
-             Each transfer's ``NodeCost.contention_factor`` is its kind's; ``contention_factor``
-             the largest
+             Each transfer's ``NodeCost.contention_factor`` is its kind's (a gloo reduce-scatter,
+             sent as an all-to-all whose adding runs after the wait, is a "move":
+             ``running.scatter_sent_as_all_to_all``); ``contention_factor`` the largest
     write the compute ops' measurements to the cache (JSON, one file per device, atomically
              replaced; ``cost_model.profile.cache``)
     progress bar (cost_model.progress): rank 0 only; ``progress=None`` shows it when stderr
@@ -98,7 +99,14 @@ from cost_model.profile.contention import (
     transfer_of,
 )
 from cost_model.profile.pairs import SegmentSignature, segment_pair_times
-from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_args, run_node, transfer_tensors
+from cost_model.profile.running import (
+    device_of_nodes,
+    median_run_or_nan_s,
+    real_args,
+    run_node,
+    scatter_sent_as_all_to_all,
+    transfer_tensors,
+)
 from cost_model.profile.segments import segment_times
 from cost_model.profile.signatures import (
     collective_signature,
@@ -251,7 +259,8 @@ class ProfiledEstimator(EstimatorBase):
     def node_cost(self, node: torch.fx.Node) -> NodeCost:
         cost = self._priced(node)
         if cost.kind in ("collective", "p2p") and self.measured_contention:
-            factor = self.measured_contention.get(transfer_of(cost.collective))
+            transfer = "move" if scatter_sent_as_all_to_all(node) else transfer_of(cost.collective)
+            factor = self.measured_contention.get(transfer)
             return cost if factor is None else dataclasses.replace(cost, contention_factor=factor)
         return cost
 

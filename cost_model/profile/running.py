@@ -70,16 +70,36 @@ def sum_received(received: torch.Tensor, ranks: int) -> torch.Tensor:
 _SUMMED_AFTER_WAIT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def _on_gloo(group_name: str) -> bool:
+    return backend_name(resolve_process_group(group_name)) == "gloo"
+
+
+def scatter_sent_as_all_to_all(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a reduce-scatter that goes as an all-to-all (:func:`run_node`): its
+    transfer only moves bytes, and the adding happens after the wait, on the rank's own thread."""
+    if call_target(node) is not _C10D.reduce_scatter_tensor.default:
+        return False
+    x = node.args[0]
+    value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    rows = value.shape[0] if isinstance(value, torch.Tensor) else None
+    return (
+        str(node.args[1]) == "sum"
+        and isinstance(rows, int)
+        and rows % int(str(node.args[2])) == 0
+        and _on_gloo(str(node.args[3]))
+    )
+
+
 def run_node(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     """``node``'s target on real ``args``/``kwargs``, as the compiled graph runs it (module docstring)."""
     target = call_target(node)
     if target is _C10D.all_gather_into_tensor.default:
         shard, ranks, group = args[0], int(args[1]), str(args[2])
-        if backend_name(resolve_process_group(group)) == "gloo":
+        if _on_gloo(group):
             return gather_as_all_to_all(shard, ranks, group)
     if target is _C10D.reduce_scatter_tensor.default:
         x, op, ranks, group = args[0], str(args[1]), int(args[2]), str(args[3])
-        if op == "sum" and x.shape[0] % ranks == 0 and backend_name(resolve_process_group(group)) == "gloo":
+        if op == "sum" and x.shape[0] % ranks == 0 and _on_gloo(group):
             received = reduce_scatter_as_all_to_all(x, ranks, group)
             _SUMMED_AFTER_WAIT[received] = ranks
             return received
