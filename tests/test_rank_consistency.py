@@ -42,8 +42,8 @@ def test_different_shapes_name_the_first_diverging_collective() -> None:
     results = run_on_ranks(_compile_and_run, 2, [8, 16], 30.0, timeout_s=120)
     for message in results:
         assert "collective #0 on process group" in message, message
-        assert "rank 0: all_reduce.default(float32[8])" in message
-        assert "rank 1: all_reduce.default(float32[16])" in message
+        assert "rank 0: all_reduce = all_reduce.default(float32[8])" in message
+        assert "rank 1: all_reduce = all_reduce.default(float32[16])" in message
 
 
 def test_a_rank_that_never_compiles_is_named_within_the_timeout() -> None:
