@@ -8,14 +8,17 @@ each rank exchange each other's tensors, and the results are silently wrong (the
 dhelix checks before any code runs:
 
     for each process group a scheduled graph communicates on:
-        signature = [(node name, op, shapes, dtypes) of each collective on that group, in graph order]
+        signature = [(op, shapes, dtypes) of each collective on that group, in graph order]
         publish  dhelix/consistency/<group>/<n>/<rank>  = signature      (c10d store, outside the graph)
         wait for the other ranks of the group (consistency_timeout_s)
         first difference -> RankMismatchError naming the collective and both ranks' versions
         a rank that never publishes -> RankMismatchError naming it (never a hang)
+        where both ranks hold the same graph (the same named collectives on every group, in
+        any order): the sequences again with each collective's node name, which tells
+        same-shape collectives apart (every rank traced the same code and ran the same passes,
+        which name the nodes they make in the order they make them). Ranks whose graphs
+        differ by design (a resharding's groups, pipeline stages) compare shapes only.
 
-Node names identify a collective across ranks: every rank traces the same code and runs the
-same passes on it, which name the nodes they make in the order they make them.
 ``n`` counts the checks on each group in this process; ranks of one group compile the same
 graphs in the same order, so it matches across them. The check runs only when
 ``torch.distributed`` is initialized and the graph holds collectives. The decompose pass's
@@ -69,8 +72,9 @@ def _group_name_of(node: torch.fx.Node) -> str | None:
     return None
 
 
-def collective_signatures(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
-    """Per group name, the collectives of ``gm`` on it, in order, as comparable strings."""
+def collective_signatures(gm: torch.fx.GraphModule, *, named: bool = False) -> dict[str, list[str]]:
+    """Per group name, the collectives of ``gm`` on it, in order, as comparable strings
+    (``named``: each with its node's name)."""
     per_group: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
         if not (kind_of(node) == "collective" or node.target is P2P_EXCHANGE):
@@ -80,7 +84,8 @@ def collective_signatures(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
             continue
         op = op_name(node, qualified=True).removeprefix("_c10d_functional.")
         inputs = ", ".join(_describe(a) for a in node.args if isinstance(a, (torch.fx.Node, list, tuple)))
-        per_group.setdefault(group, []).append(f"{node.name} = {op}({inputs}) -> {_describe(node)}")
+        signature = f"{op}({inputs}) -> {_describe(node)}"
+        per_group.setdefault(group, []).append(f"{node.name} = {signature}" if named else signature)
     return per_group
 
 
@@ -91,17 +96,22 @@ def check_rank_consistency(gm: torch.fx.GraphModule, graph_name: str, timeout_s:
     signatures = collective_signatures(gm)
     if not signatures:
         return
+    named = collective_signatures(gm, named=True)
+    everything = sorted(f"{group}: {sig}" for group, sigs in named.items() for sig in sigs)
     store = compat.default_store()
     me = dist.get_rank()
     for group, sequence in signatures.items():
         count = _checks_per_group.get(group, 0)
         _checks_per_group[group] = count + 1
         prefix = f"dhelix/consistency/{group}/{count}"
-        store.set(f"{prefix}/{me}", json.dumps({"graph": graph_name, "collectives": sequence}))
+        mine = {"graph": graph_name, "collectives": sequence, "named": named[group], "everything": everything}
+        store.set(f"{prefix}/{me}", json.dumps(mine))
         ranks = compat.group_ranks(group)
         others = {r: _wait_for(store, f"{prefix}/{r}", r, group, graph_name, timeout_s) for r in ranks if r != me}
         for rank, theirs in sorted(others.items()):
             _compare(sequence, theirs, me, rank, group, graph_name)
+            if theirs["everything"] == everything:  # the same graph on both ranks: the same order too
+                _compare(named[group], {**theirs, "collectives": theirs["named"]}, me, rank, group, graph_name)
     log.info("%s: collective sequence agrees across ranks (%d group(s))", graph_name, len(signatures))
 
 

@@ -38,6 +38,11 @@ def _traced(group: object, ranks: int) -> torch.fx.GraphModule:
     wait = next(iter(gather.users))
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     first.prepend(gather)
+    return _waited_last(gm, wait)
+
+
+def _waited_last(gm: torch.fx.GraphModule, wait: torch.fx.Node) -> torch.fx.GraphModule:
+    """``wait`` moved right before its first reader, as reorder places a wait."""
     user = min(wait.users, key=lambda n: list(gm.graph.nodes).index(n))
     user.prepend(wait)
     gm.graph.lint()
@@ -45,16 +50,22 @@ def _traced(group: object, ranks: int) -> torch.fx.GraphModule:
     return gm
 
 
-def _ops(gm: torch.fx.GraphModule) -> list[str]:
-    names = {
-        c10d.all_gather_into_tensor.default: "ag",
-        c10d.all_to_all_single.default: "a2a",
-        torch.ops.aten.repeat.default: "repeat",
-        c10d.wait_tensor.default: "wait",
-        torch.ops.aten.cat.default: "cat",
-        torch.ops.aten.mm.default: "mm",
-    }
-    return [names[n.target] for n in gm.graph.nodes if n.target in names]
+_OPS = {
+    c10d.all_gather_into_tensor.default: "ag",
+    c10d.reduce_scatter_tensor.default: "rs",
+    c10d.all_to_all_single.default: "a2a",
+    torch.ops.aten.repeat.default: "repeat",
+    c10d.wait_tensor.default: "wait",
+    torch.ops.aten.cat.default: "cat",
+    torch.ops.aten.mm.default: "mm",
+    torch.ops.aten.sum.dim_IntList: "sum",
+}
+
+
+def _ops(gm: torch.fx.GraphModule, *, sums: bool = False) -> list[str]:
+    """The graph's collectives, waits, matmuls, repeats and cats (and sums), in order."""
+    ops = [_OPS[n.target] for n in gm.graph.nodes if n.target in _OPS]
+    return ops if sums else [op for op in ops if op != "sum"]
 
 
 def _rewritten(gm: torch.fx.GraphModule, groups: frozenset[str]) -> PassContext:
@@ -144,32 +155,16 @@ def _traced_scatter(group: object, ranks: int, op: str = "sum") -> torch.fx.Grap
     gm = trace_aten(f, x, w)
     # issue right after its input, wait last: what reorder makes of it
     scatter = next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default)
-    wait = next(iter(scatter.users))
-    user = min(wait.users, key=lambda n: list(gm.graph.nodes).index(n))
-    user.prepend(wait)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
-def _scatter_ops(gm: torch.fx.GraphModule) -> list[str]:
-    names = {
-        c10d.reduce_scatter_tensor.default: "rs",
-        c10d.all_to_all_single.default: "a2a",
-        c10d.wait_tensor.default: "wait",
-        torch.ops.aten.sum.dim_IntList: "sum",
-        torch.ops.aten.mm.default: "mm",
-    }
-    return [names[n.target] for n in gm.graph.nodes if n.target in names]
+    return _waited_last(gm, next(iter(scatter.users)))
 
 
 def test_a_reduce_scatter_becomes_an_all_to_all_summed_after_its_wait() -> None:
     with fake_world(4) as group:
         gm = _traced_scatter(group, 4)
-        assert _scatter_ops(gm) == ["mm", "rs", "mm", "wait", "mm", "sum", "sum"]
+        assert _ops(gm, sums=True) == ["mm", "rs", "mm", "wait", "mm", "sum", "sum"]
         name = str(next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default).args[3])
         ctx = _rewritten(gm, frozenset({name}))
-    assert _scatter_ops(gm) == ["mm", "a2a", "mm", "wait", "sum", "mm", "sum", "sum"]
+    assert _ops(gm, sums=True) == ["mm", "a2a", "mm", "wait", "sum", "mm", "sum", "sum"]
     (sent,) = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
     assert sent.args[1:] == ([3] * 4, [3] * 4, name)  # the input is 12 x 8: 3 rows per rank
     assert list(sent.meta["val"].shape) == [12, 8] and sent.meta["dhelix"]["kind"] == "collective"
@@ -184,10 +179,10 @@ def test_a_reduce_scatter_becomes_an_all_to_all_summed_after_its_wait() -> None:
 def test_a_reduce_scatter_of_another_op_is_left_alone() -> None:
     with fake_world(2) as group:
         gm = _traced_scatter(group, 2, op="avg")
-        before = _scatter_ops(gm)
+        before = _ops(gm, sums=True)
         name = str(next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default).args[3])
         ctx = _rewritten(gm, frozenset({name}))
-    assert _scatter_ops(gm) == before
+    assert _ops(gm, sums=True) == before
     assert ctx.stats[PASS] == {"reduce-scatter left: reduce op avg": 1}
 
 
@@ -220,7 +215,7 @@ def _scatter_on_ranks(rank: int, world_size: int) -> tuple[float, float]:
     (wait,) = scatter.users
     run = run_node(wait, (run_node(scatter, (y, *scatter.args[1:]), {}),), {})
     _rewritten(gm, groups)
-    assert _scatter_ops(gm).count("a2a") == 1 and "rs" not in _scatter_ops(gm)
+    assert _ops(gm, sums=True).count("a2a") == 1 and "rs" not in _ops(gm, sums=True)
     scale = float(want.abs().max())
     return float((gm(x, w) - want).abs().max()) / scale, float((run - wanted).abs().max()) / float(wanted.abs().max())
 

@@ -42,8 +42,8 @@ def test_different_shapes_name_the_first_diverging_collective() -> None:
     results = run_on_ranks(_compile_and_run, 2, [8, 16], 30.0, timeout_s=120)
     for message in results:
         assert "collective #0 on process group" in message, message
-        assert "rank 0: all_reduce = all_reduce.default(float32[8])" in message
-        assert "rank 1: all_reduce = all_reduce.default(float32[16])" in message
+        assert "rank 0: all_reduce.default(float32[8])" in message
+        assert "rank 1: all_reduce.default(float32[16])" in message
 
 
 def test_a_rank_that_never_compiles_is_named_within_the_timeout() -> None:
@@ -62,8 +62,8 @@ def test_signatures_group_collectives_by_process_group() -> None:
         signatures = collective_signatures(gm)
     (sequence,) = signatures.values()
     assert sequence == [
-        "all_gather_into_tensor = all_gather_into_tensor.default(float32[2, 3]) -> float32[8, 3]",
-        "all_reduce = all_reduce.default(float32[8, 3]) -> float32[8, 3]",
+        "all_gather_into_tensor.default(float32[2, 3]) -> float32[8, 3]",
+        "all_reduce.default(float32[8, 3]) -> float32[8, 3]",
     ]
 
 
@@ -83,8 +83,8 @@ def test_signatures_compare_the_exchanges_with_the_collectives() -> None:
         signatures = collective_signatures(gm)
     (sequence,) = signatures.values()
     assert sequence == [
-        "exchange = dhelix.exchange.default(float32[2, 3]) -> [float32[0], float32[2, 3]]",
-        "all_reduce = all_reduce.default(float32[2, 3]) -> float32[2, 3]",
+        "dhelix.exchange.default(float32[2, 3]) -> [float32[0], float32[2, 3]]",
+        "all_reduce.default(float32[2, 3]) -> float32[2, 3]",
     ]
 
 
@@ -99,10 +99,33 @@ def test_collectives_of_equal_shapes_in_another_order_are_a_mismatch() -> None:
             lambda x, y: funcol.all_reduce(x, "sum", group) + funcol.all_reduce(y, "sum", group),
             *[torch.ones(2, 3)] * 2,
         )
-        (mine,) = collective_signatures(gm).values()
+        (mine,) = collective_signatures(gm, named=True).values()
         first, second = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
         first.prepend(second)  # the other rank's order: y's all-reduce first
-        (theirs,) = collective_signatures(gm).values()
+        (theirs,) = collective_signatures(gm, named=True).values()
     assert mine != theirs and sorted(mine) == sorted(theirs)
     with pytest.raises(RankMismatchError, match=r"collective #0 .* exchange the wrong tensors"):
         _compare(mine, {"graph": "g", "collectives": theirs}, 0, 1, "0", "g")
+
+
+def _swapped_on_rank_1(rank: int, world_size: int) -> str:
+    from cost_model.testing import trace_aten
+    from dhelix_compile.consistency import RankMismatchError, check_rank_consistency
+
+    group = dist.group.WORLD
+    gm = trace_aten(
+        lambda x, y: funcol.all_reduce(x, "sum", group) + funcol.all_reduce(y, "sum", group), *[torch.ones(2, 3)] * 2
+    )
+    if rank == 1:
+        first, second = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+        first.prepend(second)
+    try:
+        check_rank_consistency(gm, "swapped", 30.0)
+    except RankMismatchError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_the_same_graph_scheduled_in_another_order_on_one_rank_fails_the_check() -> None:
+    for message in run_on_ranks(_swapped_on_rank_1, 2, timeout_s=120):
+        assert "collective #0" in message and "all_reduce_1 = all_reduce.default" in message, message
