@@ -60,6 +60,7 @@ import torch.fx
 
 from cost_model.estimator import PLANNED_COST_KEY, Estimator, NodeCost
 from cost_model.op_kinds import kind_of
+from cost_model.profile.running import why_scatter_stays
 from graph_passes._torch_compat import fake_mode_of
 from graph_passes.annotate import META_KEY
 from graph_passes.context import PassContext
@@ -89,7 +90,7 @@ def gloo_collectives_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.f
         if node.target is _C10D.all_gather_into_tensor.default and str(node.args[2]) in options.groups:
             _send_gather(gm.graph, node, ctx)
         elif node.target is _C10D.reduce_scatter_tensor.default and str(node.args[3]) in options.groups:
-            why = _why_not(node)
+            why = why_scatter_stays(node)
             if why is None:
                 _send_reduce_scatter(gm.graph, node, ctx)
             else:
@@ -113,22 +114,6 @@ def _send_gather(graph: torch.fx.Graph, gather: torch.fx.Node, ctx: PassContext)
     gather.replace_all_uses_with(sent)
     graph.erase_node(gather)
     ctx.count(PASS_NAME, "all-gathers sent as all-to-alls")
-
-
-def _why_not(scatter: torch.fx.Node) -> str | None:
-    """Why a reduce-scatter stays as it is (None: it is sent as an all-to-all)."""
-    x, op, ranks = scatter.args[0], str(scatter.args[1]), as_int(scatter.args[2])
-    rows = val(x).shape[0] if isinstance(x, torch.fx.Node) and isinstance(val(x), torch.Tensor) else None
-    if op != "sum":
-        return f"reduce op {op}"
-    if not isinstance(rows, int):
-        return "symbolic rows"
-    if rows % ranks:
-        return f"{rows} rows on {ranks} ranks"
-    users = list(scatter.users)
-    if len(users) != 1 or users[0].target is not _C10D.wait_tensor.default:
-        return "not read by one wait"
-    return None
 
 
 def _send_reduce_scatter(graph: torch.fx.Graph, scatter: torch.fx.Node, ctx: PassContext) -> None:

@@ -12,8 +12,9 @@ Contract
 * :func:`device_of_nodes` -- where the nodes' tensors live (the first one found; CPU if none).
 * :func:`run_node` -- call a node's target on real arguments, as the compiled graph will
   (``graph_passes.gloo_collectives`` says why): on a gloo group, an all-gather goes as one
-  all-to-all of its shard repeated once per rank (:func:`gather_as_all_to_all`), and a sum
-  reduce-scatter as one all-to-all of its input (:func:`reduce_scatter_as_all_to_all`) whose
+  all-to-all of its shard repeated once per rank (:func:`gather_as_all_to_all`), and a
+  reduce-scatter the pass rewrites (:func:`why_scatter_stays` says which) as one all-to-all of
+  its input (:func:`reduce_scatter_as_all_to_all`) whose
   received chunks the wait run by ``run_node`` adds up (the wait's value is the reduce-scatter's);
   :func:`transfer_tensors` lists what a transfer's result leaves in flight.
 
@@ -74,18 +75,31 @@ def _on_gloo(group_name: str) -> bool:
     return backend_name(resolve_process_group(group_name)) == "gloo"
 
 
+def why_scatter_stays(node: torch.fx.Node) -> str | None:
+    """Why a ``reduce_scatter_tensor`` node is not sent as an all-to-all on a gloo group (None:
+    it is): another reduce op, symbolic or indivisible rows, or a reader other than one wait.
+    ``graph_passes.gloo_collectives`` rewrites by this rule and :func:`run_node` runs by it."""
+    x, op, ranks = node.args[0], str(node.args[1]), int(str(node.args[2]))
+    value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    rows = value.shape[0] if isinstance(value, torch.Tensor) else None
+    if op != "sum":
+        return f"reduce op {op}"
+    if not isinstance(rows, int):
+        return "symbolic rows"
+    if rows % ranks:
+        return f"{rows} rows on {ranks} ranks"
+    users = list(node.users)
+    if len(users) != 1 or users[0].target is not _C10D.wait_tensor.default:
+        return "not read by one wait"
+    return None
+
+
 def scatter_sent_as_all_to_all(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a reduce-scatter that goes as an all-to-all (:func:`run_node`): its
     transfer only moves bytes, and the adding happens after the wait, on the rank's own thread."""
-    if call_target(node) is not _C10D.reduce_scatter_tensor.default:
-        return False
-    x = node.args[0]
-    value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    rows = value.shape[0] if isinstance(value, torch.Tensor) else None
     return (
-        str(node.args[1]) == "sum"
-        and isinstance(rows, int)
-        and rows % int(str(node.args[2])) == 0
+        call_target(node) is _C10D.reduce_scatter_tensor.default
+        and why_scatter_stays(node) is None
         and _on_gloo(str(node.args[3]))
     )
 
@@ -97,12 +111,11 @@ def run_node(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
         shard, ranks, group = args[0], int(args[1]), str(args[2])
         if _on_gloo(group):
             return gather_as_all_to_all(shard, ranks, group)
-    if target is _C10D.reduce_scatter_tensor.default:
-        x, op, ranks, group = args[0], str(args[1]), int(args[2]), str(args[3])
-        if op == "sum" and x.shape[0] % ranks == 0 and _on_gloo(group):
-            received = reduce_scatter_as_all_to_all(x, ranks, group)
-            _SUMMED_AFTER_WAIT[received] = ranks
-            return received
+    if target is _C10D.reduce_scatter_tensor.default and why_scatter_stays(node) is None and _on_gloo(str(args[3])):
+        ranks = int(args[2])  # the group the caller runs it on (a profiler's live group)
+        received = reduce_scatter_as_all_to_all(args[0], ranks, str(args[3]))
+        _SUMMED_AFTER_WAIT[received] = ranks
+        return received
     if target is _C10D.wait_tensor.default and args[0] in _SUMMED_AFTER_WAIT:
         return sum_received(_C10D.wait_tensor.default(args[0]), _SUMMED_AFTER_WAIT.pop(args[0]))
     return target(*args, **kwargs)
