@@ -23,6 +23,7 @@ Codegen = Literal["inductor", "eager"]
 Fallback = Literal["inductor", "error"]
 CostModelKind = Literal["auto", "analytic", "profile"]
 DecomposeMode = Literal["off", "auto", "per_peer", "chunked"]
+HelixSchedule = Literal["forward_backward", "paired_ends", "same_phase"]
 
 
 class ConfigError(ValueError):
@@ -158,6 +159,16 @@ class DHelixConfig:
         0.02,
         "decompose='auto' rewrites a site only if its time (measured where the candidates run, else "
         "predicted) drops by at least this fraction ([0, 1)).",
+    )
+    helix_schedule: HelixSchedule = _option(
+        "forward_backward",
+        "helix: which strand calls of a step run as one merged graph. 'forward_backward' (the "
+        "default, DHelix's pairing): F0, B0+F1, ..., B(n-1), the first forward and the last "
+        "backward alone; 'paired_ends': F0+F1, B0+F2, ..., B(n-2)+B(n-1), one micro-batch's "
+        "activations more held; 'same_phase': F0+F1, B0+B1, F2+F3, ... Measured level with the "
+        "default on the bench's TP+SP and MoE workloads: a strand alone already hides much of its "
+        "communication behind its own per-peer steps, and two forwards (or backwards) complement "
+        "each other less than a forward and a backward (helix_runtime.schedule; BENCHMARKS.md).",
     )
     interleave_memory_budget_ratio: float = _option(
         1.15,

@@ -68,15 +68,21 @@ def merge_strands(
     bwd: torch.fx.GraphModule,
     *,
     shared_fwd_inputs: Collection[int] = (),
+    phases: tuple[str, str] = ("fwd", "bwd"),
 ) -> MergedStrands:
-    """Merge a forward and a backward partition into one graph; see the module docstring."""
+    """Merge a forward and a backward partition into one graph; see the module docstring.
+
+    ``phases``: the ``phase`` tags of the two strands' nodes. Two partitions of one phase merge
+    the same way (``helix``'s "same_phase" schedule: F(i+1) ⊕ F(i), B(i+1) ⊕ B(i)); strand 0
+    is always ``fwd``'s, strand 1 ``bwd``'s.
+    """
     graph = torch.fx.Graph()
     fwd_placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     shareable = {fwd_placeholders[i].name: i for i in sorted(shared_fwd_inputs) if i < len(fwd_placeholders)}
 
     fwd_env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in fwd_placeholders:
-        fwd_env[node] = _copy_placeholder(graph, node, "f_", FWD_STRAND, "fwd")
+        fwd_env[node] = _copy_placeholder(graph, node, "f_", FWD_STRAND, phases[0])
     bwd_env: dict[torch.fx.Node, torch.fx.Node] = {}
     keep: list[bool] = []
     for node in bwd.graph.nodes:
@@ -87,11 +93,11 @@ def merge_strands(
             bwd_env[node] = fwd_env[fwd_placeholders[shared_index]]
             keep.append(False)
         else:
-            bwd_env[node] = _copy_placeholder(graph, node, "b_", BWD_STRAND, "bwd")
+            bwd_env[node] = _copy_placeholder(graph, node, "b_", BWD_STRAND, phases[1])
             keep.append(True)
 
-    fwd_outputs = _copy_body(graph, fwd, fwd_env, "f_", FWD_STRAND, "fwd")
-    bwd_outputs = _copy_body(graph, bwd, bwd_env, "b_", BWD_STRAND, "bwd")
+    fwd_outputs = _copy_body(graph, fwd, fwd_env, "f_", FWD_STRAND, phases[0])
+    bwd_outputs = _copy_body(graph, bwd, bwd_env, "b_", BWD_STRAND, phases[1])
     graph.output((*fwd_outputs, *bwd_outputs))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="MergedStrands")
     return MergedStrands(

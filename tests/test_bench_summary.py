@@ -9,6 +9,7 @@ import pytest
 
 from dhelix_compile.bench.run import ceiling_row, hidden_share, markdown
 from dhelix_compile.bench.worker import ACCOUNT_PARTS, _per_step, _step_account
+from dhelix_compile.helix_runtime.schedule import helix_schedule, write_schedule
 
 
 def _variant(step_s: float, t_compute_s: float, cpu_s: float | None = None) -> dict:
@@ -87,6 +88,7 @@ def test_a_step_account_adds_each_graph_per_call_over_the_step_and_the_table_sho
     for kind, scale in parts.items():
         _write_summary(tmp_path, kind, {part: scale * (i + 1) for i, part in enumerate(ACCOUNT_PARTS)})
     # helix, 4 micro-batches: forward + 3 merged + backward
+    write_schedule(tmp_path / "rank0", "forward_backward", helix_schedule(4, "forward_backward"))
     assert _step_account(tmp_path, 0, 4) == pytest.approx(
         {part: 131.0 * (i + 1) for i, part in enumerate(ACCOUNT_PARTS)}
     )
@@ -94,6 +96,12 @@ def test_a_step_account_adds_each_graph_per_call_over_the_step_and_the_table_sho
     _write_summary(tmp_path / "unprofiled", "bwd", None)
     assert _step_account(tmp_path / "unprofiled", 0, 4) is None  # no profiled calls: no account
     assert _per_step({"fwd": 1.0, "bwd": 2.0}, 4) == 12.0  # one strand: n x (forward + backward)
+    # helix's "same_phase" schedule: F0+F1 | B0+B1 | F2+F3 | B2+B3, and with 5: ... | B2+F4 | B3+B4
+    pairs = {"fwd": 1.0, "bwd": 2.0, "fwdpair": 10.0, "bwdpair": 100.0}
+    assert _per_step(pairs, 4, "same_phase") == 220.0
+    assert _per_step({**pairs, "merged": 1000.0}, 5, "same_phase") == 1220.0
+    assert _per_step(pairs, 5, "same_phase") is None  # a graph the schedule runs has no number
+    assert _per_step({**pairs, "merged": 1000.0}, 4, "paired_ends") == 2110.0  # F0+F1 | B0+F2 | B1+F3 | B2+B3
 
     variant = _variant(0.150, 0.100) | {
         "measured_account": dict(zip(ACCOUNT_PARTS, (0.08, 0.09, 0.03, 0.04, 0.025), strict=True))

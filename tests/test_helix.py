@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import dhelix_compile
+from dhelix_compile.helix_runtime.schedule import SCHEDULE_KINDS, merged_graph_dirs
 from dhelix_compile.helix_runtime.step import HelixError
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.moe import MoEConfig, ReferenceMoE
@@ -57,27 +58,46 @@ def _lm_loss_fn(model: nn.Module, mb) -> torch.Tensor:
 
 @pytest.mark.parametrize("n", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_transformer_equals_eager_loop(n: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("schedule", SCHEDULE_KINDS)
+def test_transformer_equals_eager_loop(n: int, dtype: torch.dtype, schedule: str) -> None:
     config = ModelConfig(n_layers=1)
     model = Transformer(config).to(dtype)
     reference = copy.deepcopy(model)
     mbs = _transformer_batches(n, config)
-    losses = dhelix_compile.helix(model, _lm_loss_fn, **EAGER)(mbs)
+    losses = dhelix_compile.helix(model, _lm_loss_fn, helix_schedule=schedule, **EAGER)(mbs)
     tol = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     _assert_same(model, reference, losses, _eager_loop(reference, _lm_loss_fn, mbs), **tol)
 
 
-def test_gradients_accumulate_onto_existing_grads_and_across_steps() -> None:
+@pytest.mark.parametrize("schedule", SCHEDULE_KINDS)
+def test_gradients_accumulate_onto_existing_grads_and_across_steps(schedule: str) -> None:
     config = ModelConfig(n_layers=1)
     model = Transformer(config)
     reference = copy.deepcopy(model)
     for p, q in zip(model.parameters(), reference.parameters()):
         p.grad = torch.ones_like(p)
         q.grad = torch.ones_like(q)
-    step = dhelix_compile.helix(model, _lm_loss_fn, **EAGER)
-    for seed in (0, 1):
-        mbs = _transformer_batches(3, config, seed)
+    step = dhelix_compile.helix(model, _lm_loss_fn, helix_schedule=schedule, **EAGER)
+    for seed, n in ((0, 3), (1, 4)):
+        mbs = _transformer_batches(n, config, seed)
         _assert_same(model, reference, step(mbs), _eager_loop(reference, _lm_loss_fn, mbs))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_KINDS)
+def test_each_backward_accumulates_in_micro_batch_order(schedule: str) -> None:
+    """B0 ⊕ B1 hands both gradients over at once; B0's must land on .grad first, as in eager."""
+    config = ModelConfig(n_layers=1)
+    model = Transformer(config)
+    reference = copy.deepcopy(model)
+    seen: dict[str, list[torch.Tensor]] = {"helix": [], "eager": []}
+    model.output.weight.register_post_accumulate_grad_hook(lambda p: seen["helix"].append(p.grad.clone()))
+    reference.output.weight.register_post_accumulate_grad_hook(lambda p: seen["eager"].append(p.grad.clone()))
+    mbs = _transformer_batches(4, config)
+    dhelix_compile.helix(model, _lm_loss_fn, helix_schedule=schedule, **EAGER)(mbs)
+    _eager_loop(reference, _lm_loss_fn, mbs)
+    assert len(seen["helix"]) == len(seen["eager"]) == 4
+    for got, want in zip(seen["helix"], seen["eager"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_moe_without_communication() -> None:
@@ -187,7 +207,7 @@ def test_inductor_codegen_equals_eager_loop(tmp_path: Path) -> None:
     mbs = _transformer_batches(3, config)
     step = dhelix_compile.helix(model, _lm_loss_fn, codegen="inductor", fallback="error", dump_dir=str(tmp_path))
     _assert_same(model, reference, step(mbs), _eager_loop(reference, _lm_loss_fn, mbs))
-    merged = [json.loads(p.read_text()) for p in tmp_path.glob("*_merged/summary.json")]
+    merged = [json.loads((p / "summary.json").read_text()) for p in merged_graph_dirs(tmp_path)]
     assert merged and merged[0]["stats"]["interleave"]["sequential: no estimator"] == 1
 
 

@@ -17,6 +17,7 @@ from unittest import mock
 
 import pytest
 
+from dhelix_compile.helix_runtime.schedule import MERGED_GRAPH_KINDS, merged_graph_dirs
 from dhelix_compile.testing.helix_checks import check_helix_cases
 from dhelix_compile.testing.multirank import run_on_ranks
 
@@ -69,11 +70,34 @@ def test_helix_equals_eager_loop_on_reference_models(world_size: int, tmp_path: 
         timeout_s=400,
     )
     _assert_passed(results)
-    merged = [json.loads(p.read_text()) for p in (tmp_path / "rank0").glob("*_merged/summary.json")]
+    merged = [json.loads((p / "summary.json").read_text()) for p in merged_graph_dirs(tmp_path / "rank0")]
     assert merged, "no merged graph was compiled"
     # the graphs with collectives were planned by the DP, and every rank planned the same
     planned = [s for s in merged if "interleave" in s.get("records", {})]
     assert planned and all(s["records"]["interleave"]["fwd_segments"] > 1 for s in planned)
+
+
+@pytest.mark.parametrize("schedule", ["paired_ends", "same_phase"])
+def test_other_schedules_equal_eager_loop_on_gloo(schedule: str, tmp_path: Path) -> None:
+    """Two forwards and two backwards of TP+SP merged on 2 gloo ranks (their collectives in one
+    order on both ranks, the gradients accumulated in micro-batch order): equal to the eager loop."""
+    from dhelix_compile.testing.helix_checks import check_helix
+
+    n = 4 if schedule == "paired_ends" else 3  # F0+F1 | B0+F2 | B1+F3 | B2+B3;  F0+F1 | B0+F2 | B1+B2
+    run_on_ranks(
+        check_helix,
+        2,
+        "tp_sp",
+        n,
+        "float32",
+        codegen="eager",
+        fallback="error",
+        helix_schedule=schedule,
+        dump_dir=str(tmp_path),
+        timeout_s=400,
+    )
+    kinds = {path.name.rsplit("_", 1)[-1] for path in merged_graph_dirs(tmp_path / "rank0")}
+    assert kinds == {"fwdpair", "merged", "bwdpair"}, kinds
 
 
 # an in-place collective in the FX (``all_reduce_``, which a merged graph can hold) counts as its functional op
@@ -142,12 +166,15 @@ def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path, dec
         # one piece per peer: with the pieces chosen by measured times, the merged graph some runs
         # had more than the 256 distinct segment pairs that are measured, and none were
         decompose_pieces=1,
+        # a forward beside a backward: two strands of distinct segments (a same-phase pair's
+        # segment pairs repeat, and repeats are measured once)
+        helix_schedule="forward_backward",
         cache_dir=str(tmp_path / "cache"),
         dump_dir=str(tmp_path / "dump"),
         timeout_s=400,
     )
     records = [
-        json.loads(next((tmp_path / "dump" / f"rank{r}").glob("*_merged/summary.json")).read_text())["records"][
+        json.loads((merged_graph_dirs(tmp_path / "dump" / f"rank{r}")[0] / "summary.json").read_text())["records"][
             "interleave"
         ]
         for r in range(2)
@@ -220,15 +247,17 @@ def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path, dumps: boo
         }
         rewritten = [summaries[p]["records"]["decompose"]["sites_rewritten"] for p in ("fwd", "bwd")]
         assert sum(rewritten) > 0, "the strands were not decomposed: this test would show nothing"
-        merged = summaries["merged"]
-        candidates = merged["records"]["merge"]
-        decomposed_s, undecomposed_s = candidates["rewritten_strands_s"], candidates["plain_strands_s"]
-        assert 0 < min(decomposed_s, undecomposed_s) < float("inf"), candidates
-        assert ("exchange" in merged["comm_order"]) == (decomposed_s <= undecomposed_s), (
-            candidates,
-            merged["comm_order"],
-        )
-        assert merged["records"]["interleave"]["predicted_makespan_s"] == min(decomposed_s, undecomposed_s)
+        merged_graphs = [summaries[kind] for kind in MERGED_GRAPH_KINDS if kind in summaries]
+        assert merged_graphs, sorted(summaries)
+        for merged in merged_graphs:  # F0 ⊕ F1 and B0 ⊕ B1 with the default schedule
+            candidates = merged["records"]["merge"]
+            decomposed_s, undecomposed_s = candidates["rewritten_strands_s"], candidates["plain_strands_s"]
+            assert 0 < min(decomposed_s, undecomposed_s) < float("inf"), candidates
+            assert ("exchange" in merged["comm_order"]) == (decomposed_s <= undecomposed_s), (
+                candidates,
+                merged["comm_order"],
+            )
+            assert merged["records"]["interleave"]["predicted_makespan_s"] == min(decomposed_s, undecomposed_s)
 
 
 def _moe_on_a_slow_link(rank: int, world_size: int, dump_dir: str) -> dict:
@@ -249,8 +278,11 @@ def test_merged_graph_weighs_strands_without_the_all_to_all_chain(tmp_path: Path
             for path in (tmp_path / f"rank{rank}").glob("*/summary.json")
         }
         assert summaries["fwd"]["stats"]["decompose"].get("all_to_all_chain: per_peer") == 1, summaries["fwd"]["stats"]
-        merged = summaries["merged"]
-        candidates = merged["records"]["merge"]
-        times = [candidates["rewritten_strands_s"], candidates["unchained_strands_s"]]
-        assert all(0 < t < float("inf") for t in times), candidates
-        assert merged["records"]["interleave"]["predicted_makespan_s"] == min(times)
+        # the merged graphs with a chained strand (F0 ⊕ F1 with the default schedule)
+        merged_graphs = [summaries[k] for k in MERGED_GRAPH_KINDS if "merge" in summaries.get(k, {}).get("records", {})]
+        assert merged_graphs, sorted(summaries)
+        for merged in merged_graphs:
+            candidates = merged["records"]["merge"]
+            times = [candidates["rewritten_strands_s"], candidates["unchained_strands_s"]]
+            assert all(0 < t < float("inf") for t in times), candidates
+            assert merged["records"]["interleave"]["predicted_makespan_s"] == min(times)

@@ -2,7 +2,7 @@
 
 Traces the TP+SP reference transformer with ``--layers`` layers on a fake 2-rank process group
 (one process: collectives are traced, nothing is sent), runs one helix step with dumps on, and
-prints the interleave pass's record for the merged graph: segment counts and ``plan_time_s``
+prints the interleave pass's record for each merged graph: segment counts and ``plan_time_s``
 (segmenting + the DP; the simulator's judgement of both orders is reported apart).
 """
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import dhelix_compile
+    from dhelix_compile.helix_runtime.schedule import merged_graph_dirs
     from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
     from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
 
@@ -45,26 +46,31 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         step(mbs)
         total_s = time.perf_counter() - start
-        summary = json.loads(next(Path(dump).glob("**/*_merged/summary.json")).read_text())
-    record = summary["records"]["interleave"]
-    print(f"TP+SP transformer, {args.layers} layers, fake 2-rank group")
-    print(
-        f"merged graph: {record['fwd_segments']:.0f} forward + {record['bwd_segments']:.0f} backward segments, "
-        f"{record['paired_segments']:.0f} paired"
-    )
-    makespans = {
-        k[len("predicted_makespan_") : -2] or "chosen": v
-        for k, v in record.items()
-        if k.startswith("predicted_makespan_") and k.endswith("_s")
-    }
-    print(
-        "predicted makespan per candidate order (ms): "
-        + ", ".join(f"{name} {format_ms(value, 2)}" for name, value in makespans.items())
-    )
-    print(
-        f"plan (segments + DP + refinement): {record['plan_time_s']:.3f} s; "
-        f"interleave pass: {summary['pass_seconds']['interleave']:.3f} s; whole first step incl. compile: {total_s:.1f} s"
-    )
+        summaries = {
+            path.name: json.loads((path / "summary.json").read_text())
+            for path in merged_graph_dirs(Path(dump) / "rank0")
+        }
+    print(f"TP+SP transformer, {args.layers} layers, fake 2-rank group, helix schedule: {step.schedule_kind}")
+    for name, summary in summaries.items():
+        record = summary["records"]["interleave"]
+        print(
+            f"merged graph {name}: {record['fwd_segments']:.0f} + {record['bwd_segments']:.0f} segments "
+            f"(strands 0 and 1), {record['paired_segments']:.0f} paired"
+        )
+        makespans = {
+            k[len("predicted_makespan_") : -2] or "chosen": v
+            for k, v in record.items()
+            if k.startswith("predicted_makespan_") and k.endswith("_s")
+        }
+        print(
+            "  predicted makespan per candidate order (ms): "
+            + ", ".join(f"{key} {format_ms(value, 2)}" for key, value in makespans.items())
+        )
+        print(
+            f"  plan (segments + DP + refinement): {record['plan_time_s']:.3f} s; "
+            f"interleave pass: {summary['pass_seconds']['interleave']:.3f} s"
+        )
+    print(f"whole first step incl. compile: {total_s:.1f} s")
     dist.destroy_process_group()
     return 0
 

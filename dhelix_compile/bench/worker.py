@@ -54,6 +54,7 @@ from dhelix_compile.bench.measure import (
 from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS, P2PReplay, build_pipeline
 from dhelix_compile.bench.steps import parse_variants, split_variant, step_function
 from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
+from dhelix_compile.helix_runtime.schedule import HelixScheduleKind, graph_calls, helix_schedule, read_schedule_kind
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,23 +105,30 @@ def init_process_group(mode: str) -> tuple[int, int]:
 
 
 def _graph_summaries(dump_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """This rank's graph summaries by kind (``fwd``, ``bwd``, ``merged``: the folder name's suffix)."""
+    """This rank's graph summaries by kind (``fwd``, ``bwd``, and the merged kinds of
+    ``helix_runtime.schedule.MERGED_GRAPH_KINDS``: the folder name's suffix)."""
     return {
         path.parent.name.rsplit("_", 1)[-1]: json.loads(path.read_text())
         for path in sorted((dump_dir / f"rank{rank}").glob("*/summary.json"))
     }
 
 
-def _per_step(per_graph: dict[str, float], microbatches: int) -> float | None:
+def _per_step(
+    per_graph: dict[str, float], microbatches: int, schedule: HelixScheduleKind | None = None
+) -> float | None:
     """A step's total of a per-call number of each graph.
 
-    Single strand: n x (forward + backward). Helix: forward + (n - 1) x merged + backward.
+    Single strand (``schedule`` None): n x (forward + backward). Helix: each graph kind times
+    its calls in ``schedule`` (``helix_runtime.schedule``).
     """
     if "fwd" not in per_graph or "bwd" not in per_graph:
         return None
-    if "merged" in per_graph:
-        return per_graph["fwd"] + (microbatches - 1) * per_graph["merged"] + per_graph["bwd"]
-    return microbatches * (per_graph["fwd"] + per_graph["bwd"])
+    if schedule is None:
+        return microbatches * (per_graph["fwd"] + per_graph["bwd"])
+    calls = graph_calls(helix_schedule(microbatches, schedule))
+    if any(kind not in per_graph for kind in calls):
+        return None
+    return sum(count * per_graph[kind] for kind, count in calls.items())
 
 
 def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | None:
@@ -133,7 +141,7 @@ def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | N
             if "predicted_makespan_s" in records.get(pass_name, {}):
                 makespans[kind] = records[pass_name]["predicted_makespan_s"]
                 break
-    return _per_step(makespans, microbatches)
+    return _per_step(makespans, microbatches, read_schedule_kind(dump_dir / f"rank{rank}"))
 
 
 #: The parts of a measured call's account (``observe.measured.CallAccount``) the bench adds up.
@@ -155,7 +163,9 @@ def _step_account(dump_dir: Path, rank: int, microbatches: int) -> dict[str, flo
         return None
     totals: dict[str, float] = {}
     for part in ACCOUNT_PARTS:
-        total = _per_step({kind: a[part] for kind, a in accounts.items()}, microbatches)
+        total = _per_step(
+            {kind: a[part] for kind, a in accounts.items()}, microbatches, read_schedule_kind(dump_dir / f"rank{rank}")
+        )
         if total is None:
             return None
         totals[part] = total

@@ -13,9 +13,12 @@ Contract
       loss(mb).backward()`` would leave: gradients accumulate onto existing ``.grad``, in
       micro-batch order. A ``data_parallel`` model's replicated gradients are all-reduced once,
       by the last backward (gradient sync is off for the other micro-batches' forwards).
-    - Execution: F(1), M(2,1), M(3,2), ..., M(n,n-1), B(n), where M is the merged graph
-      ordered by the ``interleave`` pass (``dhelix_compile.helix_runtime.strands`` explains the mechanics).
-      n = 1 is F then B.
+    - Execution: the strand calls F(i) (micro-batch i's forward) and B(i) (its backward) in the
+      steps of ``helix_runtime.schedule``, two calls of a step as one merged graph ordered by the
+      ``interleave`` pass (``helix_runtime.strands`` explains the mechanics). The default
+      (``helix_schedule="forward_backward"``): F0 | B0+F1 | ... | B(n-1). n = 1 is F then B.
+      Forwards of a ``data_parallel`` model's last micro-batch (gradient sync on) are a graph
+      of their own: paired with another forward, the two run one after the other.
     - The model is captured whole (``fullgraph=True``, static shapes): a graph break is an
       error. Micro-batches of another shape compile their own graphs; a forward and a
       backward of different shapes run one after the other instead of merged.
@@ -27,6 +30,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +40,13 @@ from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.data_parallelism import gradient_sync_on_last
+from dhelix_compile.helix_runtime.schedule import (
+    HelixScheduleKind,
+    ScheduleStep,
+    StrandCall,
+    helix_schedule,
+    write_schedule,
+)
 from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
 from dhelix_compile.own_code import with_own_code
 
@@ -69,21 +80,40 @@ class HelixStep:
             with_own_code(self._loss, "helix_loss"), backend=self._strands.backend, fullgraph=True, dynamic=False
         )
 
+    @property
+    def schedule_kind(self) -> HelixScheduleKind:
+        """The ``helix_schedule`` option."""
+        return self.config.helix_schedule
+
+    def schedule(self, n: int) -> list[ScheduleStep]:
+        """The steps a call over ``n`` micro-batches runs (``helix_runtime.schedule``)."""
+        return helix_schedule(n, self.schedule_kind)
+
     def __call__(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
         items = self._check(microbatches)
-        losses: list[torch.Tensor] = []
+        losses: dict[int, torch.Tensor] = {}
         last = len(items) - 1
         with gradient_sync_on_last(self.model) as before_forward:
-            before_forward(last == 0)
-            loss = self._forward(items[0])
-            for index, item in enumerate(items[1:], start=1):
-                before_forward(index == last)
-                next_loss = self._forward_beside_backward(item, loss)
-                losses.append(loss.detach())
-                loss = next_loss
-            loss.backward()
-        losses.append(loss.detach())
-        return losses
+
+            def run(call: StrandCall) -> None:
+                if call.phase == "fwd":
+                    before_forward(call.index == last)  # the partner's forward parks before the next flips it
+                    losses[call.index] = self._forward(items[call.index])
+                else:
+                    losses[call.index].backward()
+
+            steps = self.schedule(len(items))
+            if self.config.dump_dir:
+                from dhelix_compile.observe.dumps import rank_folder  # observe: only for dumps
+
+                write_schedule(rank_folder(self.config.dump_dir), self.schedule_kind, steps)
+            for step in steps:
+                if len(step) == 1:
+                    run(step[0])
+                else:
+                    first, second = step
+                    self._strands.run_together(functools.partial(run, first), functools.partial(run, second))
+        return [losses[i].detach() for i in range(len(items))]
 
     # ------------------------------------------------------------------ compile
 
@@ -102,7 +132,7 @@ class HelixStep:
 
     def _forward(self, item: Any) -> torch.Tensor:
         try:
-            with compat.logging_calls_ignored_by_dynamo():  # a model's log line is no graph break
+            with compat.logging_calls_ignored_by_dynamo():  # a model's log line is no graph break (thread-local)
                 loss = self._compiled(item)
         except Exception as exc:
             helix_error = find_helix_error(exc)
@@ -115,10 +145,6 @@ class HelixStep:
         if not loss.requires_grad:
             raise HelixError("helix: the loss does not require grad (does it depend on any parameter?)")
         return loss
-
-    def _forward_beside_backward(self, item: Any, previous: torch.Tensor) -> torch.Tensor:
-        """Run ``previous.backward()`` merged with the forward of ``item`` (see ``strands``)."""
-        return self._strands.run_beside(previous.backward, lambda: self._forward(item))
 
     def _check(self, microbatches: Sequence[Any]) -> list[Any]:
         if isinstance(microbatches, (torch.Tensor, Mapping)) or not isinstance(microbatches, Sequence):

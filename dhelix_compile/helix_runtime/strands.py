@@ -1,35 +1,40 @@
-"""The helix runtime: how a forward and the previous micro-batch's backward become one call.
+"""The helix runtime: how two strand calls -- a forward and the previous micro-batch's backward,
+or two forwards, or two backwards -- become one call.
 
 ``helix`` compiles one function, ``loss(micro-batch)``, with a dhelix backend whose partition
 compiler (:func:`compile_strand_partition`) keeps, per Dynamo graph, a :class:`StrandPair`: the
-scheduled forward F and the scheduled backward B. The merged graph M = F ⊕ B
-(``graph_passes.merge_strands`` + the ``interleave`` pass) is compiled the first time a forward
-meets a parked backward, and kept by the forward's pair per backward pair: F and B of one graph
-(``helix``: micro-batch i+1 and i of one model), or, when the exchange merges across graphs
-(``helix_pipeline``), F of one stage module and B of another.
+scheduled forward F and the scheduled backward B. A merged graph M of two strand calls
+(``graph_passes.merge_strands`` + the ``interleave`` pass) is compiled the first time a call
+meets a parked one, and kept by the taking call's pair per (its phase, the parked pair, the
+parked phase): F ⊕ B, F ⊕ F or B ⊕ B of one graph (``helix``: micro-batches of one model), or,
+when the exchange merges across graphs (``helix_pipeline``), F of one stage module and B of
+another.
 
 AOTAutograd calls F from the forward of each micro-batch and B from ``loss.backward()``. The
-runner (``dhelix_compile.helix_runtime.step``) makes the two meet::
+runner (``helix_runtime.step``, in the steps of ``helix_runtime.schedule``) makes two meet:
+the first call of a step runs on the partner thread and parks, the second runs here and takes
+it. For the step B1+F2::
 
-    main thread                                  backward thread
-    loss_1 = f(mb_1)          -> F alone
-    exchange.expect_forward()
+    main thread                                  partner thread
+    exchange.expect_partner()
     submit ──────────────────────────────────►   loss_1.backward()
-                                                  B wrapper: post (pair, args); wait
-    wait until posted
-    loss_2 = f(mb_2)          -> F wrapper takes the posted backward:
+                                                  B wrapper: park (pair, "bwd", args); wait
+    wait until parked
+    loss_2 = f(mb_2)          -> F wrapper takes the parked call:
                                  M(fwd args + bwd args) -> (fwd outs, grads)
                                  hands the grads over ──► B wrapper returns them; autograd
                                                           accumulates .grad as backward would
     wait ◄────────────────────────────────────── done
-    ...
-    loss_n.backward()         -> B alone (no forward follows)
 
-Nothing is left waiting: a parked backward that no forward takes (a recompile to another
-graph, an error, a merged graph that failed to compile) runs B alone in the main thread while the backward thread stays parked, so
-the strands never run concurrently; an error in M reaches both threads. The
-backward of micro-batch i always runs before the forward of i+1 returns, so gradients
-accumulate in micro-batch order, exactly as in the eager loop.
+F0+F1 runs ``f(mb_0)`` on the partner thread (its F call parks; the loss comes back as the
+job's result). In B0+B1 the taking B1 returns its gradients only after the partner's
+``loss_0.backward()`` has returned, so gradients accumulate in micro-batch order, exactly as
+in the eager loop.
+
+Nothing is left waiting: a parked call that no call takes (a recompile to another graph, an
+error, a merged graph that failed to compile, two calls of different graphs) runs alone in the
+main thread while the partner thread stays parked, so the strands never run concurrently; an
+error in M reaches both threads.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import queue
 import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -52,6 +57,7 @@ from cost_model.op_kinds import op_name
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.capture import compile_partition, joint_pass, plan_partition
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.helix_runtime.schedule import merged_graph_kind
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError
 from graph_passes.context import Phase
@@ -62,6 +68,7 @@ log = logging.getLogger("dhelix.helix")
 
 BoxedCallable = Callable[[list[Any]], Any]
 _T = TypeVar("_T")
+_A = TypeVar("_A")
 
 
 #: ``ctx.records`` group of a merged graph whose strands were rewritten by a pass's own choice
@@ -119,6 +126,7 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
 @dataclasses.dataclass
 class _Strand:
     name: str  # the partition's graph name (Dynamo's compile id), for the merged graphs' names
+    phase: Phase  # "fwd": F, "bwd": B
     gm: torch.fx.GraphModule  # as scheduled for running alone
     raw: torch.fx.GraphModule  # the partition as AOTAutograd gave it
     rewritten: tuple[str, ...]  # the passes of ``_CHOSEN_REWRITES`` that rewrote ``gm``
@@ -137,56 +145,84 @@ class _Merged:
 
 
 class StrandPair:
-    """F and B of one Dynamo graph, and the merged graphs its F was compiled into (see the module
-    docstring)."""
+    """F and B of one Dynamo graph, and the merged graphs its strands were compiled into (see the
+    module docstring)."""
 
     def __init__(self, config: DHelixConfig, exchange: StrandExchange) -> None:
         self.config = config
         self.exchange = exchange
         self.forward: _Strand | None = None
         self.backward: _Strand | None = None
-        #: per backward pair: the merged graph of this F and its B; None: run them one after the other
-        self._merged: dict[StrandPair, _Merged | None] = {}
+        #: per (this pair's phase, parked pair, parked phase): the merged graph of the two calls;
+        #: None: run them one after the other
+        self._merged: dict[tuple[Phase, StrandPair, Phase], _Merged | None] = {}
 
-    def merged_with(self, backward: StrandPair) -> _Merged | None:
-        """M = this pair's F ⊕ ``backward``'s B, compiled at the first call (None: they cannot merge).
+    def strand(self, phase: Phase) -> _Strand | None:
+        """F (``"fwd"``) or B (``"bwd"``), once compiled."""
+        return self.forward if phase == "fwd" else self.backward
+
+    def merged_with(self, phase: Phase, parked: StrandPair, parked_phase: Phase) -> _Merged | None:
+        """M = this pair's ``phase`` strand ⊕ ``parked``'s ``parked_phase`` strand, compiled at the
+        first call (None: they cannot merge).
 
         Raises what compiling raised when ``config.fallback == "error"``; otherwise a failure is
         logged, and the two run one after the other from then on.
         """
-        if backward in self._merged:
-            return self._merged[backward]
+        key = (phase, parked, parked_phase)
+        if key in self._merged:
+            return self._merged[key]
         merged: _Merged | None = None
-        mergeable = backward is self or self.exchange.merge_across_graphs
-        if mergeable and self.forward is not None and backward.backward is not None:
+        same_graph = parked is self
+        # across graphs only a forward and a backward (a pipeline's stages): never two of one phase
+        mergeable = same_graph or (self.exchange.merge_across_graphs and phase != parked_phase)
+        first, second = self.strand(phase), parked.strand(parked_phase)
+        if mergeable and first is not None and second is not None:
             try:
                 merged = _compile_merged(
-                    self.forward,
-                    backward.backward,
+                    first,
+                    second,
                     self.config,
-                    same_graph=backward is self,
-                    share_parameters=backward is self and not self.exchange.merge_across_graphs,
+                    same_graph=same_graph,
+                    shared_names=self._parameter_names()
+                    if same_graph and not self.exchange.merge_across_graphs
+                    else (),
                 )
             except Exception as exc:
                 if self.config.fallback == "error":
                     raise
-                log.warning("helix: merging a forward and a backward failed (%s); they run one after the other", exc)
-        self._merged[backward] = merged
+                log.warning(
+                    "helix: merging a %s and a %s call failed (%s); they run one after the other",
+                    phase,
+                    parked_phase,
+                    exc,
+                )
+        self._merged[key] = merged
         return merged
+
+    def _parameter_names(self) -> frozenset[str]:
+        """F's placeholders that are the model's parameters and buffers (AOTAutograd's static
+        inputs): the same tensors in every call of this graph, and named alike in B when saved."""
+        if self.forward is None:
+            return frozenset()
+        placeholders = [n.name for n in self.forward.raw.graph.nodes if n.op == "placeholder"]
+        static = self.forward.inductor_kwargs.get("static_input_idxs") or ()
+        return frozenset(placeholders[i] for i in static if i < len(placeholders))
 
 
 def _compile_merged(
-    forward: _Strand, backward: _Strand, config: DHelixConfig, *, same_graph: bool, share_parameters: bool
+    first: _Strand, second: _Strand, config: DHelixConfig, *, same_graph: bool, shared_names: Collection[str]
 ) -> _Merged:
-    """Merge the scheduled F and B, run the passes on M, compile it.
+    """Merge two scheduled strands (the taking call's ``first``, the parked call's ``second``:
+    F and B, or two of one phase), run the passes on M, compile it.
 
-    ``same_graph``: F and B are the two halves of one Dynamo graph (it names M).
-    ``share_parameters``: they also run on the same parameters and buffers, which M then reads
-    once (``helix``: one model). Not in a pipeline: Dynamo lifts a module's parameters to
-    graph inputs, so one graph serves every stage module of the same structure (DualPipeV's
-    middle chunks), and F of one stage may meet B of another through the same graph.
+    ``same_graph``: the strands come from one Dynamo graph (it names M).
+    ``shared_names``: placeholders of ``first`` that are the same tensors in both calls (the one
+    model's parameters and buffers; ``second``'s placeholder of that name reads it), which M
+    then reads once. Empty in a pipeline: Dynamo lifts a module's parameters to graph inputs,
+    so one graph serves every stage module of the same structure (DualPipeV's middle chunks),
+    and F of one stage may meet B of another through the same graph.
 
-    Decomposition and bucketing were decided for F and B each running alone. When either
+    Decomposition and bucketing were decided for each strand running alone. When either
     rewrote one of them (``_CHOSEN_REWRITES``), M is also planned from the plain strands (those
     passes off); when either holds an all-to-all chain, also from the strands planned again
     without chains (their all-to-alls decomposed on their own). The fastest merged graph is
@@ -200,24 +236,26 @@ def _compile_merged(
     forward back until the last weight arrives (data_parallel's small model: 1293 ms bucketed
     against 1127 ms per parameter).
     """
-    name = f"{forward.name}_merged" if same_graph else f"{forward.name}_with_{backward.name}_merged"
-    shared = (forward.inductor_kwargs.get("static_input_idxs") or ()) if share_parameters else ()
+    kind = merged_graph_kind(first.phase, second.phase)
+    name = f"{first.name}_{kind}" if same_graph else f"{first.name}_with_{second.name}_{kind}"
+    placeholders = [n.name for n in first.raw.graph.nodes if n.op == "placeholder"]
+    shared = [i for i, placeholder in enumerate(placeholders) if placeholder in shared_names]
 
-    def merge(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule) -> tuple[MergedStrands, list[Any]]:
-        """M of ``fwd`` and ``bwd``, and its example inputs."""
-        merged = merge_strands(fwd, bwd, shared_fwd_inputs=shared)
-        inputs = merged.merged_args(list(forward.example_inputs), list(backward.example_inputs))
-        # F and B of two Dynamo compiles hold values of two fake modes: one for the passes and Inductor
+    def merge(one: torch.fx.GraphModule, two: torch.fx.GraphModule) -> tuple[MergedStrands, list[Any]]:
+        """M of ``one`` and ``two``, and its example inputs."""
+        merged = merge_strands(one, two, shared_fwd_inputs=shared, phases=(first.phase, second.phase))
+        inputs = merged.merged_args(list(first.example_inputs), list(second.example_inputs))
+        # strands of two Dynamo compiles hold values of two fake modes: one for the passes and Inductor
         return merged, inputs if same_graph else compat.into_one_fake_mode(merged.gm, inputs)
 
-    candidates = [_Candidate("rewritten", *merge(forward.gm, backward.gm), config)]
-    rival_off = _rival_disables(config, forward, backward)
+    candidates = [_Candidate("rewritten", *merge(first.gm, second.gm), config)]
+    rival_off = _rival_disables(config, first, second)
     if rival_off:
         rival_config = config.patch(disable_passes=(*config.disable_passes, *rival_off))
-        candidates.append(_Candidate("plain", *merge(forward.raw, backward.raw), rival_config))
-    if forward.chained or backward.chained:  # chain or single sites: the pass's choice in every mode
+        candidates.append(_Candidate("plain", *merge(first.raw, second.raw), rival_config))
+    if first.chained or second.chained:  # chain or single sites: the pass's choice in every mode
         unchained = config.patch(decompose_all_to_all_chains=False)
-        strands = [_unchained(forward, unchained, "fwd"), _unchained(backward, unchained, "bwd")]
+        strands = [_unchained(first, unchained), _unchained(second, unchained)]
         if strands[0] is not None and strands[1] is not None:
             candidates.append(_Candidate("unchained", *merge(strands[0], strands[1]), unchained))
     records: dict[str, dict[str, float]] = {}
@@ -251,7 +289,7 @@ def _compile_merged(
         graph_name=name,
         records=records,
         planned=planned,
-        **forward.inductor_kwargs,
+        **first.inductor_kwargs,
     )
     return _Merged(merged, compiled)
 
@@ -266,22 +304,24 @@ class _Candidate:
     config: DHelixConfig
 
 
-def _unchained(strand: _Strand, config: DHelixConfig, phase: Phase) -> torch.fx.GraphModule | None:
+def _unchained(strand: _Strand, config: DHelixConfig) -> torch.fx.GraphModule | None:
     """``strand`` without all-to-all chains: as scheduled when it has none, else as AOTAutograd
     gave it through the passes with ``config`` (None: they failed)."""
     if not strand.chained:
         return strand.gm
     try:
-        return plan_partition(strand.raw, strand.example_inputs, config=config, graph_name=strand.name, phase=phase)[0]
+        return plan_partition(
+            strand.raw, strand.example_inputs, config=config, graph_name=strand.name, phase=strand.phase
+        )[0]
     except PassError as exc:
         log.warning("%s: planning a strand again failed (%s)", strand.name, exc)
         return None
 
 
-def _rival_disables(config: DHelixConfig, forward: _Strand, backward: _Strand) -> tuple[str, ...]:
-    """The passes the plain rival of a merged graph turns off: those that rewrote F or B by their
-    own choice (``decompose`` only in ``auto`` mode: a forced mode is the user's choice)."""
-    rewritten = {*forward.rewritten, *backward.rewritten} - set(config.disable_passes)
+def _rival_disables(config: DHelixConfig, first: _Strand, second: _Strand) -> tuple[str, ...]:
+    """The passes the plain rival of a merged graph turns off: those that rewrote either strand by
+    their own choice (``decompose`` only in ``auto`` mode: a forced mode is the user's choice)."""
+    rewritten = {*first.rewritten, *second.rewritten} - set(config.disable_passes)
     if pass_options(config)["decompose"].mode != "auto":
         rewritten.discard("decompose")
     return tuple(name for name in _CHOSEN_REWRITES if name in rewritten)
@@ -318,64 +358,72 @@ def _plan(
     return planned, planned[1].records.get("interleave", {}).get("predicted_makespan_s", math.inf)
 
 
-class _PendingBackward:
-    """A backward call parked by the backward thread until a forward takes it."""
+class _PendingCall:
+    """A strand call parked by the partner thread until the next strand call takes it."""
 
-    def __init__(self, pair: StrandPair, args: list[Any]) -> None:
+    def __init__(self, pair: StrandPair, phase: Phase, args: list[Any]) -> None:
         self.pair = pair
+        self.phase = phase
         self.args = args
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+        self.job: PartnerJob | None = None  # the partner thread's job that made the call
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
         self.done.set()
 
     def run_here(self) -> None:
-        """Run B alone in the calling thread on the parked arguments, and hand over the result.
+        """Run the parked call's strand alone in the calling thread, and hand over the result.
 
-        The backward thread stays parked meanwhile, so the two strands never run concurrently
+        The partner thread stays parked meanwhile, so the two strands never run concurrently
         (concurrent collectives could be ordered differently on different ranks).
         """
-        assert self.pair.backward is not None
+        strand = self.pair.strand(self.phase)
+        assert strand is not None
         args, self.args = self.args, []
         try:
-            self.finish(result=self.pair.backward.compiled(args))
+            self.finish(result=strand.compiled(args))
         except BaseException as exc:
             self.finish(error=exc)
             raise
 
 
 class StrandExchange:
-    """Where the backward thread parks its call and the next forward picks it up.
+    """Where the partner thread parks its strand call and the next call picks it up.
 
     ``merge_across_graphs``: a forward merges with a parked backward of another Dynamo graph
-    (another stage module of a pipeline); otherwise only with its own graph's, and a backward
-    of another graph (micro-batches of another shape) runs before the forward instead.
+    (another stage module of a pipeline); otherwise a call merges only with its own graph's,
+    and a parked call of another graph (micro-batches of another shape) runs first instead.
     """
 
     def __init__(self, *, merge_across_graphs: bool = False) -> None:
         self.merge_across_graphs = merge_across_graphs
         self._lock = threading.Condition()
         self._expecting = False
-        self._pending: _PendingBackward | None = None
+        self._pending: _PendingCall | None = None
 
     # -- runner side
-    def expect_forward(self) -> None:
-        """The next backward call should wait for the forward that follows it."""
+    def expect_partner(self) -> None:
+        """The next strand call (the partner thread's) should wait for the call that follows it."""
         with self._lock:
             self._expecting = True
             self._pending = None
 
-    def wait_posted(self, job: BackwardJob, poll_s: float = 0.05) -> None:
-        """Block until the backward call parked, or the job ended (an error, or nothing to park)."""
+    def wait_posted(self, job: PartnerJob, poll_s: float = 0.05) -> None:
+        """Block until the job's strand call parked, or the job ended (an error, or nothing to
+        park: the next call then runs alone)."""
         with self._lock:
             while self._pending is None and not job.done.is_set():
                 self._lock.wait(poll_s)
+            if self._pending is not None:
+                self._pending.job = job
+            else:
+                self._expecting = False
 
     def release(self) -> None:
-        """No forward took the parked call: let the backward thread run B alone."""
+        """No call took the parked one: let the partner thread's call run alone."""
         with self._lock:
             self._expecting = False
             pending, self._pending = self._pending, None
@@ -383,34 +431,36 @@ class StrandExchange:
             pending.run_here()
 
     # -- strand side
-    def park(self, pair: StrandPair, args: list[Any]) -> _PendingBackward | None:
-        """Called by B's wrapper: park the call if a forward is expected, else return None."""
+    def park(self, pair: StrandPair, phase: Phase, args: list[Any]) -> _PendingCall | None:
+        """Called by a strand's wrapper: park the call if a partner is expected, else return None."""
         with self._lock:
             if not self._expecting:
                 return None
             self._expecting = False
-            self._pending = _PendingBackward(pair, args)
+            self._pending = _PendingCall(pair, phase, args)
             self._lock.notify_all()
             return self._pending
 
-    def take(self) -> _PendingBackward | None:
-        """Called by F's wrapper: the parked backward call, if any."""
+    def take(self) -> _PendingCall | None:
+        """Called by a strand's wrapper: the parked call, if any."""
         with self._lock:
             pending, self._pending = self._pending, None
             return pending
 
 
-class BackwardJob:
-    """One backward (``loss.backward()``, a pipeline stage's backward) submitted to a :class:`BackwardThread`."""
+class PartnerJob:
+    """One call (a forward, ``loss.backward()``, a pipeline stage's backward) submitted to a
+    :class:`PartnerThread`."""
 
-    def __init__(self, run: Callable[[], None]) -> None:
-        self.run: Callable[[], None] | None = run
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self.run: Callable[[], Any] | None = run
         self.done = threading.Event()
+        self.result: Any = None
         self.error: BaseException | None = None
 
 
-class BackwardThread:
-    """The one long-lived thread that runs a helix step's backward calls.
+class PartnerThread:
+    """The one long-lived thread that runs the parking call of each merged step of a helix step.
 
     A fresh thread per micro-batch measured about 10 ms slower per call on the TP+SP model:
     thread-local state (DTensor's sharding-propagation caches among it) starts cold in every
@@ -418,17 +468,17 @@ class BackwardThread:
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[BackwardJob | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[PartnerJob | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, run: Callable[[], None]) -> BackwardJob:
+    def submit(self, run: Callable[[], Any]) -> PartnerJob:
         """Start ``run()`` on the thread; the job's ``done`` is set when it returns."""
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
-                target=self._serve, args=(self._jobs,), name="dhelix-helix-backward", daemon=True
+                target=self._serve, args=(self._jobs,), name="dhelix-helix-partner", daemon=True
             )
             self._thread.start()
-        job = BackwardJob(run)
+        job = PartnerJob(run)
         self._jobs.put(job)
         return job
 
@@ -437,67 +487,73 @@ class BackwardThread:
         self._jobs.put(None)
 
     @staticmethod
-    def _serve(jobs: queue.SimpleQueue[BackwardJob | None]) -> None:
+    def _serve(jobs: queue.SimpleQueue[PartnerJob | None]) -> None:
         while (job := jobs.get()) is not None:
             try:
                 assert job.run is not None
-                job.run()
+                job.result = job.run()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the submitting thread
                 job.error = exc
             finally:
-                job.run = None  # drop what the backward holds (a loss and its graph) now
+                job.run = None  # drop what the call holds (a loss and its graph) now
                 job.done.set()
 
 
-def strand_forward(pair: StrandPair) -> BoxedCallable:
-    """F's boxed callable: runs M when a backward is parked, F alone otherwise."""
+def strand_call(pair: StrandPair, phase: Phase) -> BoxedCallable:
+    """The boxed callable of F (``phase="fwd"``) or B: parks the call when a partner is expected,
+    runs the merged graph when a call is parked, else runs the strand alone."""
 
-    def forward(args: list[Any]) -> Any:
-        assert pair.forward is not None
-        pending = pair.exchange.take()
+    def call(args: list[Any]) -> Any:
+        strand = pair.strand(phase)
+        assert strand is not None
+        exchange = pair.exchange
+        parked = exchange.park(pair, phase, args)
+        if parked is not None:  # the next call runs it
+            parked.done.wait()
+            if parked.error is not None:
+                raise HelixError(f"the merged graph failed: {parked.error}") from parked.error
+            return parked.result
+        pending = exchange.take()
         if pending is None:
-            return pair.forward.compiled(args)
+            return strand.compiled(args)
         try:
-            found = pair.merged_with(pending.pair)
-        except BaseException as exc:
-            pending.finish(error=exc)
-            raise
-        if found is None:
-            pending.run_here()  # one after the other
-            return pair.forward.compiled(args)
-        merged = found.strands
-        merged_args = merged.merged_args(args, pending.args)
-        # Hand over ownership: AOTAutograd's frames still hold these two lists; emptying them
-        # leaves M's argument list the only reference, so the generated code frees each saved
-        # activation of micro-batch i at its last use.
-        args.clear()
-        pending.args.clear()
-        try:
-            outputs = found.compiled(merged_args)
-        except BaseException as exc:
-            pending.finish(error=exc)
-            raise
-        outputs = list(outputs)
-        pending.finish(result=outputs[merged.num_fwd_outputs :])
-        return outputs[: merged.num_fwd_outputs]
+            outputs = _run_merged(pair, phase, args, pending)
+        finally:
+            if phase == "bwd" and pending.phase == "bwd" and pending.job is not None:
+                # gradients accumulate in micro-batch order: the parked (earlier) backward first
+                pending.job.done.wait()
+        return outputs
 
-    return compat.mark_boxed(forward)
+    return compat.mark_boxed(call)
 
 
-def strand_backward(pair: StrandPair) -> BoxedCallable:
-    """B's boxed callable: parks the call for the next forward when one is expected."""
-
-    def backward(args: list[Any]) -> Any:
-        assert pair.backward is not None
-        pending = pair.exchange.park(pair, args)
-        if pending is None:
-            return pair.backward.compiled(args)
-        pending.done.wait()
-        if pending.error is not None:
-            raise HelixError(f"the merged forward/backward graph failed: {pending.error}") from pending.error
-        return pending.result
-
-    return compat.mark_boxed(backward)
+def _run_merged(pair: StrandPair, phase: Phase, args: list[Any], pending: _PendingCall) -> Any:
+    """Run this call merged with the parked one (or, when they cannot merge, one after the
+    other: the parked call first); hand the parked call its outputs, return this call's."""
+    strand = pair.strand(phase)
+    assert strand is not None
+    try:
+        found = pair.merged_with(phase, pending.pair, pending.phase)
+    except BaseException as exc:
+        pending.finish(error=exc)
+        raise
+    if found is None:
+        pending.run_here()  # one after the other
+        return strand.compiled(args)
+    merged = found.strands
+    merged_args = merged.merged_args(args, pending.args)
+    # Hand over ownership: AOTAutograd's frames still hold these two lists; emptying them
+    # leaves M's argument list the only reference, so the generated code frees each saved
+    # activation of micro-batch i at its last use.
+    args.clear()
+    pending.args.clear()
+    try:
+        outputs = list(found.compiled(merged_args))
+    except BaseException as exc:
+        pending.finish(error=exc)
+        raise
+    pending.finish(result=outputs[merged.num_fwd_outputs :])
+    return outputs[: merged.num_fwd_outputs]
 
 
 def compile_strand_partition(
@@ -538,6 +594,7 @@ def compile_strand_partition(
     compile_id = compat.current_compile_id()
     strand = _Strand(
         compile_id.replace("/", "_") if compile_id else f"graph{id(pair):x}",
+        "bwd" if inductor_kwargs.get("is_backward") else "fwd",
         scheduled[0][0] if scheduled else gm,
         gm,
         rewritten,
@@ -546,22 +603,22 @@ def compile_strand_partition(
         compiled,
         chained,
     )
-    if not inductor_kwargs.get("is_backward"):
+    if strand.phase == "fwd":
         pair.forward = strand
-        return strand_forward(pair)
-    pair.backward = strand
-    return strand_backward(pair)
+    else:
+        pair.backward = strand
+    return strand_call(pair, strand.phase)
 
 
 class Strands:
     """What a helix step or a helix pipeline runs its two strands with: one :class:`StrandExchange`,
-    one :class:`BackwardThread` (closed when ``owner`` is collected) and the ``torch.compile``
+    one :class:`PartnerThread` (closed when ``owner`` is collected) and the ``torch.compile``
     backend whose graphs meet through the exchange (a :class:`StrandPair` per graph)."""
 
     def __init__(self, config: DHelixConfig, owner: object, *, merge_across_graphs: bool = False) -> None:
         self.config = config
         self.exchange = StrandExchange(merge_across_graphs=merge_across_graphs)
-        self.thread = BackwardThread()
+        self.thread = PartnerThread()
         weakref.finalize(owner, self.thread.close)
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
@@ -569,23 +626,26 @@ class Strands:
         inner = functools.partial(compile_strand_partition, config=self.config, pair=pair)
         return compat.compile_with_aot_autograd(gm, example_inputs, inner, joint_pass=joint_pass(self.config))
 
-    def run_beside(self, backward: Callable[[], None], forward: Callable[[], _T]) -> _T:
-        """``backward()`` on the thread and ``forward()`` here, met in a merged graph (module docstring).
+    def run_together(self, first: Callable[[], _A], second: Callable[[], _T]) -> tuple[_A, _T]:
+        """``first()`` on the partner thread and ``second()`` here, their strand calls met in a
+        merged graph (module docstring): ``first``'s call parks, ``second``'s takes it.
 
-        Returns ``forward()``'s result once both have returned; an error of either is raised here.
+        Returns both results once both have returned; an error of either is raised here.
         """
         exchange = self.exchange
-        exchange.expect_forward()
-        job = self.thread.submit(backward)
+        exchange.expect_partner()
+        job = self.thread.submit(first)
         try:
             exchange.wait_posted(job)
-            result = forward()
+            if job.error is not None:  # ended before its strand call
+                raise job.error
+            result = second()
         finally:
             exchange.release()
             job.done.wait()
         if job.error is not None:
             raise job.error
-        return result
+        return job.result, result
 
 
 def find_helix_error(exc: BaseException) -> HelixError | None:

@@ -114,13 +114,19 @@ def _fresh_folder(root: Path, name: str) -> Path:
     return folder
 
 
+def rank_folder(dump_dir: str | Path) -> Path:
+    """This process's folder under ``dump_dir``: ``rank<r>`` in a process group, else ``dump_dir``."""
+    root = Path(dump_dir).resolve()
+    if dist.is_available() and dist.is_initialized():
+        root = root / f"rank{dist.get_rank()}"
+    return root
+
+
 class GraphDumper:
     """Writes one compiled graph's dumps under ``root`` (see the module docstring)."""
 
     def __init__(self, dump_dir: str | Path, graph_name: str) -> None:
-        root = Path(dump_dir).resolve()
-        if dist.is_available() and dist.is_initialized():
-            root = root / f"rank{dist.get_rank()}"
+        root = rank_folder(dump_dir)
         self.graph_name = graph_name
         self.folder = _fresh_folder(root, _safe(graph_name))
         self.folder.mkdir(parents=True, exist_ok=True)

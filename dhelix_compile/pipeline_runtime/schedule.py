@@ -208,7 +208,7 @@ class _HelixStages:
         assert subs is not None, "an overlap holds a forward and a backward"
         forward, backward = subs
         run_backward = self.steps.backward(backward)  # its output gradient is here before F starts
-        self.strands.run_beside(run_backward, lambda: self.forward(forward, ctx))
+        self.strands.run_together(run_backward, lambda: self.forward(forward, ctx))
 
 
 def _raising_helix_errors(step: Callable[..., Any], n_microbatches: int) -> Callable[..., Any]:
