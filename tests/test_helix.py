@@ -56,9 +56,13 @@ def _lm_loss_fn(model: nn.Module, mb) -> torch.Tensor:
     return lm_loss(model(mb[0]), mb[1])
 
 
-@pytest.mark.parametrize("n", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("schedule", SCHEDULE_KINDS)
+@pytest.mark.parametrize(
+    ("n", "dtype", "schedule"),
+    [
+        *((n, dtype, "forward_backward") for n in (1, 2, 5) for dtype in (torch.float32, torch.bfloat16)),
+        *((n, torch.float32, schedule) for n in (2, 5) for schedule in ("paired_ends", "same_phase")),
+    ],
+)
 def test_transformer_equals_eager_loop(n: int, dtype: torch.dtype, schedule: str) -> None:
     config = ModelConfig(n_layers=1)
     model = Transformer(config).to(dtype)

@@ -77,22 +77,21 @@ def test_helix_equals_eager_loop_on_reference_models(world_size: int, tmp_path: 
     assert planned and all(s["records"]["interleave"]["fwd_segments"] > 1 for s in planned)
 
 
-@pytest.mark.parametrize("schedule", ["paired_ends", "same_phase"])
-def test_other_schedules_equal_eager_loop_on_gloo(schedule: str, tmp_path: Path) -> None:
+def test_paired_ends_equal_eager_loop_on_gloo(tmp_path: Path) -> None:
     """Two forwards and two backwards of TP+SP merged on 2 gloo ranks (their collectives in one
-    order on both ranks, the gradients accumulated in micro-batch order): equal to the eager loop."""
+    order on both ranks, the gradients accumulated in micro-batch order): equal to the eager loop.
+    F0+F1 | B0+F2 | B1+B2 holds every kind of merged graph ("same_phase" is made of the same)."""
     from dhelix_compile.testing.helix_checks import check_helix
 
-    n = 4 if schedule == "paired_ends" else 3  # F0+F1 | B0+F2 | B1+F3 | B2+B3;  F0+F1 | B0+F2 | B1+B2
     run_on_ranks(
         check_helix,
         2,
         "tp_sp",
-        n,
+        3,
         "float32",
         codegen="eager",
         fallback="error",
-        helix_schedule=schedule,
+        helix_schedule="paired_ends",
         dump_dir=str(tmp_path),
         timeout_s=400,
     )
