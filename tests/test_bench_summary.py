@@ -102,6 +102,13 @@ def test_a_step_account_adds_each_graph_per_call_over_the_step_and_the_table_sho
     assert _per_step({**pairs, "merged": 1000.0}, 5, "same_phase") == 1220.0
     assert _per_step(pairs, 5, "same_phase") is None  # a graph the schedule runs has no number
     assert _per_step({**pairs, "merged": 1000.0}, 4, "paired_ends") == 2110.0  # F0+F1 | B0+F2 | B1+F3 | B2+B3
+    # F and B alone never run in that schedule: their graphs have no account, the step has one
+    for kind in ("fwdpair", "bwdpair"):
+        _write_summary(tmp_path / "paired", kind, {part: 1.0 for part in ACCOUNT_PARTS})
+    for kind in ("fwd", "bwd"):
+        _write_summary(tmp_path / "paired", kind, None)
+    write_schedule(tmp_path / "paired" / "rank0", "same_phase", helix_schedule(4, "same_phase"))
+    assert _step_account(tmp_path / "paired", 0, 4) == {part: 4.0 for part in ACCOUNT_PARTS}
 
     variant = _variant(0.150, 0.100) | {
         "measured_account": dict(zip(ACCOUNT_PARTS, (0.08, 0.09, 0.03, 0.04, 0.025), strict=True))

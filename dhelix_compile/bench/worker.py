@@ -121,11 +121,10 @@ def _per_step(
     Single strand (``schedule`` None): n x (forward + backward). Helix: each graph kind times
     its calls in ``schedule`` (``helix_runtime.schedule``).
     """
-    if "fwd" not in per_graph or "bwd" not in per_graph:
-        return None
     if schedule is None:
-        return microbatches * (per_graph["fwd"] + per_graph["bwd"])
-    calls = graph_calls(helix_schedule(microbatches, schedule))
+        calls = {"fwd": microbatches, "bwd": microbatches}
+    else:
+        calls = graph_calls(helix_schedule(microbatches, schedule))
     if any(kind not in per_graph for kind in calls):
         return None
     return sum(count * per_graph[kind] for kind, count in calls.items())
@@ -156,10 +155,10 @@ ACCOUNT_PARTS = (
 
 def _step_account(dump_dir: Path, rank: int, microbatches: int) -> dict[str, float] | None:
     """Each of ``ACCOUNT_PARTS`` per step, from the graphs' measured accounts (``profile_steps``);
-    None unless every graph of the step has one."""
+    None unless every graph the step calls has one (a graph its schedule never calls has none)."""
     found = {kind: (s.get("measured") or {}).get("account") for kind, s in _graph_summaries(dump_dir, rank).items()}
     accounts: dict[str, dict[str, float]] = {kind: a for kind, a in found.items() if a is not None}
-    if not accounts or len(accounts) < len(found):
+    if not accounts:
         return None
     totals: dict[str, float] = {}
     for part in ACCOUNT_PARTS:
