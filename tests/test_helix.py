@@ -194,13 +194,31 @@ def test_tensor_and_tuple_microbatches() -> None:
         _assert_same(model, reference, losses, _eager_loop(reference, call, mbs))
 
 
-def test_microbatches_of_different_shapes_recompile_and_stay_exact() -> None:
+@pytest.mark.parametrize("schedule", SCHEDULE_KINDS)
+def test_microbatches_of_different_shapes_recompile_and_stay_exact(schedule: str) -> None:
+    """Calls of two graphs do not merge: the parked one runs first, then the other."""
     model = _ScalarLossModel()
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
     mbs = [torch.randn(rows, 8, generator=gen) for rows in (4, 4, 6, 4, 6)]
-    losses = dhelix_compile.helix(model, **EAGER)(mbs)
+    losses = dhelix_compile.helix(model, helix_schedule=schedule, **EAGER)(mbs)
     _assert_same(model, reference, losses, _eager_loop(reference, lambda m, x: m(x), mbs))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_KINDS)
+@pytest.mark.parametrize("failing", [0, 1])
+def test_an_error_in_either_call_of_a_pair_is_raised_not_hung(schedule: str, failing: int) -> None:
+    """F0 runs on the partner thread in F0+F1, F1 here: an error in either reaches the caller."""
+    gen = torch.Generator().manual_seed(0)
+    mbs = [torch.randn(6 if k == failing else 4, 8, generator=gen) for k in range(4)]
+
+    def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = model.lin(x)
+        return out.sum(0) if x.shape[0] == 6 else out.square().mean()  # not a scalar for the bad one
+
+    step = dhelix_compile.helix(_ScalarLossModel(), loss_fn, helix_schedule=schedule, **EAGER)
+    with pytest.raises(HelixError, match="scalar loss"):
+        step(mbs)
 
 
 @pytest.mark.inductor

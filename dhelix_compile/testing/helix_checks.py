@@ -152,17 +152,23 @@ def check_helix(
 
 
 def check_helix_cases(
-    rank: int, world_size: int, cases: list[tuple[ModelKind, int, str]], **options: Any
+    rank: int,
+    world_size: int,
+    cases: list[tuple[ModelKind, int, str] | tuple[ModelKind, int, str, dict[str, Any]]],
+    **options: Any,
 ) -> dict[str, dict[str, Any] | str]:
-    """``check_helix`` for each ``(kind, num_microbatches, dtype)``: the report or the formatted exception.
+    """``check_helix`` for each ``(kind, num_microbatches, dtype[, options of the case])``: the
+    report or the formatted exception.
 
     One failing case does not hide the others (and every rank runs every case, so the ranks'
     collectives stay matched).
     """
     results: dict[str, dict[str, Any] | str] = {}
-    for kind, n, dtype in cases:
+    for kind, n, dtype, *own in cases:
+        case_options = {**options, **(own[0] if own else {})}
+        name = " ".join([f"{kind} n={n} {dtype}", *(f"{k}={v}" for k, v in (own[0] if own else {}).items())])
         try:
-            results[f"{kind} n={n} {dtype}"] = check_helix(rank, world_size, kind, n, dtype, **options)
+            results[name] = check_helix(rank, world_size, kind, n, dtype, **case_options)
         except Exception:  # noqa: BLE001 (returned to the test, which fails with it)
-            results[f"{kind} n={n} {dtype}"] = traceback.format_exc()
+            results[name] = traceback.format_exc()
     return results
