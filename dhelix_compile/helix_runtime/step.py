@@ -101,6 +101,7 @@ class HelixStep:
                     losses[call.index] = self._forward(items[call.index])
                 else:
                     losses[call.index].backward()
+                    losses[call.index] = losses[call.index].detach()  # let its autograd graph go now
 
             steps = self.schedule(len(items))
             if self.config.dump_dir:
@@ -113,7 +114,7 @@ class HelixStep:
                 else:
                     first, second = step
                     self._strands.run_together(functools.partial(run, first), functools.partial(run, second))
-        return [losses[i].detach() for i in range(len(items))]
+        return [losses[i] for i in range(len(items))]
 
     # ------------------------------------------------------------------ compile
 
