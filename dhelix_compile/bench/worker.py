@@ -160,11 +160,10 @@ def _step_account(dump_dir: Path, rank: int, microbatches: int) -> dict[str, flo
     accounts: dict[str, dict[str, float]] = {kind: a for kind, a in found.items() if a is not None}
     if not accounts:
         return None
+    schedule = read_schedule_kind(dump_dir / f"rank{rank}")
     totals: dict[str, float] = {}
     for part in ACCOUNT_PARTS:
-        total = _per_step(
-            {kind: a[part] for kind, a in accounts.items()}, microbatches, read_schedule_kind(dump_dir / f"rank{rank}")
-        )
+        total = _per_step({kind: a[part] for kind, a in accounts.items()}, microbatches, schedule)
         if total is None:
             return None
         totals[part] = total

@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 from typing import Literal
 
-HelixScheduleKind = Literal["forward_backward", "paired_ends", "same_phase"]
-SCHEDULE_KINDS: tuple[HelixScheduleKind, ...] = ("forward_backward", "paired_ends", "same_phase")
+from dhelix_compile.config import HelixSchedule as HelixScheduleKind
+
+SCHEDULE_KINDS: tuple[HelixScheduleKind, ...] = typing.get_args(HelixScheduleKind)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,6 +76,7 @@ class HelixStep:
         self.loss_fn = loss_fn
         self.config = config
         self._strands = Strands(config, self)
+        self._recorded: list[ScheduleStep] | None = None  # the schedule last written to dump_dir
         self._compiled = torch.compile(
             with_own_code(self._loss, "helix_loss"), backend=self._strands.backend, fullgraph=True, dynamic=False
         )
@@ -104,10 +105,11 @@ class HelixStep:
                     losses[call.index] = losses[call.index].detach()  # let its autograd graph go now
 
             steps = self.schedule(len(items))
-            if self.config.dump_dir:
+            if self.config.dump_dir and steps != self._recorded:  # once, not every step
                 from dhelix_compile.observe.dumps import rank_folder  # observe: only for dumps
 
                 write_schedule(rank_folder(self.config.dump_dir), self.schedule_kind, steps)
+                self._recorded = steps
             for step in steps:
                 if len(step) == 1:
                     run(step[0])

@@ -517,7 +517,7 @@ def strand_call(pair: StrandPair, phase: Phase) -> BoxedCallable:
         if pending is None:
             return strand.compiled(args)
         try:
-            outputs = _run_merged(pair, phase, args, pending)
+            outputs = _run_merged(pair, strand, args, pending)
         finally:
             if phase == "bwd" and pending.phase == "bwd" and pending.job is not None:
                 # gradients accumulate in micro-batch order: the parked (earlier) backward first
@@ -527,13 +527,12 @@ def strand_call(pair: StrandPair, phase: Phase) -> BoxedCallable:
     return compat.mark_boxed(call)
 
 
-def _run_merged(pair: StrandPair, phase: Phase, args: list[Any], pending: _PendingCall) -> Any:
-    """Run this call merged with the parked one (or, when they cannot merge, one after the
-    other: the parked call first); hand the parked call its outputs, return this call's."""
-    strand = pair.strand(phase)
-    assert strand is not None
+def _run_merged(pair: StrandPair, strand: _Strand, args: list[Any], pending: _PendingCall) -> Any:
+    """Run this call (of ``pair``'s ``strand``) merged with the parked one (or, when they cannot
+    merge, one after the other: the parked call first); hand the parked call its outputs, return
+    this call's."""
     try:
-        found = pair.merged_with(phase, pending.pair, pending.phase)
+        found = pair.merged_with(strand.phase, pending.pair, pending.phase)
     except BaseException as exc:
         pending.finish(error=exc)
         raise

@@ -164,11 +164,11 @@ def check_helix_cases(
     collectives stay matched).
     """
     results: dict[str, dict[str, Any] | str] = {}
-    for kind, n, dtype, *own in cases:
-        case_options = {**options, **(own[0] if own else {})}
-        name = " ".join([f"{kind} n={n} {dtype}", *(f"{k}={v}" for k, v in (own[0] if own else {}).items())])
+    for kind, n, dtype, *rest in cases:
+        own: dict[str, Any] = rest[0] if rest else {}
+        name = " ".join([f"{kind} n={n} {dtype}", *(f"{k}={v}" for k, v in own.items())])
         try:
-            results[name] = check_helix(rank, world_size, kind, n, dtype, **case_options)
+            results[name] = check_helix(rank, world_size, kind, n, dtype, **{**options, **own})
         except Exception:  # noqa: BLE001 (returned to the test, which fails with it)
             results[name] = traceback.format_exc()
     return results
