@@ -32,14 +32,25 @@ Priority rule (first that applies), over the ready nodes::
     2. a ready collective issue, while fewer than max_in_flight transfers are in flight
        and its buffer fits the memory budget
     3. a ready non-wait node whose allocation fits the memory budget; first those that feed
-       the earliest collective downstream (so the next transfer can start sooner), then by
-       original position; when none fits, the one that adds the fewest live bytes (frees most)
+       the next collective to issue (the earliest not yet issued, by original position: so
+       the next transfer can start sooner), then by original position; when none fits, the one
+       that adds the fewest live bytes (frees most)
     4. otherwise the wait whose transfer is predicted to finish first
 
 Picture (a backward TP slice: dgrad feeds the reduce-scatter, wgrad is independent)::
 
     before:  mm_dgrad  mm_wgrad  rs  wait(rs)  add          comm: ........[rs]
     after:   mm_dgrad  rs  mm_wgrad  wait(rs)  add          comm: ....[rs]      (hidden by mm_wgrad)
+
+Why rule 3 ranks only the next collective's feeders first, then original position: ranking
+every ready node by how soon its collective comes ran the work of later collectives ahead of
+this layer's weight gradients whenever the next collective's feeders waited on a transfer. Those
+later collectives then took the one channel ahead of the next one, and their buffers the memory
+budget (then the over-budget rule ran the weight gradients before the issue they should hide).
+The reference transformer's backward with per-peer steps (analytic costs, a 40 MB/s link) was
+predicted slower in that order than in the original, so the pass kept the original (316 ms);
+in this rule's order it is predicted at 275 ms. BENCHMARKS.md has the other models (no change
+over 0.5 ms).
 """
 
 from __future__ import annotations
@@ -90,7 +101,23 @@ def collective_urgency(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, fl
 def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], budget_bytes: int) -> Rule:
     """The priority rule of the module docstring, as a function for ``list_schedule``."""
 
+    # original positions of the collectives not yet issued, earliest first (a comm node's
+    # urgency is its own position); the rule is the only one that picks, so it pops them
+    unissued = sorted(u for n, u in urgency.items() if is_comm(kind_of(n)))
+    issued: set[float] = set()
+
+    def next_issue_position() -> float:
+        while unissued and unissued[0] in issued:
+            unissued.pop(0)
+        return unissued[0] if unissued else math.inf
+
     def rule(ready: Sequence[torch.fx.Node], state: SchedulerState) -> torch.fx.Node:
+        chosen = pick(ready, state)
+        if is_comm(state.costs[chosen].kind):
+            issued.add(urgency[chosen])
+        return chosen
+
+    def pick(ready: Sequence[torch.fx.Node], state: SchedulerState) -> torch.fx.Node:
         over_budget = state.live_bytes > budget_bytes
         waits = [n for n in ready if state.costs[n].kind == "wait"]
         for wait in waits:
@@ -114,7 +141,8 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
         if others:
             within = [n for n in others if state.live_bytes + state.alloc_bytes(n) <= budget_bytes]
             if within:
-                return min(within, key=lambda n: (urgency[n], state.position[n]))
+                next_issue = next_issue_position()
+                return min(within, key=lambda n: (urgency[n] != next_issue, state.position[n]))
             # nothing stays within the budget: what frees the most first
             return min(others, key=lambda n: (state.net_bytes(n), urgency[n], state.position[n]))
         if waits:

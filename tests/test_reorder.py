@@ -238,3 +238,34 @@ def test_random_dags_stay_valid_within_budget_and_never_get_slower(gm, comm_s, m
     record = ctx.records.get("reorder")
     if record and ctx.stats["reorder"]["reordered graphs"]:
         assert record["predicted_makespan_after_s"] < record["predicted_makespan_before_s"]
+
+
+def test_the_next_collectives_feeders_come_first_then_original_order() -> None:
+    """While rs2 is in flight, ``later`` (feeding ag0, after rs1) could fill the wait as well as
+    ``wgrad``; run first, it would issue ag0 ahead of rs1 on the one channel and delay the chain
+    (rs2 -> h -> rs1). Only the next collective's feeders jump the queue: wgrad (earlier in the
+    original order) hides rs2, rs1 goes out as soon as it can, ag0 after it."""
+    g = torch.fx.Graph()
+    x, w, grad, saved = g.placeholder("x"), g.placeholder("w"), g.placeholder("grad"), g.placeholder("saved")
+    dgrad = g.create_node("call_function", aten.mm.default, (grad, w), name="dgrad")
+    xt = g.create_node("call_function", aten.t.default, (x,), name="xt")
+    wgrad = g.create_node("call_function", aten.mm.default, (xt, grad), name="wgrad")
+    rs2 = g.create_node("call_function", c10d.reduce_scatter_tensor.default, (dgrad, "sum", 2, "0"), name="rs2")
+    wait2 = g.create_node("call_function", c10d.wait_tensor.default, (rs2,), name="wait_rs2")
+    h = g.create_node("call_function", aten.add.Tensor, (wait2, 1), name="h")
+    rs1 = g.create_node("call_function", c10d.reduce_scatter_tensor.default, (h, "sum", 2, "0"), name="rs1")
+    wait1 = g.create_node("call_function", c10d.wait_tensor.default, (rs1,), name="wait_rs1")
+    later = g.create_node("call_function", aten.mul.Tensor, (saved, 2), name="later")
+    ag0 = g.create_node("call_function", c10d.all_gather_into_tensor.default, (later, 2, "0"), name="ag0")
+    wait0 = g.create_node("call_function", c10d.wait_tensor.default, (ag0,), name="wait_ag0")
+    out = g.create_node("call_function", aten.add.Tensor, (wait1, wait0), name="out")
+    g.output((out, wgrad))
+    gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
+    est = TableEstimator({"h": 0.1, "out": 0.1, "rs2": 1.0, "rs1": 2.0, "ag0": 0.5}, {"compute": 1.0}, output_bytes={})
+    ctx = _ctx(est)
+    reorder_pass(gm, ctx)
+    assert _names(gm) == [
+        *("dgrad", "rs2", "xt", "wgrad", "wait_rs2", "h", "rs1", "later", "ag0", "wait_rs1", "wait_ag0", "out")
+    ]
+    # the chain's transfers back to back: dgrad 1 | rs2 to 2 (under wgrad) | h | rs1 2.1-4.1 | ag0 to 4.6
+    assert abs(ctx.records["reorder"]["predicted_makespan_after_s"] - 4.7) < 1e-9
