@@ -422,3 +422,88 @@ def test_the_profiler_runs_a_gloo_all_gather_as_an_all_to_all_with_the_same_valu
     an all-to-all there too (torch's gloo all-gather corrupts the heap; a CI run lost a rank to it
     while helix measured segment pairs), and its wait gives the gathered tensor."""
     assert run_on_ranks(_gather_through_run_node, 2, timeout_s=80) == [True, True]
+
+
+class _FakeClock:
+    """``time.perf_counter`` for :func:`median_runs_interleaved_s`: every timed function takes
+    1 s, or 5 s while the "machine" is in a slow spell (calls ``slow`` by their global index)."""
+
+    def __init__(self, slow: range) -> None:
+        self.now, self.calls, self.slow = 0.0, [], slow
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def fn(self, name: str) -> Any:
+        def run() -> None:
+            self.now += 5.0 if len(self.calls) in self.slow else 1.0
+            self.calls.append(name)
+
+        return run
+
+
+def test_candidates_are_timed_in_rotating_rounds_so_a_slow_spell_falls_on_every_one(monkeypatch: Any) -> None:
+    """Two candidates that take the same time, and a slow spell of three calls (the emulated
+    link's epochs): timed one after the other, the first measures 5x the second. Interleaved,
+    in rounds that start one further along, both see the spell alike."""
+    from cost_model.profile import running
+
+    clock = _FakeClock(slow=range(2, 5))  # the first three timed calls, after 2 warmups
+    monkeypatch.setattr(running.time, "perf_counter", clock.perf_counter)
+    times = running.median_runs_interleaved_s([clock.fn("a"), clock.fn("b")], 1, 5, torch.device("cpu"))
+    assert clock.calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert times == [1.0, 1.0]
+
+    sequential = _FakeClock(slow=range(2, 5))  # a's 2nd-4th timed calls
+    monkeypatch.setattr(running.time, "perf_counter", sequential.perf_counter)
+    one_by_one = [running.median_run_s(sequential.fn(name), 1, 5, torch.device("cpu")) for name in "ab"]
+    assert one_by_one == [5.0, 1.0]  # what the candidates' times were before
+
+
+def test_a_candidate_that_raises_is_nan_and_the_others_are_still_timed(monkeypatch: Any) -> None:
+    from cost_model.profile import running
+
+    clock = _FakeClock(slow=range(0))
+    monkeypatch.setattr(running.time, "perf_counter", clock.perf_counter)
+
+    def fails() -> None:
+        clock.calls.append("x")
+        raise RuntimeError("no inputs of that shape")
+
+    times = running.median_runs_interleaved_s([clock.fn("a"), fails, clock.fn("b")], 0, 3, torch.device("cpu"))
+    assert math.isnan(times[1]) and times[0] == times[2] == 1.0
+    assert clock.calls.count("x") == 1 and clock.calls.count("a") == clock.calls.count("b") == 3
+    assert running.median_runs_interleaved_s([], 1, 3, torch.device("cpu")) == []
+
+
+def _segments_on_ranks(rank: int, world_size: int, cache_root: str) -> list[float | None]:
+    from cost_model.profile.segments import segment_times
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x @ w, "sum", dist.group.WORLD).relu()
+
+    gm = trace_aten(step, torch.randn(64, 64), torch.randn(64, 64))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    unmakeable = trace_aten(lambda x: x.relu(), torch.randn(4, 4))
+    relu = next(n for n in unmakeable.graph.nodes if n.op == "call_function")
+    relu.args[0].meta["val"] = "not a tensor"  # an input the profiler cannot make
+    profiled = ProfiledEstimator(
+        AnalyticEstimator(DEVICE, LINK, comm_backend="gloo"),
+        pathlib.Path(cache_root, f"rank{rank}"),
+        warmup=1,
+        repeats=3,
+        progress=False,
+        measure_contention=False,
+    )
+    # the whole step, its matmul alone, and a segment that cannot run: measured together
+    return segment_times(profiled, [nodes, nodes[:1], [relu]])
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_segments_measured_together_on_two_gloo_ranks(tmp_path: pathlib.Path) -> None:
+    r0, r1 = run_on_ranks(_segments_on_ranks, 2, str(tmp_path), timeout_s=80)
+    assert r0 == r1  # agreed
+    whole, matmul, unmakeable = r0
+    assert whole is not None and matmul is not None and 0 < matmul < whole
+    assert unmakeable is None

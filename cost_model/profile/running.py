@@ -7,8 +7,10 @@ Contract
   size hints (:func:`materialize`: normal floats, zero integers -- valid indices and masks);
   given a live ``group``, a collective's ``group_name`` argument names that group.
 * :func:`median_run_s` -- ``warmup`` untimed calls, then the median wall time of ``repeats``
-  calls, the device synchronized after each; :func:`median_run_or_nan_s` -- the same after a
-  barrier on a group that runs it together, NaN when it raises (the profiler's failure value).
+  calls, the device synchronized after each; :func:`median_runs_interleaved_s` -- the same for
+  candidates to compare, their calls interleaved round by round, after a barrier on a group
+  that runs them together, NaN for one that raises (the profiler's failure value);
+  :func:`median_run_or_nan_s` -- that for one function.
 * :func:`device_of_nodes` -- where the nodes' tensors live (the first one found; CPU if none).
 * :func:`run_node` -- call a node's target on real arguments, as the compiled graph will
   (``graph_passes.gloo_collectives`` says why): on a gloo group, an all-gather goes as one
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import sympy
@@ -154,19 +156,63 @@ def median_run_s(fn: Callable[[], object], warmup: int, repeats: int, device: to
     return statistics.median(samples)
 
 
-def median_run_or_nan_s(
-    fn: Callable[[], object], warmup: int, repeats: int, device: torch.device, barrier_group: Any = None
-) -> float:
-    """:func:`median_run_s`, after a barrier on ``barrier_group`` (when given: ranks that run
-    transfers together start together); NaN when the barrier or a call raises."""
+def median_runs_interleaved_s(
+    fns: Sequence[Callable[[], object]],
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+    barrier_group: Any = None,
+) -> list[float]:
+    """Each of ``fns``' median wall time, their calls interleaved: ``warmup`` untimed calls of
+    each, then ``repeats`` rounds that call every one once, round ``r`` starting at
+    ``fns[r % len(fns)]`` (the device synchronized after each call), all after a barrier on
+    ``barrier_group`` when given (ranks that run transfers together start together).
+
+    Candidates measured one after the other are compared across whatever the machine did
+    meanwhile: a transfer's time on this project's emulated link comes in epochs of a few hundred
+    ms (``estimator``), and a slow one on one candidate's repeats alone would decide the choice.
+    Interleaved, a slow spell falls on every candidate alike.
+
+    NaN for a function whose call raised (it is not called again), for every one when the
+    barrier raised. Every rank calls the same functions in the same order."""
+    times: list[list[float]] = [[] for _ in fns]
+    failed = [False] * len(fns)
+
+    def call(i: int) -> float:
+        t0 = time.perf_counter()
+        try:
+            fns[i]()
+            synchronize(device)
+        except Exception:  # noqa: BLE001 - a failed measurement is NaN; the caller's agreement marks it failed
+            failed[i] = True
+        return time.perf_counter() - t0
+
+    if not fns:
+        return []
     try:
         if barrier_group is not None:
             import torch.distributed as dist
 
             dist.barrier(group=barrier_group)
-        return median_run_s(fn, warmup, repeats, device)
-    except Exception:  # noqa: BLE001 - a failed measurement is NaN; the caller's agreement marks it failed
-        return math.nan
+    except Exception:  # noqa: BLE001 - as a failed call, for every function
+        return [math.nan] * len(fns)
+    for i in range(len(fns)):
+        for _ in range(warmup):
+            if not failed[i]:
+                call(i)
+    for r in range(repeats):
+        for k in range(len(fns)):
+            i = (r + k) % len(fns)
+            if not failed[i]:
+                times[i].append(call(i))
+    return [math.nan if failed[i] else statistics.median(times[i]) for i in range(len(fns))]
+
+
+def median_run_or_nan_s(
+    fn: Callable[[], object], warmup: int, repeats: int, device: torch.device, barrier_group: Any = None
+) -> float:
+    """:func:`median_runs_interleaved_s` of ``fn`` alone."""
+    return median_runs_interleaved_s([fn], warmup, repeats, device, barrier_group)[0]
 
 
 def materialize(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> torch.Tensor:
@@ -230,6 +276,7 @@ __all__ = [
     "materialize",
     "median_run_or_nan_s",
     "median_run_s",
+    "median_runs_interleaved_s",
     "real_args",
     "real_value",
     "synchronize",

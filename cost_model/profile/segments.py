@@ -20,7 +20,9 @@ Contract
   (``running.real_value``), collectives and P2P exchanges run on their live groups, waits
   wait. Anything still in flight at the end is waited for. The time is the median of
   ``repeats`` runs after ``warmup``, after a barrier, agreed across ranks by
-  ``all_reduce(MAX)``.
+  ``all_reduce(MAX)``. The segments of one call are the candidates of one choice: their runs
+  are interleaved round by round (``running.median_runs_interleaved_s``), so a slow spell of
+  the link falls on all of them, not on whichever ran in it.
 * ``None`` for a segment that cannot be measured: an op outside torch's namespaces (it may
   have side effects), a collective or exchange without a live group (a fake group), or a run
   that raised on every rank (``rank_agreement.agree_max_s``: the ranks that measured set the
@@ -41,7 +43,13 @@ import torch.fx
 
 from cost_model.op_kinds import kind_of
 from cost_model.profile.pairs import PairProfiler, Segment, SegmentSignature, segment_signature
-from cost_model.profile.running import device_of_nodes, median_run_or_nan_s, real_value, run_node, transfer_tensors
+from cost_model.profile.running import (
+    device_of_nodes,
+    median_runs_interleaved_s,
+    real_value,
+    run_node,
+    transfer_tensors,
+)
 from cost_model.rank_agreement import FAILED_S, agree_max_s, check_same_signatures
 from cost_model.symbolic import size_hints
 
@@ -72,7 +80,7 @@ def segment_times(
 
     def measure_all() -> list[float]:  # the agreements too: a pass may call this under a fake-tensor mode
         check_same_signatures(["|".join(sig) for sig, _ in todo], group)
-        return agree_max_s([_measure(profiled, segment) for _, segment in todo], group)
+        return agree_max_s(_measure(profiled, [segment for _, segment in todo]), group)
 
     measured = runner(measure_all) if runner is not None else measure_all()
     for (sig, _), t in zip(todo, measured, strict=True):
@@ -86,12 +94,27 @@ def _signature(profiled: PairProfiler, nodes: Segment) -> SegmentSignature | Non
     return None if sig is None else (f"{len(nodes)} nodes", *sig)
 
 
-def _measure(profiled: PairProfiler, nodes: Segment) -> float:
-    """Median seconds of running ``nodes`` with their dataflow; NaN if a run raised."""
+def _measure(profiled: PairProfiler, segments: Sequence[Segment]) -> list[float]:
+    """Median seconds of running each segment with its dataflow, the runs interleaved; NaN for
+    one whose inputs cannot be made or whose run raised."""
+    runs = [_run_of(nodes) for nodes in segments]
+    runnable = [i for i, run in enumerate(runs) if run is not None]
+    device = device_of_nodes(n for nodes in segments for n in nodes)
+    measured = median_runs_interleaved_s(
+        [run for run in runs if run is not None], profiled.warmup, profiled.repeats, device, profiled.agreement_group()
+    )
+    times = [math.nan] * len(segments)
+    for i, t in zip(runnable, measured, strict=True):
+        times[i] = t
+    return times
+
+
+def _run_of(nodes: Segment) -> Callable[[], None] | None:
+    """One run of ``nodes`` with their dataflow on real inputs; None if an input cannot be made."""
     try:
         outside = _outside_inputs(nodes)
     except Exception:  # noqa: BLE001 - an input that cannot be made: not measurable
-        return math.nan
+        return None
     transfers = [n for n in nodes if kind_of(n) in ("collective", "p2p")]
 
     def run() -> None:
@@ -104,8 +127,7 @@ def _measure(profiled: PairProfiler, nodes: Segment) -> float:
             for t in transfer_tensors(env[node]):
                 c10d.wait_tensor(t)
 
-    device = device_of_nodes(nodes)
-    return median_run_or_nan_s(run, profiled.warmup, profiled.repeats, device, profiled.agreement_group())
+    return run
 
 
 def _outside_inputs(nodes: Segment) -> dict[torch.fx.Node, Any]:
