@@ -7,7 +7,8 @@ Data flow for one Dynamo graph::
                           ├─► backward graph  ─► compile_partition(phase="bwd")   (at first backward)
                           └─► inference graph ─► compile_partition(phase="inference")  (no grad)
 
-    compile_partition:  estimator (graphs with collectives) ─► copy ─► graph_passes.run_pipeline
+    compile_partition:  gloo's threads ahead of the compute (graphs with collectives; comm_threads)
+                        ─► estimator (graphs with collectives) ─► copy ─► graph_passes.run_pipeline
                         ─► rank-consistency check ─► dumps (with dump_dir) ─► codegen.generate
                         ─► with profile_steps: the first N calls profiled (dhelix_compile.observe.measured)
                         a pass raised?  fallback="inductor": warn, plain Inductor on the untouched graph
@@ -36,6 +37,7 @@ from cost_model.profile import ProfiledEstimator
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile import ops as _ops  # noqa: F401 - registers dhelix::exchange, which decompose emits
 from dhelix_compile.codegen import generate, has_communication
+from dhelix_compile.comm_threads import ThreadPriority, prioritize_gloo_threads
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator, resolve_cost_model
@@ -169,7 +171,8 @@ def _pass_context(
     dumper: GraphDumper | None,
 ) -> PassContext:
     """What the passes get for ``gm``: its estimator (measured first, when profiled) and options."""
-    start = time.perf_counter()
+    threads = _gloo_threads_ahead() if config.gloo_thread_priority == "realtime" and has_communication(gm) else None
+    start = time.perf_counter()  # after the threads moved: the profile measures what the steps will run
     estimator = _estimator(config, gm, example_inputs, name)
     ctx = PassContext(
         graph_name=name,
@@ -179,6 +182,8 @@ def _pass_context(
         pass_options={**pass_options(config), GLOO_COLLECTIVES: GlooCollectiveOptions(gloo_groups(gm))},
         observer=dumper,
     )
+    if threads is not None and (threads.moved or threads.already):
+        ctx.record("gloo_threads", moved=threads.moved, already_realtime=threads.already)
     if estimator is not None:  # building a profiled estimator measures the graph's ops and collectives
         ctx.record(
             "cost_model",
@@ -192,6 +197,24 @@ def _pass_context(
             },
         )
     return ctx
+
+
+_WARNED_THREADS: set[str] = set()
+
+
+def _gloo_threads_ahead() -> ThreadPriority:
+    """Gloo's threads ahead of the compute (``comm_threads``); why not, logged once per reason."""
+    result = prioritize_gloo_threads()
+    if result.moved:
+        log.info("%d gloo threads moved to real-time priority (gloo_thread_priority='realtime')", result.moved)
+    if result.reason is not None and result.reason not in _WARNED_THREADS:
+        _WARNED_THREADS.add(result.reason)
+        log.warning(
+            "gloo's threads stay at normal priority (%s): a transfer in flight waits for the scheduler "
+            "while this rank computes, and hides less; gloo_thread_priority='normal' silences this",
+            result.reason,
+        )
+    return result
 
 
 def gloo_groups(gm: torch.fx.GraphModule) -> frozenset[str]:

@@ -24,6 +24,7 @@ Fallback = Literal["inductor", "error"]
 CostModelKind = Literal["auto", "analytic", "profile"]
 DecomposeMode = Literal["off", "auto", "per_peer", "chunked"]
 HelixSchedule = Literal["forward_backward", "paired_ends", "same_phase"]
+GlooThreadPriority = Literal["realtime", "normal"]
 
 
 class ConfigError(ValueError):
@@ -190,6 +191,17 @@ class DHelixConfig:
         "helix: partial paths each cell of the strand plan's timed DP keeps (the DP over simulated "
         "clocks that lets a long transfer run under several segments; e.g. 4; 0, the default, turns "
         "it off: on this CPU machine its plans were predicted faster and measured level; >= 0).",
+    )
+    gloo_thread_priority: GlooThreadPriority = _option(
+        "realtime",
+        "On gloo, the process's communication threads (torch's pt_gloo_runloop, gloo's "
+        "gloo_tcp_loop) run at the lowest real-time priority (SCHED_FIFO 1), from the first compile "
+        "of a graph with communication: at normal priority a transfer in flight waits for the "
+        "scheduler each time it needs its threads while every core computes (a 512 KiB all-to-all: "
+        "0.6 ms alone, 3-4 ms under matmuls; dhelix_compile.comm_threads, BENCHMARKS.md). Needs "
+        "CAP_SYS_NICE (root has it); without it a warning says so and nothing changes. 'normal' "
+        "leaves the threads alone. NCCL has no such threads: nothing changes there.",
+        env="DHELIX_GLOO_THREAD_PRIORITY",
     )
     consistency_timeout_s: float = _option(
         300.0,

@@ -77,6 +77,8 @@ def _worker_argv(out: Path, mode: str, args: argparse.Namespace) -> list[str]:
         str(args.time_limit_s),
         "--microbatches",
         str(args.microbatches),
+        "--gloo-priority",
+        args.gloo_priority,
         *(["--pipeline", args.pipeline] if args.pipeline else []),
         *(["--data-parallel", args.data_parallel] if args.data_parallel else []),
     ]
@@ -237,6 +239,7 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         "data_parallel": link_run.get("data_parallel"),
         "world_size": link_run["world_size"],
         "microbatches": link_run.get("microbatches", 1),
+        "gloo_threads": link_run.get("gloo_threads"),
         "repeats": link_run["repeats"],
         "t_compute_s": t_compute,
         "t_comm_s": t_comm,
@@ -276,7 +279,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [
         f"link: {summary['link']}; model {summary['model']} ({parallel}), "
         f"{summary['world_size']} ranks, {summary.get('microbatches', 1)} micro-batches per step, "
-        f"{summary['repeats']} interleaved repeats",
+        f"{summary['repeats']} interleaved repeats"
+        + (f"; gloo's threads at {summary['gloo_threads']}" if summary.get("gloo_threads") else ""),
         "",
         f"T_compute = {format_ms(summary['t_compute_s'])} ms, T_comm = {format_ms(summary['t_comm_s'])} ms, "
         f"limit max(T_compute, T_comm) = {format_ms(limit)} ms, "
@@ -403,6 +407,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--gloo-priority",
+        choices=["realtime", "normal"],
+        default="realtime",
+        help="gloo's threads in every variant, T_comm and the ceiling: at real-time priority (dhelix's default "
+        "gloo_thread_priority, dhelix_compile.comm_threads) or left at normal priority",
+    )
     parser.add_argument("--dhelix-options", default="{}")
     parser.add_argument("--time-limit-s", type=float, default=240.0, help="per mode, for the timed repeats")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per launch, then the ranks are killed")

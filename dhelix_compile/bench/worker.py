@@ -54,6 +54,7 @@ from dhelix_compile.bench.measure import (
 from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS, P2PReplay, build_pipeline
 from dhelix_compile.bench.steps import parse_variants, split_variant, step_function
 from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
+from dhelix_compile.comm_threads import prioritize_gloo_threads
 from dhelix_compile.helix_runtime.schedule import HelixScheduleKind, graph_calls, helix_schedule, read_schedule_kind
 
 
@@ -69,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--dhelix-options", default="{}", help="JSON dict of dhelix options")
+    parser.add_argument(
+        "--gloo-priority",
+        choices=["realtime", "normal"],
+        default="realtime",
+        help="gloo's threads for every variant (dhelix_compile.comm_threads); dhelix variants get it as their option",
+    )
     parser.add_argument("--time-limit-s", type=float, default=300.0, help="stop repeating after this")
     parser.add_argument(
         "--t-compute-s",
@@ -186,6 +193,19 @@ def _plan_s(dump_dir: Path, rank: int) -> tuple[float, float]:
     return passes, profiling
 
 
+def _gloo_threads(args: argparse.Namespace) -> str:
+    """Every variant runs with gloo's threads as ``--gloo-priority`` says, the baselines too: the
+    bench compares schedules, not thread priorities (``dhelix_compile.comm_threads``). What they
+    run at, in words."""
+    if args.gloo_priority == "normal":
+        return "normal priority (--gloo-priority normal)"
+    result = prioritize_gloo_threads()
+    if result.reason is not None:
+        print(f"dhelix bench: gloo's threads stay at normal priority: {result.reason}", file=sys.stderr)
+        return f"normal priority ({result.reason})"
+    return "real-time priority (SCHED_FIFO 1; --gloo-priority realtime)"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dhelix_bench_") as dump_root:
         return _run(args, Path(dump_root))
@@ -200,7 +220,9 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     if user_options.get("dump_dir"):  # keep the dumps: one folder per variant under the user's
         dump_root = Path(user_options.pop("dump_dir"))
     barrier = dist.barrier if args.mode == "link" else None
+    user_options.setdefault("gloo_thread_priority", args.gloo_priority)
     setup = _setup(args, rank, world_size, mesh, gen, user_options, dump_root)
+    _gloo_threads(args)
 
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -225,6 +247,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         else:
             errors.setdefault(name, "failed on another rank")
 
+    gloo_threads = _gloo_threads(args)  # groups the variants made too
     repeats = _repeats_within(args.time_limit_s, steps, args.repeats, barrier)
     progress = _Progress(args.progress_file if rank == 0 else None, total=repeats * len(steps))
     times = time_interleaved(steps, repeats, barrier, on_step=progress.step)
@@ -240,6 +263,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "world_size": world_size,
         "microbatches": args.microbatches,
         "threads": args.threads,
+        "gloo_threads": gloo_threads if args.mode == "link" else None,
         "repeats": repeats,
         "step_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.wall_s.items()},
         "cpu_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.cpu_s.items()},

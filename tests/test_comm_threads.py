@@ -1,0 +1,107 @@
+"""Gloo's threads ahead of the compute (``dhelix_compile.comm_threads``) and the backend's use of it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from dhelix_compile import comm_threads
+from dhelix_compile.comm_threads import ThreadPriority, gloo_thread_ids, prioritize_gloo_threads
+from dhelix_compile.testing.multirank import run_on_ranks
+
+linux_only = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are listed from /proc")
+
+
+def _policies() -> list[int]:
+    return [os.sched_getscheduler(tid) for tid in gloo_thread_ids()]
+
+
+def _prioritize_on_a_gloo_group(rank: int, world_size: int) -> dict[str, Any]:
+    t = torch.ones(4)
+    dist.all_reduce(t)  # the group's threads exist and have worked
+    before = _policies()
+    first = prioritize_gloo_threads()
+    second = prioritize_gloo_threads()
+    dist.all_reduce(t)  # still works with its threads real-time
+    return {"before": before, "first": first, "second": second, "after": _policies(), "sum": t.tolist()}
+
+
+@linux_only
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_gloo_groups_threads_move_to_real_time_once() -> None:
+    """torch and gloo still name their threads as ``GLOO_THREAD_NAMES`` says (if a release renames
+    them, this fails, not the overlap silently), and they move to SCHED_FIFO where permitted."""
+    for result in run_on_ranks(_prioritize_on_a_gloo_group, 2, timeout_s=80):
+        assert result["before"] and set(result["before"]) == {os.SCHED_OTHER}
+        assert result["sum"] == [4.0] * 4
+        first, second = result["first"], result["second"]
+        if first.reason is not None:  # an unprivileged runner: nothing moved, and it says why
+            assert "CAP_SYS_NICE" in first.reason and set(result["after"]) == {os.SCHED_OTHER}
+            continue
+        assert first == ThreadPriority(moved=len(result["before"]), already=0)
+        assert second == ThreadPriority(moved=0, already=len(result["before"]))
+        assert set(result["after"]) == {os.SCHED_FIFO}
+
+
+def test_without_gloo_threads_nothing_happens(monkeypatch: Any) -> None:
+    monkeypatch.setattr(comm_threads, "gloo_thread_ids", lambda: [])
+    assert prioritize_gloo_threads() == ThreadPriority(0, 0)
+
+
+def test_no_permission_says_why_and_changes_nothing(monkeypatch: Any) -> None:
+    monkeypatch.setattr(comm_threads, "gloo_thread_ids", lambda: [101, 102])
+    monkeypatch.setattr(os, "sched_getscheduler", lambda tid: os.SCHED_OTHER)
+
+    def refuse(tid: int, policy: int, param: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    result = prioritize_gloo_threads()
+    assert result.moved == 0 and result.reason is not None and "CAP_SYS_NICE" in result.reason
+
+
+def test_a_thread_that_exits_meanwhile_is_skipped(monkeypatch: Any) -> None:
+    monkeypatch.setattr(comm_threads, "gloo_thread_ids", lambda: [101, 102])
+    monkeypatch.setattr(os, "sched_getscheduler", lambda tid: os.SCHED_OTHER)
+    moved = []
+
+    def set_policy(tid: int, policy: int, param: Any) -> None:
+        if tid == 101:
+            raise ProcessLookupError(3, "No such process")
+        moved.append((tid, policy, param.sched_priority))
+
+    monkeypatch.setattr(os, "sched_setscheduler", set_policy)
+    assert prioritize_gloo_threads() == ThreadPriority(moved=1, already=0)
+    assert moved == [(102, os.SCHED_FIFO, 1)]
+
+
+def _compile_on_ranks(rank: int, world_size: int, priority: str) -> list[int]:
+    import dhelix_compile
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+
+    compiled = torch.compile(
+        f,
+        backend=dhelix_compile.backend(codegen="eager", cost_model="analytic", gloo_thread_priority=priority),
+        fullgraph=True,
+    )
+    x = torch.full((4,), float(rank))
+    torch.testing.assert_close(compiled(x), f(x))
+    return _policies()
+
+
+@linux_only
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("priority", ["realtime", "normal"])
+def test_the_backend_moves_gloo_threads_when_it_compiles_a_graph_with_collectives(priority: str) -> None:
+    expected = {os.SCHED_FIFO if priority == "realtime" and os.geteuid() == 0 else os.SCHED_OTHER}
+    for policies in run_on_ranks(_compile_on_ranks, 2, priority, timeout_s=150):
+        assert policies and set(policies) == expected
