@@ -37,7 +37,7 @@ from cost_model.profile import ProfiledEstimator
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile import ops as _ops  # noqa: F401 - registers dhelix::exchange, which decompose emits
 from dhelix_compile.codegen import generate, has_communication
-from dhelix_compile.comm_threads import ThreadPriority, prioritize_gloo_threads
+from dhelix_compile.comm_threads import ThreadPriority, local_ranks, prioritize_gloo_threads
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator, resolve_cost_model
@@ -204,7 +204,7 @@ _WARNED_THREADS: set[str] = set()
 
 def _gloo_threads_ahead() -> ThreadPriority:
     """Gloo's threads ahead of the compute (``comm_threads``); why not, logged once per reason."""
-    result = prioritize_gloo_threads()
+    result = prioritize_gloo_threads(local_ranks(), torch.get_num_threads())
     if result.moved:
         log.info("%d gloo threads moved to real-time priority (gloo_thread_priority='realtime')", result.moved)
     if result.reason is not None and result.reason not in _WARNED_THREADS:

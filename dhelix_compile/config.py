@@ -199,8 +199,10 @@ class DHelixConfig:
         "of a graph with communication: at normal priority a transfer in flight waits for the "
         "scheduler each time it needs its threads while every core computes (a 512 KiB all-to-all: "
         "0.6 ms alone, 3-4 ms under matmuls; dhelix_compile.comm_threads, BENCHMARKS.md). Needs "
-        "CAP_SYS_NICE (root has it); without it a warning says so and nothing changes. 'normal' "
-        "leaves the threads alone. NCCL has no such threads: nothing changes there.",
+        "CAP_SYS_NICE (root has it); without it a warning says so and nothing changes, as when the "
+        "machine's ranks times their torch threads exceed its cores (a real-time thread can then "
+        "starve a rank its peers wait for). 'normal' leaves the threads alone. NCCL has no such "
+        "threads: nothing changes there.",
         env="DHELIX_GLOO_THREAD_PRIORITY",
     )
     consistency_timeout_s: float = _option(

@@ -199,7 +199,7 @@ def _gloo_threads(args: argparse.Namespace) -> str:
     run at, in words."""
     if args.gloo_priority == "normal":
         return "normal priority (--gloo-priority normal)"
-    result = prioritize_gloo_threads()
+    result = prioritize_gloo_threads(dist.get_world_size(), args.threads)
     if result.reason is not None:
         print(f"dhelix bench: gloo's threads stay at normal priority: {result.reason}", file=sys.stderr)
         return f"normal priority ({result.reason})"
