@@ -54,7 +54,7 @@ from dhelix_compile.bench.measure import (
 from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS, P2PReplay, build_pipeline
 from dhelix_compile.bench.steps import parse_variants, split_variant, step_function
 from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
-from dhelix_compile.comm_threads import prioritize_gloo_threads
+from dhelix_compile.comm_threads import local_ranks, prioritize_gloo_threads
 from dhelix_compile.helix_runtime.schedule import HelixScheduleKind, graph_calls, helix_schedule, read_schedule_kind
 
 
@@ -199,7 +199,7 @@ def _gloo_threads(args: argparse.Namespace) -> str:
     run at, in words."""
     if args.gloo_priority == "normal":
         return "normal priority (--gloo-priority normal)"
-    result = prioritize_gloo_threads(dist.get_world_size(), args.threads)
+    result = prioritize_gloo_threads(local_ranks(), args.threads)
     if result.reason is not None:
         print(f"dhelix bench: gloo's threads stay at normal priority: {result.reason}", file=sys.stderr)
         return f"normal priority ({result.reason})"
@@ -222,7 +222,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     barrier = dist.barrier if args.mode == "link" else None
     user_options.setdefault("gloo_thread_priority", args.gloo_priority)
     setup = _setup(args, rank, world_size, mesh, gen, user_options, dump_root)
-    _gloo_threads(args)
+    _gloo_threads(args)  # before the first steps: their compiles profile the link at this priority
 
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
