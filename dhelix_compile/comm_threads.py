@@ -31,6 +31,10 @@ gloo thread preempts the compute at once) and behind every other real-time one.
   not finish in 240 s (21 s at normal priority).
 * A thread that exits meanwhile is skipped.
 
+``gloo_threads_cpu_s() -> float``: the CPU seconds this process's gloo threads have run so far
+(each thread's own CPU clock, to the nanosecond; ``/proc``'s ticks are 10 ms). The bench takes it
+around each step, to tell the CPU the transfers took from the compute's.
+
 The kernel's real-time throttling (``/proc/sys/kernel/sched_rt_runtime_us``, 95% of each second
 by default) keeps real-time threads from holding a core whole; gloo's threads block between
 transfers (``epoll_wait``, condition variables), so they take only the CPU the transfers need.
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 #: Thread names of a gloo process group's communication threads (torch 2.13, gloo).
@@ -77,6 +82,25 @@ def gloo_thread_ids() -> list[int]:
         if name in GLOO_THREAD_NAMES:
             found.append(int(task.name))
     return found
+
+
+def _thread_cpu_clock(tid: int) -> int:
+    """The clock id of thread ``tid``'s CPU time (Linux: ``CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED``
+    over the inverted thread id, as glibc's ``pthread_getcpuclockid`` builds it)."""
+    return ((~tid) << 3) | 6
+
+
+def gloo_threads_cpu_s() -> float:
+    """CPU seconds this process's gloo threads have run (0.0 without gloo threads or ``/proc``)."""
+    if not hasattr(os, "sched_setscheduler"):
+        return 0.0
+    total = 0.0
+    for tid in gloo_thread_ids():
+        try:
+            total += time.clock_gettime(_thread_cpu_clock(tid))
+        except OSError:  # the thread exited
+            continue
+    return total
 
 
 def local_ranks() -> int:
@@ -128,6 +152,7 @@ __all__ = [
     "GLOO_THREAD_NAMES",
     "ThreadPriority",
     "gloo_thread_ids",
+    "gloo_threads_cpu_s",
     "local_ranks",
     "prioritize_gloo_threads",
     "usable_cores",

@@ -48,7 +48,10 @@ def test_hidden_share_is_zero_when_sequential_and_one_at_the_limit() -> None:
 
 def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> None:
     summary = _summary(
-        {"inductor": _variant(0.150, 0.100), "dhelix_decompose": _variant(0.120, 0.110, 0.1155)},
+        {
+            "inductor": _variant(0.150, 0.100),
+            "dhelix_decompose": {**_variant(0.120, 0.110, 0.1155), "gloo_cpu_s_median": 0.0123},
+        },
         ceiling={
             "step_s_median": 0.105,
             "step_s_measured": 0.107,
@@ -70,7 +73,7 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
     assert cells[3] == "1.25x"  # vs Inductor
     assert cells[5] == "1.14"  # vs the ceiling: 120/105
     assert cells[6:9] == ["80%", "110.0", "60%"]  # own T_compute: (160-120)/50; Inductor's: (150-120)/50
-    assert cells[9:11] == ["115.5", "4.5"]  # CPU per step, idle = step - CPU
+    assert cells[9:11] == ["115.5 (12.3)", "4.5"]  # CPU per step (gloo's threads'), idle = step - CPU
     assert cells[11:] == ["-", "-"]  # no compile times recorded: shown as such
     assert rows["inductor"][9:11] == ["-", "-"]  # no CPU time measured: shown as such, not as zero
     assert rows["*ceiling*"][3:] == ["1.43x", "1.05", "1.00", "80%", "95.0", "", "104.0", "1.0", "", ""]
@@ -166,6 +169,7 @@ def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:
     summary = json.loads(out.read_text())
     assert set(summary["variants"]) == set(variants) and not summary["errors"]
     assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0 and summary["t_comm_cpu_s"] > 0
+    assert 0 < summary["t_comm_gloo_cpu_s"] <= summary["t_comm_cpu_s"]  # gloo's threads moved the bytes
     ceiling = summary["ceiling"]  # the step's collectives under synthetic compute of about T_compute
     assert ceiling["step_s_median"] > 0 and ceiling["t_compute_s"] > 0 and ceiling["cpu_s_median"] > 0
     assert ceiling["step_s_median"] == min(ceiling["step_s_by_in_flight"].values())  # 1 or 2 in flight

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -24,11 +26,23 @@ def _policies() -> list[int]:
 def _prioritize_on_a_gloo_group(rank: int, world_size: int) -> dict[str, Any]:
     t = torch.ones(4)
     dist.all_reduce(t)  # the group's threads exist and have worked
+    cpu_before = comm_threads.gloo_threads_cpu_s()
+    big = torch.ones(1 << 20)
+    for _ in range(4):
+        dist.all_reduce(big)  # 4 MiB each way: gloo's threads run
+    cpu_after = comm_threads.gloo_threads_cpu_s()
     before = _policies()
     first = prioritize_gloo_threads(world_size, 1)
     second = prioritize_gloo_threads(world_size, 1)
     dist.all_reduce(t)  # still works with its threads real-time
-    return {"before": before, "first": first, "second": second, "after": _policies(), "sum": t.tolist()}
+    return {
+        "before": before,
+        "first": first,
+        "second": second,
+        "after": _policies(),
+        "sum": t.tolist(),
+        "gloo_cpu_s": (cpu_before, cpu_after),
+    }
 
 
 @linux_only
@@ -40,6 +54,8 @@ def test_a_gloo_groups_threads_move_to_real_time_once() -> None:
     for result in run_on_ranks(_prioritize_on_a_gloo_group, 2, timeout_s=80):
         assert result["before"] and set(result["before"]) == {os.SCHED_OTHER}
         assert result["sum"] == [4.0] * 4
+        cpu_before, cpu_after = result["gloo_cpu_s"]
+        assert 0.0 < cpu_before < cpu_after, "gloo's threads' CPU clocks read, and they ran the transfers"
         first, second = result["first"], result["second"]
         if first.reason is not None:  # an unprivileged runner or a 1-core one: nothing moved, and it says why
             assert "CAP_SYS_NICE" in first.reason or "oversubscribed" in first.reason
@@ -48,6 +64,32 @@ def test_a_gloo_groups_threads_move_to_real_time_once() -> None:
         assert first == ThreadPriority(moved=len(result["before"]), already=0)
         assert second == ThreadPriority(moved=0, already=len(result["before"]))
         assert set(result["after"]) == {os.SCHED_FIFO}
+
+
+@linux_only
+def test_a_threads_cpu_clock_is_read_from_outside_it() -> None:
+    """``gloo_threads_cpu_s`` reads other threads' CPU clocks by thread id: the clock id it builds
+    reads what the thread itself measures with ``time.thread_time``."""
+    seen: dict[str, float] = {}
+    started, stop = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        started.set()
+        while not stop.is_set():
+            pass
+        seen["own"] = time.thread_time()
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    started.wait()
+    time.sleep(0.05)
+    assert thread.native_id is not None
+    clock = comm_threads._thread_cpu_clock(thread.native_id)
+    first = time.clock_gettime(clock)
+    stop.set()
+    time.sleep(0.01)  # the thread reads its own clock before it exits
+    thread.join()
+    assert 0.0 < first <= seen["own"] < first + 0.05
 
 
 def test_without_gloo_threads_nothing_happens(monkeypatch: Any) -> None:

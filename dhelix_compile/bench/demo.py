@@ -1,6 +1,6 @@
 """``dhelix demo``: train a TP+SP workload with ``helix`` on two ranks, beside eager, Inductor and the ceiling.
 
-    dhelix demo [--model mlp_medium] [--rate 1gbit] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
+    dhelix demo [--model mlp_medium] [--rate auto] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
 
 The parent launches two gloo ranks (``dhelix_compile.launch.ranks.launch_ranks``): inside two network
 namespaces joined by a rate-limited veth link when run as root with ``ip`` and ``tc``, on
@@ -16,8 +16,10 @@ for the reference transformer, whose gloo collectives leave a ceiling near Induc
    each step's mean loss (helix's graphs dumped under ``--dump-dir``). Rank 0 writes the losses
    as JSON for the parent.
 2. Speed: ``dhelix bench`` (``bench.run.measure``) with the variants eager, Inductor and helix
-   (defaults): ``T_compute`` on the fake process group, then every variant interleaved on the
-   same link, ``T_comm`` and the *ceiling* (the step's own collectives hidden under synthetic
+   (defaults): ``T_compute`` on the fake process group, then (``--rate auto``, the default) the
+   link rate at which the step's collectives alone take about ``T_compute``
+   (``bench.link_rate``; training ran at its probe rate), then every variant interleaved on that
+   link, ``T_comm`` and the *ceiling* (the step's own collectives hidden under synthetic
    compute of the step's compute time: the most this machine allows).
 
 The parent prints the losses side by side, the step-time table with the ceiling row, and where
@@ -102,7 +104,11 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _print_results(losses: dict[str, Any], summary: dict[str, Any], dump_dir: Path) -> None:
+    from dhelix_compile.bench.run import rate_probes_line
+
     print(f"link: {summary['link']}")
+    for line in rate_probes_line(summary):
+        print(line)
     print(
         f"model: '{summary['model']}' ({WHAT.get(summary['model'], 'see dhelix bench --help')}), TP+SP, 2 ranks, "
         f"{summary['microbatches']} micro-batches per step"
@@ -158,7 +164,10 @@ def run(args: argparse.Namespace) -> int:
     from dhelix_compile.launch.ranks import LinkSpec, launch_ranks
 
     dump_dir = Path(args.dump_dir).resolve()
-    rate = None if args.rate.lower() == "none" else args.rate
+    from dhelix_compile.bench.link_rate import PROBE_RATE
+
+    # the losses do not depend on the rate: with --rate auto, training runs at the probe rate
+    rate = {"none": None, "auto": PROBE_RATE}.get(args.rate.lower(), args.rate)
     with tempfile.TemporaryDirectory(prefix="dhelix_demo_") as tmp:
         out = Path(tmp) / "demo.json"
         argv = [
@@ -179,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
             "--dump-dir",
             str(dump_dir),
         ]
-        print(f"[1/3] training eager and helix side by side (link rate {args.rate}) ...", file=sys.stderr, flush=True)
+        print(
+            f"[1/3] training eager and helix side by side (link rate {rate or 'none'}) ...", file=sys.stderr, flush=True
+        )
         started = time.perf_counter()
         try:
             launched = launch_ranks(argv, 2, LinkSpec(rate=rate), timeout_s=args.timeout_s)
@@ -204,9 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=MODEL_NAMES, default="mlp_medium", help="workload (as dhelix bench's)")
     parser.add_argument(
         "--rate",
-        default="1gbit",
-        help="tc rate of the emulated link ('none' for loopback); the default puts "
-        "mlp_medium's communication near its compute",
+        default="auto",
+        help="tc rate of the emulated link ('400mbit'; 'none' for loopback); 'auto', the default, times the "
+        "step's collectives and picks the rate at which they take about the step's compute time",
     )
     parser.add_argument("--steps", type=int, default=3, help="training steps compared with eager")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")

@@ -40,6 +40,7 @@ from cost_model.op_kinds import is_comm, kind_of
 from cost_model.profile import median_run_s
 from cost_model.profile.running import run_node, transfer_tensors
 from dhelix_compile import _torch_compat as compat
+from dhelix_compile.comm_threads import gloo_threads_cpu_s
 
 c10d = torch.ops._c10d_functional
 
@@ -50,10 +51,13 @@ class Timings:
     ``cpu_s`` (``time.process_time``: every thread of this process). ``wall - cpu`` is a lower
     bound on the time the rank sat idle, waiting for a transfer or a peer; a CPU time close to
     the wall time means the rank was busy throughout (on a machine whose cores the ranks fill,
-    the CPU a transfer takes cannot be hidden behind compute)."""
+    the CPU a transfer takes cannot be hidden behind compute). ``gloo_cpu_s``: the part of
+    ``cpu_s`` that gloo's threads ran (``comm_threads.gloo_threads_cpu_s``; the kernel's socket
+    work in their system calls included, softirq work done elsewhere not)."""
 
     wall_s: dict[str, list[float]]
     cpu_s: dict[str, list[float]]
+    gloo_cpu_s: dict[str, list[float]]
 
 
 def time_interleaved(
@@ -66,13 +70,14 @@ def time_interleaved(
 
     ``on_step(variant)`` is called after each timed step (progress reporting).
     """
-    timings = Timings({name: [] for name in steps}, {name: [] for name in steps})
+    timings = Timings({name: [] for name in steps}, {name: [] for name in steps}, {name: [] for name in steps})
     for _ in range(repeats):
         for name, step in steps.items():
             if barrier is not None:
                 barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu, start_gloo = time.perf_counter(), time.process_time(), gloo_threads_cpu_s()
             step()
+            timings.gloo_cpu_s[name].append(gloo_threads_cpu_s() - start_gloo)
             timings.cpu_s[name].append(time.process_time() - start_cpu)
             timings.wall_s[name].append(time.perf_counter() - start)
             if on_step is not None:

@@ -47,6 +47,8 @@ from typing import Any
 
 from cost_model.progress import item_label, progress_bar
 from cost_model.units import format_ms
+from dhelix_compile.bench import link_rate
+from dhelix_compile.launch.link import can_rate_limit
 from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
 
@@ -148,12 +150,22 @@ def _t_compute(compute_run: dict[str, Any]) -> float:
     return baseline if baseline is not None else min(compute.values())
 
 
-def _cpu_and_idle(step_s: float, cpu_samples: list[float] | None) -> dict[str, float | None]:
-    """The median CPU time per step and ``idle = step - CPU`` (None without CPU samples)."""
+def _cpu_and_idle(
+    step_s: float, cpu_samples: list[float] | None, gloo_samples: list[float] | None = None
+) -> dict[str, float | None]:
+    """The median CPU time per step, ``idle = step - CPU`` and the median CPU time of gloo's
+    threads per step (None without samples; runs before 2026-11-27 did not record gloo's)."""
+    gloo = statistics.median(gloo_samples) if gloo_samples else None
     if not cpu_samples:
-        return {"cpu_s_median": None, "idle_s": None}
+        return {"cpu_s_median": None, "idle_s": None, "gloo_cpu_s_median": gloo}
     cpu = statistics.median(cpu_samples)
-    return {"cpu_s_median": cpu, "idle_s": max(step_s - cpu, 0.0)}
+    return {"cpu_s_median": cpu, "idle_s": max(step_s - cpu, 0.0), "gloo_cpu_s_median": gloo}
+
+
+def _cpu_cell(row: dict[str, Any]) -> str:
+    """CPU per step, gloo's threads' part in brackets where recorded."""
+    gloo = row.get("gloo_cpu_s_median")
+    return format_ms(row.get("cpu_s_median")) + ("" if gloo is None else f" ({format_ms(gloo)})")
 
 
 def _compile_times(link_run: dict[str, Any], name: str) -> dict[str, float | None]:
@@ -202,7 +214,7 @@ def ceiling_row(
         "in_flight": depth,
         "step_s_by_in_flight": medians,
         "t_compute_s": own,
-        **_cpu_and_idle(medians[depth], by_depth[depth]["cpu_s"]),
+        **_cpu_and_idle(medians[depth], by_depth[depth]["cpu_s"], by_depth[depth].get("gloo_cpu_s")),
         "hidden_share": hidden_share(medians[depth], own if t_compute is None else t_compute, t_comm),
     }
 
@@ -226,10 +238,12 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
             "step_s_max": max(samples),
             "t_compute_s": own_compute,
             "hidden_share": hidden_share(median, own_compute, t_comm),
-            **_cpu_and_idle(median, (link_run.get("cpu_s") or {}).get(name)),
+            **_cpu_and_idle(
+                median, (link_run.get("cpu_s") or {}).get(name), (link_run.get("gloo_cpu_s") or {}).get(name)
+            ),
             **_compile_times(link_run, name),
         }
-    comm_cpu = link_run.get("t_comm_cpu_s")
+    comm_cpu, comm_gloo = link_run.get("t_comm_cpu_s"), link_run.get("t_comm_gloo_cpu_s")
     ceiling = ceiling_row(link_run.get("ceiling"), t_comm, t_compute)
     return {
         "link": link,
@@ -244,6 +258,7 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         "t_compute_s": t_compute,
         "t_comm_s": t_comm,
         "t_comm_cpu_s": statistics.median(comm_cpu) if comm_cpu else None,
+        "t_comm_gloo_cpu_s": statistics.median(comm_gloo) if comm_gloo else None,
         "limit_s": max(t_compute, t_comm),
         "ceiling": ceiling,
         "variants": variants,
@@ -267,6 +282,15 @@ def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
     return (t_compute_s + t_comm_s - step_s) / hideable if hideable > 0 else 0.0
 
 
+def rate_probes_line(summary: dict[str, Any]) -> list[str]:
+    """With ``--rate auto``: the rates timed on the way to the run's, in one line."""
+    probes = summary.get("rate_probes")
+    if not probes:
+        return []
+    timed = ", ".join(f"{format_ms(p['t_comm_s'])} ms at {p['rate']}" for p in probes)
+    return [f"rate auto: {summary['rate']}, where T_comm takes about T_compute (the collectives alone: {timed})"]
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The summary as a markdown table, ratios beside seconds."""
     limit = summary["limit_s"]
@@ -281,18 +305,24 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{summary['world_size']} ranks, {summary.get('microbatches', 1)} micro-batches per step, "
         f"{summary['repeats']} interleaved repeats"
         + (f"; gloo's threads at {summary['gloo_threads']}" if summary.get("gloo_threads") else ""),
+        *rate_probes_line(summary),
         "",
         f"T_compute = {format_ms(summary['t_compute_s'])} ms, T_comm = {format_ms(summary['t_comm_s'])} ms, "
         f"limit max(T_compute, T_comm) = {format_ms(limit)} ms, "
         f"sequential T_compute + T_comm = {format_ms(summary['t_compute_s'] + summary['t_comm_s'])} ms"
         + (
             f"; T_comm takes {format_ms(summary['t_comm_cpu_s'])} ms of CPU per rank"
+            + (
+                f", {format_ms(summary['t_comm_gloo_cpu_s'])} ms of it on gloo's threads"
+                if summary.get("t_comm_gloo_cpu_s") is not None
+                else ""
+            )
             if summary.get("t_comm_cpu_s") is not None
             else ""
         ),
         "",
         "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | step / limit | step / ceiling "
-        "| hidden share | own T_compute (ms) | hidden share vs T_compute | CPU (ms) | idle (ms) "
+        "| hidden share | own T_compute (ms) | hidden share vs T_compute | CPU (gloo's threads) (ms) | idle (ms) "
         "| first step (s) | passes + profiling (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -306,20 +336,21 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {name} | {format_ms(v['step_s_median'])} | {format_ms(v['step_s_min'])}-{format_ms(v['step_s_max'])} "
             f"| {speedup} | {v['step_s_median'] / limit:.2f} | {vs_ceiling} | {v['hidden_share']:.0%} | {format_ms(own)} "
             f"| {common:.0%} "
-            f"| {format_ms(v.get('cpu_s_median'))} | {format_ms(v.get('idle_s'))} "
+            f"| {_cpu_cell(v)} | {format_ms(v.get('idle_s'))} "
             f"| {_seconds(v.get('first_step_s'))} | {_plan_cell(v)} |"
         )
     if ceiling:
         speedup = f"{base / ceiling['step_s_median']:.2f}x" if base else ""
         lines.append(
             f"| *ceiling* | {format_ms(ceiling['step_s_median'])} | | {speedup} | {ceiling['step_s_median'] / limit:.2f} | 1.00 "
-            f"| {ceiling['hidden_share']:.0%} | {format_ms(ceiling['t_compute_s'])} | | {format_ms(ceiling['cpu_s_median'])} "
+            f"| {ceiling['hidden_share']:.0%} | {format_ms(ceiling['t_compute_s'])} | | {_cpu_cell(ceiling)} "
             f"| {format_ms(ceiling['idle_s'])} | | |"
         )
     lines += [
         "",
         "hidden share: against the variant's own T_compute; the next column against the top-level T_compute.",
-        "CPU: the busiest rank's CPU time per step (all its threads); idle = step - CPU, the time it waited at least.",
+        "CPU: the busiest rank's CPU time per step (all its threads; in brackets, gloo's threads'); "
+        "idle = step - CPU, the time it waited at least.",
         "first step: the variant's first call on the link, which compiles every graph of the step (graph dumps "
         "included: the bench writes them for the predictions); passes + profiling: dhelix's graph passes and, with "
         "cost_model='profile' (the default on a live group), measuring the graphs' ops and collectives.",
@@ -401,7 +432,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each may carry dhelix options of its own in brackets: helix[cost_model=analytic,decompose=off]. "
         f"Default: {', '.join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT)}, or every pipeline variant",
     )
-    parser.add_argument("--rate", default="1gbit", help="tc tbf rate of the link; 'none' for plain loopback")
+    parser.add_argument(
+        "--rate",
+        default="auto",
+        help="tc tbf rate of the link ('400mbit'); 'auto': the rate at which the step's collectives alone take "
+        "T_compute (bench.link_rate); 'none' for plain loopback",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="ranks (a rate-limited link joins exactly 2)")
     parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (helix merges them)")
     parser.add_argument("--repeats", type=int, default=10)
@@ -473,6 +509,11 @@ def _check(args: argparse.Namespace) -> str | None:
         return str(exc)
     if args.ranks < 1 or args.microbatches < 1 or args.repeats < 1:
         return "--ranks, --microbatches and --repeats must be >= 1"
+    if args.rate.lower() not in ("none", "auto"):
+        try:
+            link_rate.parse_rate(args.rate)
+        except ValueError as exc:
+            return f"--rate: {exc}"
     if args.rate.lower() != "none" and args.ranks != 2:
         return "a rate-limited link joins exactly 2 ranks; use --ranks 2 or --rate none"
     try:
@@ -495,16 +536,52 @@ def measure(args: argparse.Namespace, total_stages: int = 2) -> dict[str, Any]:
             f"[{first}/{stages}] T_compute: {args.variants} on the fake process group ...", file=sys.stderr, flush=True
         )
         compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
+        t_compute = _t_compute(compute_run)
+        probes: list[dict[str, Any]] = []
+        if rate is not None and rate.lower() == "auto":
+            rate, probes = _calibrate_rate(args, t_compute, Path(tmp))
         print(
-            f"[{first + 1}/{stages}] on the link (rate {args.rate}): every variant interleaved, then T_comm "
+            f"[{first + 1}/{stages}] on the link (rate {rate or 'none'}): every variant interleaved, then T_comm "
             "and the ceiling ...",
             file=sys.stderr,
             flush=True,
         )
         link_run, launched = _launch(
-            Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args, ["--t-compute-s", repr(_t_compute(compute_run))]
+            Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args, ["--t-compute-s", repr(t_compute)]
         )
-    return summarize(link_run, compute_run, launched.link)
+    return {**summarize(link_run, compute_run, launched.link), "rate": rate, "rate_probes": probes}
+
+
+def _calibrate_rate(args: argparse.Namespace, t_compute_s: float, tmp: Path) -> tuple[str | None, list[dict[str, Any]]]:
+    """``--rate auto``: the rate at which the step's collectives alone take ``T_compute``
+    (``bench.link_rate``), and the rates timed on the way (``rate``, ``t_comm_s``). None
+    (loopback) where no link can be rate-limited here."""
+    ok, reason = can_rate_limit()
+    if not ok:
+        print(f"    --rate auto: no rate-limited link here ({reason}); loopback", file=sys.stderr, flush=True)
+        return None, []
+    probe_args = argparse.Namespace(**{**vars(args), "repeats": 3})
+    rate, probes = link_rate.PROBE_RATE, []
+    for i in range(link_rate.MAX_PROBES):
+        run, _ = _launch(tmp / f"comm{i}.json", "comm", LinkSpec(rate=rate), probe_args)
+        t_comm = statistics.median(run["t_comm_s"])
+        probes.append({"rate": rate, "t_comm_s": t_comm})
+        done = link_rate.calibrated(t_comm, t_compute_s)
+        following = (
+            rate
+            if done
+            else link_rate.format_rate(link_rate.next_rate(link_rate.parse_rate(rate), t_comm, t_compute_s))
+        )
+        print(
+            f"    --rate auto: T_comm {format_ms(t_comm)} ms at {rate} for T_compute {format_ms(t_compute_s)} ms"
+            + ("" if done else f" -> {following}"),
+            file=sys.stderr,
+            flush=True,
+        )
+        rate = following
+        if done:
+            break
+    return rate, probes
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """One rank of a benchmark run: ``python -m dhelix_compile.bench.worker --out F.json ...``.
 
 Launched (by ``dhelix_compile.launch.ranks.launch_ranks``) with RANK / WORLD_SIZE / MASTER_ADDR
-/ MASTER_PORT in the environment. Two modes:
+/ MASTER_PORT in the environment. Three modes:
 
     --mode link      gloo over the real (possibly rate-limited) link: every variant's step time,
                      interleaved, each step started together on all ranks (barrier); then T_comm,
@@ -10,6 +10,8 @@ Launched (by ``dhelix_compile.launch.ranks.launch_ranks``) with RANK / WORLD_SIZ
                      collectives each hidden under a share of that much synthetic compute.
     --mode compute   the "fake" process group (collectives return at once, nothing is sent):
                      the same variants' step times are T_compute, the step without communication.
+    --mode comm      gloo over the link, T_comm only (``--rate auto`` times it at the rates it
+                     tries, ``bench.link_rate``).
 
 A step is one forward and backward per micro-batch (``--microbatches``; gradients accumulate,
 helix merges consecutive micro-batches) of a workload (``bench.workloads``: the reference
@@ -61,7 +63,7 @@ from dhelix_compile.helix_runtime.schedule import HelixScheduleKind, graph_calls
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes")
-    parser.add_argument("--mode", choices=["link", "compute"], default="link")
+    parser.add_argument("--mode", choices=["link", "compute", "comm"], default="link")
     parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="small")
     parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
     parser.add_argument("--variants", default="eager,inductor,inductor_overlap,dhelix")
@@ -219,10 +221,12 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     user_options = json.loads(args.dhelix_options)
     if user_options.get("dump_dir"):  # keep the dumps: one folder per variant under the user's
         dump_root = Path(user_options.pop("dump_dir"))
-    barrier = dist.barrier if args.mode == "link" else None
+    barrier = None if args.mode == "compute" else dist.barrier
     user_options.setdefault("gloo_thread_priority", args.gloo_priority)
     setup = _setup(args, rank, world_size, mesh, gen, user_options, dump_root)
     _gloo_threads(args)  # before the first steps: their compiles profile the link at this priority
+    if args.mode == "comm":
+        return _t_comm_only(setup, args.repeats, rank)
 
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -267,6 +271,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "repeats": repeats,
         "step_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.wall_s.items()},
         "cpu_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.cpu_s.items()},
+        "gloo_cpu_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.gloo_cpu_s.items()},
         "first_step_s": {name: agree_max([first_step_s[name]], dist.group.WORLD)[0] for name in steps},
         "plan_s": {name: agree_max(list(_plan_s(dump_root / _folder(name), rank)), dist.group.WORLD) for name in steps},
         "errors": errors,
@@ -285,6 +290,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         comm_times = time_interleaved(timed, repeats, barrier)
         result["t_comm_s"] = agree_max(comm_times.wall_s["comm"], dist.group.WORLD)
         result["t_comm_cpu_s"] = agree_max(comm_times.cpu_s["comm"], dist.group.WORLD)
+        result["t_comm_gloo_cpu_s"] = agree_max(comm_times.gloo_cpu_s["comm"], dist.group.WORLD)
         if "ceiling_compute" in timed:
             result["ceiling"] = {
                 "compute_s": agree_max(comm_times.wall_s["ceiling_compute"], dist.group.WORLD),
@@ -292,6 +298,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
                     depth: {
                         "step_s": agree_max(comm_times.wall_s[f"ceiling_{depth}"], dist.group.WORLD),
                         "cpu_s": agree_max(comm_times.cpu_s[f"ceiling_{depth}"], dist.group.WORLD),
+                        "gloo_cpu_s": agree_max(comm_times.gloo_cpu_s[f"ceiling_{depth}"], dist.group.WORLD),
                     }
                     for depth in ceilings
                 },
@@ -309,6 +316,17 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
             result["measured_account"] = {name: parts for name, parts in accounts.items() if parts}
     dist.barrier() if args.mode == "link" else None
     return result if rank == 0 else {}
+
+
+def _t_comm_only(setup: _Setup, repeats: int, rank: int) -> dict[str, Any]:
+    """``--mode comm``: the step's collectives replayed back to back, ``repeats`` times after one
+    untimed replay (the slowest rank's seconds, on rank 0)."""
+    replay = setup.replay()
+    replay()
+    times = time_interleaved({"comm": replay}, repeats, dist.barrier)
+    t_comm = agree_max(times.wall_s["comm"], dist.group.WORLD)
+    dist.barrier()
+    return {"mode": "comm", "t_comm_s": t_comm} if rank == 0 else {}
 
 
 @dataclasses.dataclass
