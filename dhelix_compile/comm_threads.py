@@ -7,50 +7,82 @@ done), and with every core computing, each time it waits for the scheduler. On t
 2-core machine (BENCHMARKS.md, 2026-11-26, sixth session) a 512 KiB all-to-all took 0.6 ms
 alone and 3.1-4.3 ms while both ranks ran matmuls, on loopback and over a 1.4 Gbit/s link alike,
 and a lower priority for the compute thread (nice 10 or 19, ``SCHED_BATCH``) did not change
-that. With gloo's threads at the lowest real-time priority it took 0.6 ms under the matmuls too,
-and ``helix``'s step on the reference model went from 1.31x to 1.07x of the machine's ceiling.
+that. With gloo's threads at real-time priority it took 0.6 ms under the matmuls too, and
+``helix``'s step on the reference model went from 1.31x to 1.07x of the machine's ceiling.
+
+**Why a deadline and not a fixed real-time priority.** Gloo's threads spin-wait for each other
+in both directions: the event loop, woken for a pair whose lock a worker holds, skips it
+(``try_lock``) and is woken again at once; a worker that frees a buffer the loop still holds
+calls ``sched_yield`` until the loop lets go. Under ``SCHED_FIFO`` (the sixth session's choice) a
+spinner keeps its core until what it waits for has run, and a yield gives the core to no one of
+lower priority: with two spinners on two cores, what they wait for ran only in the kernel's
+real-time throttling slack (5% of each second). A 2-rank replay of the reference model's
+collectives that takes 0.22 s took 1.2-7.2 s in 3 launches of 6 (2026-11-27, 1.5 Gbit/s link;
+``gdb`` showed ``gloo_tcp_loop`` and ``pt_gloo_runloop`` in those loops); 4 ranks on 2 cores hung
+outright. Under ``SCHED_DEADLINE`` each gloo thread runs ahead of every normal and real-time
+thread, but for at most ``runtime`` of every ``PERIOD_NS`` (``MAX_SHARE`` of a core, less where
+there are many threads): a waking transfer preempts the compute at once, and a spin costs at
+most its share while the thread it waits for runs. The replay took 0.22-0.24 s in every launch.
 
 Contract
 --------
 ``prioritize_gloo_threads(local_ranks, threads_per_rank) -> ThreadPriority``: unless the ranks
 on this machine oversubscribe its cores (below), every thread of this process named one of
 ``GLOO_THREAD_NAMES`` (``/proc/self/task/<tid>/comm``) that runs under the normal policy moves to
-``SCHED_FIFO`` priority 1: the lowest real-time priority, ahead of every normal thread (a waking
-gloo thread preempts the compute at once) and behind every other real-time one.
+``SCHED_DEADLINE`` with period and relative deadline ``PERIOD_NS`` and a runtime of
+:func:`deadline_share` of it.
 
-* Idempotent; threads already real-time are counted (``already``), not touched. Threads of
-  process groups created later are not moved: call again (the backend does, before it plans
-  each graph with communication).
+* Idempotent; threads already under a deadline or real-time policy are counted (``already``),
+  not touched. Threads of process groups created later are not moved: call again (the backend
+  does, before it plans each graph with communication).
 * Nothing to move (no gloo group in this process): ``ThreadPriority(0, 0)``.
-* Not permitted (no ``CAP_SYS_NICE``) or not Linux: nothing changes, ``reason`` says why; the
+* Not permitted (no ``CAP_SYS_NICE``), not Linux, an architecture whose ``sched_setattr``
+  number this module does not know, or the kernel's deadline bandwidth full (``EBUSY``, its
+  admission control): the threads not yet moved stay as they are, ``reason`` says why; the
   backend logs it once.
 * **Oversubscribed** (``local_ranks x threads_per_rank`` above the cores this process may run
-  on): nothing changes, ``reason`` says so. With more ranks than cores, a real-time thread can
-  hold a core that a rank its peers wait for needs: 4 ranks on this project's 2 cores, compiling
-  a graph with profiled costs, had their ``gloo_tcp_loop`` threads at 96% of a core each and did
-  not finish in 240 s (21 s at normal priority).
+  on): nothing changes, ``reason`` says so. With more ranks than cores, a thread ahead of the
+  compute can hold a core that a rank its peers wait for needs: 4 ranks on this project's
+  2 cores, compiling a graph with profiled costs, had their ``gloo_tcp_loop`` threads at 96% of
+  a core each (``SCHED_FIFO``) and did not finish in 240 s (21 s at normal priority).
 * A thread that exits meanwhile is skipped.
+
+``deadline_share(local_ranks, gloo_threads, cores) -> float``: the share of a core each gloo
+thread may run per period: ``MAX_SHARE``, or less so that every rank's gloo threads together
+stay under 90% of the cores (the kernel admits at most 95%); 0.0 below ``MIN_SHARE``, too little
+to move bytes (nothing moves then, and the reason says so).
 
 ``gloo_threads_cpu_s() -> float``: the CPU seconds this process's gloo threads have run so far
 (each thread's own CPU clock, to the nanosecond; ``/proc``'s ticks are 10 ms). The bench takes it
 around each step, to tell the CPU the transfers took from the compute's.
 
-The kernel's real-time throttling (``/proc/sys/kernel/sched_rt_runtime_us``, 95% of each second
-by default) keeps real-time threads from holding a core whole; gloo's threads block between
-transfers (``epoll_wait``, condition variables), so they take only the CPU the transfers need.
 The names are gloo's and torch's, not an API: ``tests/test_comm_threads.py`` checks that a gloo
-group still has threads by these names.
+group still has threads by these names, and that they move.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import os
+import struct
 import time
 from pathlib import Path
 
 #: Thread names of a gloo process group's communication threads (torch 2.13, gloo).
 GLOO_THREAD_NAMES = frozenset({"pt_gloo_runloop", "gloo_tcp_loop"})
+#: ``SCHED_DEADLINE``'s period and relative deadline for a gloo thread (1 ms: a transfer's steps
+#: are tens of microseconds of CPU; a spin is cut off within a millisecond).
+PERIOD_NS = 1_000_000
+#: The most of each period a gloo thread may run (30% measured as fast as ``SCHED_FIFO`` on the
+#: reference model's collectives; 10% slowed them by 40%).
+MAX_SHARE = 0.3
+#: Below this share per thread, nothing moves.
+MIN_SHARE = 0.05
+#: Linux's ``SCHED_DEADLINE`` (``os`` does not name it) and ``sched_setattr``'s syscall number per architecture.
+SCHED_DEADLINE = 6
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
 
 _TASKS = Path("/proc/self/task")
 
@@ -65,6 +97,9 @@ class ThreadPriority:
     """Gloo threads found at a real-time priority already."""
     reason: str | None = None
     """Why threads that should have moved did not (None: nothing failed)."""
+    share: float = 0.0
+    """The share of each period this call gives a thread it moves (threads moved before keep theirs;
+    0.0 where it moves none for a ``reason`` or finds no gloo thread)."""
 
 
 def gloo_thread_ids() -> list[int]:
@@ -120,6 +155,27 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def deadline_share(local_ranks: int, gloo_threads: int, cores: int) -> float:
+    """The share of a core each gloo thread may run per period (see the module docstring)."""
+    share = min(MAX_SHARE, 0.9 * cores / max(local_ranks * gloo_threads, 1))
+    return share if share >= MIN_SHARE else 0.0
+
+
+def _set_deadline(tid: int, runtime_ns: int) -> None:
+    """``sched_setattr(tid, SCHED_DEADLINE, runtime, deadline = period = PERIOD_NS)``; raises
+    ``OSError`` (``PermissionError``, ``ProcessLookupError``, ``EBUSY``) as the kernel refuses."""
+    number = _SCHED_SETATTR.get(os.uname().machine)
+    if number is None:
+        raise OSError(errno.ENOSYS, f"no sched_setattr number known for {os.uname().machine}")
+    # struct sched_attr (SCHED_ATTR_SIZE_VER0 = 48 bytes): size, policy, flags, nice, priority,
+    # runtime, deadline, period
+    attr = struct.pack("IIQiIQQQ", 48, SCHED_DEADLINE, 0, 0, 0, runtime_ns, PERIOD_NS, PERIOD_NS)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, tid, ctypes.c_char_p(attr), 0) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
 def prioritize_gloo_threads(local_ranks: int = 1, threads_per_rank: int = 1) -> ThreadPriority:
     """Move this process's gloo threads ahead of its compute (see the module docstring):
     ``local_ranks`` ranks on this machine, each computing on ``threads_per_rank`` threads."""
@@ -130,27 +186,39 @@ def prioritize_gloo_threads(local_ranks: int = 1, threads_per_rank: int = 1) -> 
     if local_ranks * threads_per_rank > cores:
         reason = f"{local_ranks} ranks x {threads_per_rank} threads on {cores} cores: oversubscribed"
         return ThreadPriority(0, 0, reason)
-    if not hasattr(os, "sched_setscheduler"):
-        return ThreadPriority(0, 0, "this platform has no sched_setscheduler")
+    if not hasattr(os, "sched_getscheduler") or not hasattr(os, "uname"):
+        return ThreadPriority(0, 0, "this platform has no sched_setattr")
+    share = deadline_share(local_ranks, len(tids), cores)
+    if share == 0.0:
+        reason = f"{local_ranks} ranks x {len(tids)} gloo threads on {cores} cores: too little deadline bandwidth each"
+        return ThreadPriority(0, 0, reason)
     moved = already = 0
     for tid in tids:
         try:
-            if os.sched_getscheduler(tid) in (os.SCHED_FIFO, os.SCHED_RR):
+            if os.sched_getscheduler(tid) in (SCHED_DEADLINE, os.SCHED_FIFO, os.SCHED_RR):
                 already += 1
                 continue
-            os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
+            _set_deadline(tid, int(share * PERIOD_NS))
             moved += 1
         except ProcessLookupError:  # the thread exited
             continue
         except PermissionError as exc:
-            reason = f"no permission for real-time priority (CAP_SYS_NICE): {exc.strerror}"
-            return ThreadPriority(moved, already, reason)
-    return ThreadPriority(moved, already)
+            reason = f"no permission for real-time scheduling (CAP_SYS_NICE): {exc.strerror}"
+            return ThreadPriority(moved, already, reason, share)
+        except OSError as exc:
+            what = "the kernel's deadline bandwidth is full" if exc.errno == errno.EBUSY else "sched_setattr failed"
+            return ThreadPriority(moved, already, f"{what}: {exc.strerror}", share)
+    return ThreadPriority(moved, already, None, share)
 
 
 __all__ = [
     "GLOO_THREAD_NAMES",
+    "MAX_SHARE",
+    "MIN_SHARE",
+    "PERIOD_NS",
+    "SCHED_DEADLINE",
     "ThreadPriority",
+    "deadline_share",
     "gloo_thread_ids",
     "gloo_threads_cpu_s",
     "local_ranks",

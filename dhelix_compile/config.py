@@ -195,14 +195,15 @@ class DHelixConfig:
     gloo_thread_priority: GlooThreadPriority = _option(
         "realtime",
         "On gloo, the process's communication threads (torch's pt_gloo_runloop, gloo's "
-        "gloo_tcp_loop) run at the lowest real-time priority (SCHED_FIFO 1), from the first compile "
-        "of a graph with communication: at normal priority a transfer in flight waits for the "
-        "scheduler each time it needs its threads while every core computes (a 512 KiB all-to-all: "
-        "0.6 ms alone, 3-4 ms under matmuls; dhelix_compile.comm_threads, BENCHMARKS.md). Needs "
-        "CAP_SYS_NICE (root has it); without it a warning says so and nothing changes, as when the "
-        "machine's ranks times their torch threads exceed its cores (a real-time thread can then "
-        "starve a rank its peers wait for). 'normal' leaves the threads alone. NCCL has no such "
-        "threads: nothing changes there.",
+        "gloo_tcp_loop) run ahead of the compute under SCHED_DEADLINE, each for at most 30% of "
+        "every millisecond, from the first compile of a graph with communication: at normal "
+        "priority a transfer in flight waits for the scheduler each time it needs its threads while "
+        "every core computes (a 512 KiB all-to-all: 0.6 ms alone, 3-4 ms under matmuls), and under "
+        "a fixed real-time priority gloo's spin-waits could stall a step for seconds "
+        "(dhelix_compile.comm_threads, BENCHMARKS.md). Needs CAP_SYS_NICE (root has it); without it "
+        "a warning says so and nothing changes, as when the machine's ranks times their torch "
+        "threads exceed its cores. 'normal' leaves the threads alone. NCCL has no such threads: "
+        "nothing changes there.",
         env="DHELIX_GLOO_THREAD_PRIORITY",
     )
     consistency_timeout_s: float = _option(

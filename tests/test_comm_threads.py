@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -61,9 +62,10 @@ def test_a_gloo_groups_threads_move_to_real_time_once() -> None:
             assert "CAP_SYS_NICE" in first.reason or "oversubscribed" in first.reason
             assert set(result["after"]) == {os.SCHED_OTHER}
             continue
-        assert first == ThreadPriority(moved=len(result["before"]), already=0)
-        assert second == ThreadPriority(moved=0, already=len(result["before"]))
-        assert set(result["after"]) == {os.SCHED_FIFO}
+        assert (first.moved, first.already, first.reason) == (len(result["before"]), 0, None)
+        assert (second.moved, second.already, second.reason) == (0, len(result["before"]), None)
+        assert 0 < first.share <= comm_threads.MAX_SHARE
+        assert set(result["after"]) == {comm_threads.SCHED_DEADLINE}
 
 
 @linux_only
@@ -97,35 +99,54 @@ def test_without_gloo_threads_nothing_happens(monkeypatch: Any) -> None:
     assert prioritize_gloo_threads() == ThreadPriority(0, 0)
 
 
-def test_no_permission_says_why_and_changes_nothing(monkeypatch: Any) -> None:
+def _refuse(code: int) -> Any:
+    def set_deadline(tid: int, runtime_ns: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    return set_deadline
+
+
+@pytest.mark.parametrize(("code", "says"), [(errno.EPERM, "CAP_SYS_NICE"), (errno.EBUSY, "deadline bandwidth is full")])
+def test_a_refusal_says_why_and_changes_nothing(monkeypatch: Any, code: int, says: str) -> None:
     monkeypatch.setattr(comm_threads, "gloo_thread_ids", lambda: [101, 102])
     monkeypatch.setattr(os, "sched_getscheduler", lambda tid: os.SCHED_OTHER)
-
-    def refuse(tid: int, policy: int, param: Any) -> None:
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    monkeypatch.setattr(comm_threads, "_set_deadline", _refuse(code))
     result = prioritize_gloo_threads()
-    assert result.moved == 0 and result.reason is not None and "CAP_SYS_NICE" in result.reason
+    assert result.moved == 0 and result.reason is not None and says in result.reason
 
 
 def test_more_ranks_than_cores_leaves_the_threads_alone(monkeypatch: Any) -> None:
-    """A real-time thread on an oversubscribed machine can starve a rank its peers wait for (4
-    ranks on 2 cores did not finish a profiled compile): nothing moves, and the reason says so."""
+    """A thread ahead of the compute on an oversubscribed machine can starve a rank its peers wait
+    for (4 ranks on 2 cores did not finish a profiled compile): nothing moves, and the reason says so."""
     monkeypatch.setattr(comm_threads, "gloo_thread_ids", lambda: [101])
     monkeypatch.setattr(comm_threads, "usable_cores", lambda: 2)
-
-    def must_not_be_called(*args: Any) -> None:
-        raise AssertionError("moved a thread on an oversubscribed machine")
-
-    monkeypatch.setattr(os, "sched_setscheduler", must_not_be_called)
+    monkeypatch.setattr(comm_threads, "_set_deadline", _refuse(errno.EINVAL))  # must not be called
     monkeypatch.setattr(os, "sched_getscheduler", lambda tid: os.SCHED_OTHER)
     result = prioritize_gloo_threads(local_ranks=4, threads_per_rank=1)
     assert result.moved == 0 and result.reason == "4 ranks x 1 threads on 2 cores: oversubscribed"
     assert prioritize_gloo_threads(local_ranks=2, threads_per_rank=2).reason is not None
     moved = []
-    monkeypatch.setattr(os, "sched_setscheduler", lambda tid, policy, param: moved.append(tid))
-    assert prioritize_gloo_threads(local_ranks=2, threads_per_rank=1) == ThreadPriority(moved=1, already=0)
+    monkeypatch.setattr(comm_threads, "_set_deadline", lambda tid, runtime_ns: moved.append(tid))
+    assert prioritize_gloo_threads(local_ranks=2, threads_per_rank=1) == ThreadPriority(1, 0, None, 0.3)
+
+
+def test_each_thread_gets_a_bounded_share_that_the_kernel_can_admit() -> None:
+    """At most MAX_SHARE of a core per period; all ranks' gloo threads together under 90% of the
+    cores (the kernel admits 95%); too small a share moves nothing."""
+    assert comm_threads.deadline_share(2, 3, 2) == comm_threads.MAX_SHARE  # 6 x 0.3 = 1.8 of 2 cores
+    assert comm_threads.deadline_share(2, 6, 2) == pytest.approx(0.15)
+    assert comm_threads.deadline_share(8, 8, 2) == 0.0
+    for ranks, threads, cores in [(1, 1, 1), (2, 3, 2), (4, 5, 16), (2, 9, 2)]:
+        share = comm_threads.deadline_share(ranks, threads, cores)
+        assert share == 0.0 or ranks * threads * share <= 0.9 * cores + 1e-12
+
+
+def test_too_many_threads_for_the_bandwidth_move_none(monkeypatch: Any) -> None:
+    monkeypatch.setattr(comm_threads, "gloo_thread_ids", lambda: list(range(101, 141)))
+    monkeypatch.setattr(comm_threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(comm_threads, "_set_deadline", _refuse(errno.EINVAL))  # must not be called
+    result = prioritize_gloo_threads(local_ranks=2, threads_per_rank=1)
+    assert result.moved == 0 and result.reason is not None and "too little deadline bandwidth" in result.reason
 
 
 def test_local_ranks_come_from_torchrun_else_the_default_group(monkeypatch: Any) -> None:
@@ -137,17 +158,18 @@ def test_local_ranks_come_from_torchrun_else_the_default_group(monkeypatch: Any)
 
 def test_a_thread_that_exits_meanwhile_is_skipped(monkeypatch: Any) -> None:
     monkeypatch.setattr(comm_threads, "gloo_thread_ids", lambda: [101, 102])
+    monkeypatch.setattr(comm_threads, "usable_cores", lambda: 2)
     monkeypatch.setattr(os, "sched_getscheduler", lambda tid: os.SCHED_OTHER)
     moved = []
 
-    def set_policy(tid: int, policy: int, param: Any) -> None:
+    def set_deadline(tid: int, runtime_ns: int) -> None:
         if tid == 101:
             raise ProcessLookupError(3, "No such process")
-        moved.append((tid, policy, param.sched_priority))
+        moved.append((tid, runtime_ns))
 
-    monkeypatch.setattr(os, "sched_setscheduler", set_policy)
-    assert prioritize_gloo_threads() == ThreadPriority(moved=1, already=0)
-    assert moved == [(102, os.SCHED_FIFO, 1)]
+    monkeypatch.setattr(comm_threads, "_set_deadline", set_deadline)
+    assert prioritize_gloo_threads() == ThreadPriority(moved=1, already=0, share=comm_threads.MAX_SHARE)
+    assert moved == [(102, int(comm_threads.MAX_SHARE * comm_threads.PERIOD_NS))]
 
 
 def _compile_on_ranks(rank: int, world_size: int, priority: str) -> list[int]:
@@ -172,6 +194,6 @@ def _compile_on_ranks(rank: int, world_size: int, priority: str) -> list[int]:
 @pytest.mark.parametrize("priority", ["realtime", "normal"])
 def test_the_backend_moves_gloo_threads_when_it_compiles_a_graph_with_collectives(priority: str) -> None:
     moves = priority == "realtime" and os.geteuid() == 0 and comm_threads.usable_cores() >= 2
-    expected = {os.SCHED_FIFO if moves else os.SCHED_OTHER}
+    expected = {comm_threads.SCHED_DEADLINE if moves else os.SCHED_OTHER}
     for policies in run_on_ranks(_compile_on_ranks, 2, priority, timeout_s=150):
         assert policies and set(policies) == expected

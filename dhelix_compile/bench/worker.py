@@ -205,7 +205,8 @@ def _gloo_threads(args: argparse.Namespace) -> str:
     if result.reason is not None:
         print(f"dhelix bench: gloo's threads stay at normal priority: {result.reason}", file=sys.stderr)
         return f"normal priority ({result.reason})"
-    return "real-time priority (SCHED_FIFO 1; --gloo-priority realtime)"
+    budget = f", {result.share:.0%} of each ms" if result.share else ""
+    return f"real-time priority (SCHED_DEADLINE{budget}; --gloo-priority realtime)"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
