@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,22 @@ def test_rates_format_as_whole_mbit_that_parse_back() -> None:
 
 
 def test_the_next_rate_scales_by_t_comm_over_t_compute_within_bounds() -> None:
-    assert next_rate(1e9, 0.2, 0.1) == pytest.approx(2e9)  # communication twice the compute: twice the rate
-    assert next_rate(1e9, 0.05, 0.1) == pytest.approx(0.5e9)
-    assert next_rate(1e9, 1e6, 0.1) == link_rate.MAX_RATE and next_rate(1e9, 1e-9, 0.1) == link_rate.MIN_RATE
+    assert next_rate([(1e9, 0.2)], 0.1) == pytest.approx(2e9)  # communication twice the compute: twice the rate
+    assert next_rate([(1e9, 0.05)], 0.1) == pytest.approx(0.5e9)
+    assert next_rate([(1e9, 1e6)], 0.1) == link_rate.MAX_RATE and next_rate([(1e9, 1e-9)], 0.1) == link_rate.MIN_RATE
     with pytest.raises(ValueError, match="positive"):
-        next_rate(1e9, 0.0, 0.1)
+        next_rate([(1e9, 0.0)], 0.1)
     assert calibrated(0.105, 0.100) and not calibrated(0.120, 0.100)
+
+
+def test_once_two_rates_bracket_t_compute_the_next_is_interpolated_inside() -> None:
+    """T_comm = c / rate**2 between the two: the power law through them finds the rate exactly;
+    an erratic link (slower at the higher rate) still keeps the next rate inside the bracket."""
+    probes = [(1e9, 0.4), (4e9, 0.025)]  # 0.4 * (1e9 / r)**2 = 0.1 at r = 2e9
+    assert next_rate(probes, 0.1) == pytest.approx(2e9)
+    erratic = [(1e9, 1.6), (3.4e9, 0.31), (2.2e9, 0.61)]  # the data-parallel step, 2026-11-27
+    assert 2.2e9 < next_rate(erratic, 0.48) < 3.4e9
+    assert link_rate.best_rate(erratic, 0.48) == 2.2e9  # 0.61 / 0.48 = 1.27 is closer by ratio than 0.48 / 0.31 = 1.55
 
 
 def _modelled_link(fixed_s: float, megabits: float, launched: list[str]) -> Any:
@@ -65,10 +76,25 @@ def test_auto_finds_the_rate_where_t_comm_takes_t_compute(
     rate, probes = run._calibrate_rate(argparse.Namespace(repeats=12), t_compute_s, tmp_path)
     assert launched[0] == link_rate.PROBE_RATE and [p["rate"] for p in probes] == launched
     assert rate is not None and len(probes) <= link_rate.MAX_PROBES
+    assert rate == probes[-1]["rate"]  # converged: the last rate timed is the one the run uses
     t_comm = fixed_s + megabits * 1e6 / (0.75 * parse_rate(rate))
     assert t_comm == pytest.approx(t_compute_s, rel=link_rate.TOLERANCE)
-    if calibrated(probes[-1]["t_comm_s"], t_compute_s):
-        assert rate == probes[-1]["rate"]  # the last rate timed is the one the run uses
+
+
+def test_auto_settles_on_the_closest_timed_rate_when_none_converges(monkeypatch: Any, tmp_path: Path) -> None:
+    """A link whose T_comm jumps between two values, neither near T_compute: after MAX_PROBES
+    rates, the run takes the timed rate closest to T_compute, not an untimed guess."""
+    times = iter([0.9, 0.03, 0.9, 0.03])
+
+    def erratic(out: Path, mode: str, link: Any, args: argparse.Namespace, extra: Any = ()) -> tuple[dict, Any]:
+        return {"t_comm_s": [next(times)] * 3}, None
+
+    monkeypatch.setattr(run, "_launch", erratic)
+    monkeypatch.setattr(run, "can_rate_limit", lambda: (True, ""))
+    rate, probes = run._calibrate_rate(argparse.Namespace(repeats=6), 0.1, tmp_path)
+    assert len(probes) == link_rate.MAX_PROBES
+    closest = min(probes, key=lambda p: abs(math.log(p["t_comm_s"] / 0.1)))
+    assert rate == closest["rate"]
 
 
 def test_auto_without_a_rate_limited_link_is_loopback(monkeypatch: Any, tmp_path: Path) -> None:

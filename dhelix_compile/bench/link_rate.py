@@ -8,28 +8,35 @@ then time the step's collectives alone (``T_comm``) over the link at a probe rat
 rate by ``T_comm / T_compute``, again until ``T_comm`` is within ``tolerance`` of ``T_compute``.
 
 ``T_comm`` is not exactly proportional to 1 / rate (TCP through ``tbf`` delivers 65-80% of the
-nominal rate, and every collective has a fixed cost), which is why the scaling repeats.
+nominal rate, every collective has a fixed cost, and above 2 Gbit/s the link was erratic: the
+data-parallel step's collectives took 313 ms at 3.4 Gbit/s and 609 ms at 2.2 Gbit/s), which is
+why the scaling repeats, and why once two rates bracket ``T_compute`` the next one is
+interpolated between them (``T_comm`` as a power of the rate) and stays inside the bracket.
 
 Contract
     - ``parse_rate(text) -> float``: a ``tc`` rate (``"1gbit"``, ``"400mbit"``, ``"800kbit"``,
       ``"1000000bit"``) in bit/s; ``ValueError`` naming the text otherwise.
     - ``format_rate(bits_per_s) -> str``: the rate ``tc`` reads, in whole mbit (at least 1).
-    - ``next_rate(rate, t_comm_s, t_compute_s) -> float``: the rate at which ``T_comm`` would
-      equal ``T_compute`` if it were proportional to 1 / rate, within ``[MIN_RATE, MAX_RATE]``.
+    - ``next_rate(probes, t_compute_s) -> float``: from the ``(rate, T_comm)`` pairs timed so far,
+      the rate to time next (see above), within ``[MIN_RATE, MAX_RATE]``.
+    - ``best_rate(probes, t_compute_s) -> float``: the timed rate whose ``T_comm`` was closest to
+      ``T_compute`` (by ratio): the run's rate when no probe was within the tolerance.
     - ``calibrated(t_comm_s, t_compute_s, tolerance)``: whether ``T_comm`` is within ``tolerance``
       (relative) of ``T_compute``.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 
 #: Where ``--rate auto`` starts: the rate of most of BENCHMARKS.md's tables.
 PROBE_RATE = "1gbit"
 #: Calibration stops when T_comm is within this share of T_compute ...
 TOLERANCE = 0.08
 #: ... or after this many timed rates.
-MAX_PROBES = 3
+MAX_PROBES = 4
 #: The rates ``next_rate`` keeps to (bit/s): below 10 Mbit/s a step takes minutes; above
 #: 20 Gbit/s ``tbf`` no longer limits a veth pair on this kind of machine.
 MIN_RATE, MAX_RATE = 10e6, 20e9
@@ -51,11 +58,32 @@ def format_rate(bits_per_s: float) -> str:
     return f"{max(round(bits_per_s / 1e6), 1)}mbit"
 
 
-def next_rate(rate: float, t_comm_s: float, t_compute_s: float) -> float:
-    """The rate (bit/s) that would make ``T_comm`` equal ``T_compute``, were it proportional to 1 / rate."""
-    if t_comm_s <= 0 or t_compute_s <= 0:
-        raise ValueError(f"T_comm and T_compute must be positive to scale a rate (got {t_comm_s}, {t_compute_s})")
-    return min(max(rate * t_comm_s / t_compute_s, MIN_RATE), MAX_RATE)
+def next_rate(probes: Sequence[tuple[float, float]], t_compute_s: float) -> float:
+    """The rate (bit/s) to time next, from the ``(rate, T_comm)`` pairs timed so far (see the
+    module docstring)."""
+    if not probes or t_compute_s <= 0 or any(t <= 0 for _, t in probes):
+        raise ValueError(
+            f"need timed rates with positive T_comm and a positive T_compute (got {probes}, {t_compute_s})"
+        )
+    slow = [(r, t) for r, t in probes if t > t_compute_s]  # rates too low
+    fast = [(r, t) for r, t in probes if t <= t_compute_s]  # rates high enough
+    if slow and fast:
+        (low, t_low), (high, t_high) = max(slow), min(fast)
+        if low < high:
+            if t_low == t_high:
+                return math.sqrt(low * high)
+            exponent = math.log(t_low / t_high) / math.log(high / low)  # T_comm ~ rate ** -exponent
+            guess = low * (t_low / t_compute_s) ** (1 / exponent) if exponent > 0 else math.sqrt(low * high)
+            return min(max(guess, low), high)
+    rate, t_comm = probes[-1]
+    return min(max(rate * t_comm / t_compute_s, MIN_RATE), MAX_RATE)
+
+
+def best_rate(probes: Sequence[tuple[float, float]], t_compute_s: float) -> float:
+    """The timed rate whose ``T_comm`` was closest to ``T_compute``, by ratio."""
+    if not probes:
+        raise ValueError("no timed rates to choose from")
+    return min(probes, key=lambda probe: abs(math.log(probe[1] / t_compute_s)))[0]
 
 
 def calibrated(t_comm_s: float, t_compute_s: float, tolerance: float = TOLERANCE) -> bool:
@@ -63,4 +91,13 @@ def calibrated(t_comm_s: float, t_compute_s: float, tolerance: float = TOLERANCE
     return abs(t_comm_s - t_compute_s) <= tolerance * t_compute_s
 
 
-__all__ = ["MAX_PROBES", "PROBE_RATE", "TOLERANCE", "calibrated", "format_rate", "next_rate", "parse_rate"]
+__all__ = [
+    "MAX_PROBES",
+    "PROBE_RATE",
+    "TOLERANCE",
+    "best_rate",
+    "calibrated",
+    "format_rate",
+    "next_rate",
+    "parse_rate",
+]

@@ -6,6 +6,10 @@
 1. ``--mode compute`` workers on the fake process group: each variant's step with no
    communication -> ``T_compute`` (per variant; the top-level number is Inductor's, the
    codegen dhelix uses).
+   With ``--rate auto`` (the default), ``--mode comm`` workers then time the step's collectives
+   alone on the link at a probe rate, and again at the rate scaled by ``T_comm / T_compute``,
+   until ``T_comm`` is within 8% of ``T_compute`` (``bench.link_rate``; at most 3 rates): the
+   regime dhelix is for, on whatever machine runs the bench.
 2. ``--mode link`` workers on gloo over a rate-limited veth link between two network
    namespaces (``dhelix_compile.launch``; loopback when that is impossible, and the output says so):
    every variant interleaved, then the step's collectives alone -> ``T_comm``.
@@ -17,7 +21,7 @@
        hidden = (T_seq - T_step) / (T_seq - limit)
 
    And where a step's time went on the link: its CPU time (the busiest rank's, every thread of
-   the process) and ``idle = step - CPU``, a lower bound on the time the rank waited for a
+   the process; gloo's threads' part beside it) and ``idle = step - CPU``, a lower bound on the time the rank waited for a
    transfer or a peer -- the communication left exposed. A variant with little idle time is
    busy throughout: what keeps it above the limit is work, not waiting (on a CPU machine, the
    CPU the transfers themselves take; ``T_comm``'s CPU time is shown beside it).
@@ -28,8 +32,9 @@
    it, not against 100%.
 
 Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``hidden_share``, ``cpu_s_median``,
-``idle_s``; top level ``t_compute_s``, ``t_comm_s``, ``t_comm_cpu_s``, ``limit_s``, ``ceiling``, ``link``) and
-prints a markdown table.
+``gloo_cpu_s_median``, ``idle_s``; top level ``t_compute_s``, ``t_comm_s``, ``t_comm_cpu_s``,
+``t_comm_gloo_cpu_s``, ``limit_s``, ``ceiling``, ``link``, ``rate``, ``rate_probes``) and prints a
+markdown table.
 """
 
 from __future__ import annotations
@@ -554,27 +559,31 @@ def measure(args: argparse.Namespace, total_stages: int = 2) -> dict[str, Any]:
 
 def _calibrate_rate(args: argparse.Namespace, t_compute_s: float, tmp: Path) -> tuple[str | None, list[dict[str, Any]]]:
     """``--rate auto``: the rate at which the step's collectives alone take ``T_compute``
-    (``bench.link_rate``), and the rates timed on the way (``rate``, ``t_comm_s``). None
-    (loopback) where no link can be rate-limited here."""
+    (``bench.link_rate``; the closest timed one when none was within the tolerance), and the
+    rates timed on the way (``rate``, ``t_comm_s``). None (loopback) where no link can be
+    rate-limited here."""
     ok, reason = can_rate_limit()
     if not ok:
         print(f"    --rate auto: no rate-limited link here ({reason}); loopback", file=sys.stderr, flush=True)
         return None, []
     probe_args = argparse.Namespace(**{**vars(args), "repeats": 3})
-    rate, probes = link_rate.PROBE_RATE, []
+    rate, probes, timed = link_rate.PROBE_RATE, [], []
     for i in range(link_rate.MAX_PROBES):
         run, _ = _launch(tmp / f"comm{i}.json", "comm", LinkSpec(rate=rate), probe_args)
         t_comm = statistics.median(run["t_comm_s"])
         probes.append({"rate": rate, "t_comm_s": t_comm})
+        timed.append((link_rate.parse_rate(rate), t_comm))
         done = link_rate.calibrated(t_comm, t_compute_s)
-        following = (
-            rate
-            if done
-            else link_rate.format_rate(link_rate.next_rate(link_rate.parse_rate(rate), t_comm, t_compute_s))
-        )
+        last = i == link_rate.MAX_PROBES - 1
+        if done:
+            following = rate
+        elif last:
+            following = link_rate.format_rate(link_rate.best_rate(timed, t_compute_s))
+        else:
+            following = link_rate.format_rate(link_rate.next_rate(timed, t_compute_s))
         print(
             f"    --rate auto: T_comm {format_ms(t_comm)} ms at {rate} for T_compute {format_ms(t_compute_s)} ms"
-            + ("" if done else f" -> {following}"),
+            + ("" if done else f" -> {following}" + (" (the closest timed)" if last else "")),
             file=sys.stderr,
             flush=True,
         )
