@@ -76,7 +76,7 @@ GLOO_THREAD_NAMES = frozenset({"pt_gloo_runloop", "gloo_tcp_loop"})
 #: are tens of microseconds of CPU; a spin is cut off within a millisecond).
 PERIOD_NS = 1_000_000
 #: The most of each period a gloo thread may run (30% measured as fast as ``SCHED_FIFO`` on the
-#: reference model's collectives; 10% slowed them by 40%).
+#: reference model's collectives; 10% slowed them by 30-60%).
 MAX_SHARE = 0.3
 #: Below this share per thread, nothing moves.
 MIN_SHARE = 0.05
@@ -99,7 +99,8 @@ class ThreadPriority:
     """Why threads that should have moved did not (None: nothing failed)."""
     share: float = 0.0
     """The share of each period this call gives a thread it moves (threads moved before keep theirs;
-    0.0 where it moves none for a ``reason`` or finds no gloo thread)."""
+    0.0 where it finds no gloo thread or declines before trying: oversubscribed, no ``sched_setattr``,
+    too little bandwidth)."""
 
 
 def gloo_thread_ids() -> list[int]:

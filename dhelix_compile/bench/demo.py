@@ -160,12 +160,11 @@ def _bench_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     """The parent: launch the two ranks, print what they measured."""
+    from dhelix_compile.bench.link_rate import PROBE_RATE
     from dhelix_compile.bench.run import measure
     from dhelix_compile.launch.ranks import LinkSpec, launch_ranks
 
     dump_dir = Path(args.dump_dir).resolve()
-    from dhelix_compile.bench.link_rate import PROBE_RATE
-
     # the losses do not depend on the rate: with --rate auto, training runs at the probe rate
     rate = {"none": None, "auto": PROBE_RATE}.get(args.rate.lower(), args.rate)
     with tempfile.TemporaryDirectory(prefix="dhelix_demo_") as tmp:

@@ -7,9 +7,10 @@
    communication -> ``T_compute`` (per variant; the top-level number is Inductor's, the
    codegen dhelix uses).
    With ``--rate auto`` (the default), ``--mode comm`` workers then time the step's collectives
-   alone on the link at a probe rate, and again at the rate scaled by ``T_comm / T_compute``,
-   until ``T_comm`` is within 8% of ``T_compute`` (``bench.link_rate``; at most 3 rates): the
-   regime dhelix is for, on whatever machine runs the bench.
+   alone on the link at a probe rate, and again at the rate scaled by ``T_comm / T_compute``
+   (interpolated once two rates bracket it), until ``T_comm`` is within 8% of ``T_compute``
+   (``bench.link_rate``; at most 4 rates, else the closest timed): the regime dhelix is for, on
+   whatever machine runs the bench.
 2. ``--mode link`` workers on gloo over a rate-limited veth link between two network
    namespaces (``dhelix_compile.launch``; loopback when that is impossible, and the output says so):
    every variant interleaved, then the step's collectives alone -> ``T_comm``.
@@ -21,8 +22,8 @@
        hidden = (T_seq - T_step) / (T_seq - limit)
 
    And where a step's time went on the link: its CPU time (the busiest rank's, every thread of
-   the process; gloo's threads' part beside it) and ``idle = step - CPU``, a lower bound on the time the rank waited for a
-   transfer or a peer -- the communication left exposed. A variant with little idle time is
+   the process; gloo's threads' part beside it) and ``idle = step - CPU``, a lower bound on the
+   time the rank waited for a transfer or a peer -- the communication left exposed. A variant with little idle time is
    busy throughout: what keeps it above the limit is work, not waiting (on a CPU machine, the
    CPU the transfers themselves take; ``T_comm``'s CPU time is shown beside it).
 4. The *ceiling* (``measure.ceiling_steps``): the same collectives, each issued and then hidden
