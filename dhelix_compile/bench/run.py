@@ -568,12 +568,12 @@ def _calibrate_rate(args: argparse.Namespace, t_compute_s: float, tmp: Path) -> 
         print(f"    --rate auto: no rate-limited link here ({reason}); loopback", file=sys.stderr, flush=True)
         return None, []
     probe_args = argparse.Namespace(**{**vars(args), "repeats": 3})
-    rate, probes, timed = link_rate.PROBE_RATE, [], []
+    rate, probes = link_rate.PROBE_RATE, []
     for i in range(link_rate.MAX_PROBES):
         run, _ = _launch(tmp / f"comm{i}.json", "comm", LinkSpec(rate=rate), probe_args)
         t_comm = statistics.median(run["t_comm_s"])
         probes.append({"rate": rate, "t_comm_s": t_comm})
-        timed.append((link_rate.parse_rate(rate), t_comm))
+        timed = [(link_rate.parse_rate(p["rate"]), p["t_comm_s"]) for p in probes]
         done = link_rate.calibrated(t_comm, t_compute_s)
         last = i == link_rate.MAX_PROBES - 1
         if done:
