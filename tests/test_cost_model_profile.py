@@ -83,6 +83,52 @@ def test_a_slow_cached_measurement_does_not_stay(tmp_path: pathlib.Path) -> None
     assert later.measurements[sig] == est.measurements[sig]
 
 
+def test_a_stalled_compute_time_is_measured_again_even_when_settled(tmp_path: pathlib.Path) -> None:
+    """A compute op's time far above what its graph's typical measured / base ratio gives it (a
+    stall while it was measured: 1 s for a 32x8 relu, settled in the cache by two calibrations)
+    is measured again by the next calibration; the lower time stands and joins the cache entry.
+    The others are measured once."""
+    gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    base = AnalyticEstimator(DEVICE, LINK)
+    est = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False, device_name="unit")
+    relu = next(n for n in gm.graph.nodes if n.target == aten.relu.default)
+    sig = est.signature(relu) or ""
+    stalled = [1.0] * CACHE_SAMPLES
+    entries = {"version": CACHE_VERSION, "device": "unit", "entries": {sig: stalled}}
+    est.disk_cache.path("unit").write_text(json.dumps(entries))
+    report = est.calibrate(gm)
+    assert (report.measured, report.cached, report.measured_again) == (2, 1, 1)
+    assert est.measurements[sig] < 0.01
+    assert est.disk_cache.load("unit")[sig] == [est.measurements[sig], 1.0]
+    assert est.node_cost(relu).time_s == est.measurements[sig]
+
+    healed = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False, device_name="unit")
+    report = healed.calibrate(gm)
+    assert report.measured_again == 0 and healed.measurements[sig] == est.measurements[sig]
+
+
+def test_a_compute_op_measured_again_keeps_the_lower_time(tmp_path: pathlib.Path, monkeypatch: Any) -> None:
+    """A stall in this calibration's own measurement: the second measurement replaces it, in the
+    times and in what goes to the cache; a slower second measurement of a time from elsewhere
+    (the cache) leaves the time and joins the cache entry as a sample (the lowest stand)."""
+    from cost_model.profile.estimator import STALL_OVERHEAD_S, _Item
+
+    gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    node = next(n for n in gm.graph.nodes if n.target == aten.relu.default)
+    est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, progress=False)
+    base_s = est.base.node_cost(node).time_s
+    again = {"stalled": 2 * base_s, "unlucky": 100 * STALL_OVERHEAD_S}
+    monkeypatch.setattr(est, "_measure", lambda item: again[item.sig])
+    items = [_Item(name, node, False, False) for name in ("a", "b", "c", "stalled", "unlucky")]
+    items.append(_Item("collective", node, True, False))
+    stall_s = 50 * STALL_OVERHEAD_S
+    times = [base_s, base_s, base_s, stall_s, stall_s, stall_s]
+    fresh = {"stalled": stall_s}
+    assert est._measure_stalls_again(items, times, fresh) == 2
+    assert times == [base_s, base_s, base_s, 2 * base_s, stall_s, stall_s]
+    assert fresh == {"stalled": 2 * base_s, "unlucky": 100 * STALL_OVERHEAD_S}
+
+
 def test_a_transfer_measured_again_keeps_the_lower_median(tmp_path: pathlib.Path, monkeypatch: Any) -> None:
     """Every collective and exchange measured by a calibration is measured once more after the
     others (a link's slow epochs last a measurement's length); compute ops are not."""
