@@ -48,7 +48,9 @@ Algorithm::
         DP pairs with one 5 ms backward segment; candidate ``{dp}_timed`` when it differs
         (with ``timed_width`` > 0; off by default, see :class:`InterleaveOptions`)
     judge: ``simulate`` the sequential order, the DP's orders and the reorder pass's list
-        scheduler run over both strands at node granularity, under this pass's memory budget
+        scheduler run over both strands at node granularity (``list``: collectives issued in
+        original order; ``list_critical``: the one with the most work behind it first,
+        ``reorder.critical_urgency``), under this pass's memory budget
         and counting live bytes as it does (a second opinion: the DP's additive pair costs do
         not see a wait that a chain of transfers leaves exposed, nor a stretch of one strand's
         compute that the other's work could split); keep the shortest predicted
@@ -61,7 +63,8 @@ Reason codes (``ctx.stats["interleave"]``; details in ``ctx.notes["interleave"]`
     sequential: no estimator             nothing to hide: the sequential order
     sequential: no predicted gain        detail: the best candidate's and the sequential makespans
     interleaved                          an interleaved order is kept, and which one:
-    interleaved by <candidate>           dp, dp_defer<d>, dp_refined, dp_defer<d>_refined, dp_timed, dp_defer<d>_timed, list
+    interleaved by <candidate>           dp, dp_defer<d>, dp_refined, dp_defer<d>_refined, dp_timed, dp_defer<d>_timed, list,
+                                         list_critical
     <candidate> order over the memory budget   detail: its peak and the budget
     nodes moved                          (counted by how many positions changed)
 
@@ -254,13 +257,18 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     candidates = {
         "sequential": sequential,
         **plans,
-        # the single-strand list scheduler over both strands: a second opinion the simulator weighs
-        "list": overlap_schedule(
-            sequential,
-            estimator,
-            dataclasses.replace(reorder_options, memory_budget_ratio=options.memory_budget_ratio),
-            freeable_inputs=bwd_inputs,
-        ),
+        # the single-strand list scheduler over both strands: a second opinion the simulator weighs,
+        # its collectives issued in original order and by the work behind them
+        **{
+            name: overlap_schedule(
+                sequential,
+                estimator,
+                dataclasses.replace(reorder_options, memory_budget_ratio=options.memory_budget_ratio),
+                freeable_inputs=bwd_inputs,
+                critical=critical,
+            )
+            for name, critical in (("list", False), ("list_critical", True))
+        },
     }
     results = {name: simulate(head + order + tail, estimator) for name, order in candidates.items()}
     peaks = {

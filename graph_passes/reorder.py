@@ -98,6 +98,34 @@ def collective_urgency(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, fl
     return urgency
 
 
+def critical_urgency(nodes: Sequence[torch.fx.Node], estimator: Estimator) -> dict[torch.fx.Node, float]:
+    """:func:`collective_urgency` with the collectives ranked by the longest path from their issue
+    to the end of ``nodes`` (compute and transfer seconds, ``estimator``'s), longest first, instead
+    of by original position: the transfer with the most work behind it is issued first, and its
+    feeders run first.
+
+    Two strands merged (``interleave``): the forward's first all-to-all of an MoE layer has its
+    experts, a second all-to-all and the combine behind it, the backward's all-to-all only
+    the backward's experts. Issued in original position (the backward's strand first), the
+    forward's waits behind the backward's on the one link and its second all-to-all ends the
+    graph exposed; issued first, it is the backward's experts that hide the second.
+    """
+    position = {n: i for i, n in enumerate(nodes)}
+    tail_s: dict[torch.fx.Node, float] = {}
+    for node in reversed(nodes):
+        after = max((tail_s[user] for user in node.users if user in tail_s), default=0.0)
+        tail_s[node] = estimator.node_cost(node).time_s + after
+    comms = sorted((n for n in nodes if is_comm(kind_of(n))), key=lambda n: (-tail_s[n], position[n]))
+    rank = {n: float(i) for i, n in enumerate(comms)}
+    urgency: dict[torch.fx.Node, float] = {}
+    for node in reversed(nodes):
+        best = rank.get(node, math.inf)
+        for user in node.users:
+            best = min(best, urgency.get(user, math.inf))
+        urgency[node] = best
+    return urgency
+
+
 def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], budget_bytes: int) -> Rule:
     """The priority rule of the module docstring, as a function for ``list_schedule``."""
 
@@ -136,7 +164,7 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
                 if is_comm(state.costs[n].kind) and state.live_bytes + state.costs[n].output_bytes <= budget_bytes
             ]
             if issues:
-                return issues[0]
+                return min(issues, key=lambda n: (urgency[n], state.position[n]))
         others = [n for n in ready if state.costs[n].kind != "wait" and not is_comm(state.costs[n].kind)]
         if others:
             within = [n for n in others if state.live_bytes + state.alloc_bytes(n) <= budget_bytes]
@@ -157,14 +185,17 @@ def overlap_schedule(
     estimator: Estimator,
     options: ReorderOptions,
     freeable_inputs: Sequence[torch.fx.Node] = (),
+    critical: bool = False,
 ) -> list[torch.fx.Node]:
     """``body`` (a graph's nodes minus placeholders and output) in the order the rule picks.
 
     The memory budget is ``options.memory_budget_ratio`` x the peak of ``body``'s current order;
-    ``freeable_inputs`` are counted as ``SchedulerState`` says.
+    ``freeable_inputs`` are counted as ``SchedulerState`` says. ``critical``: collectives ranked
+    by :func:`critical_urgency` rather than by original position.
     """
     budget_bytes = int(options.memory_budget_ratio * _peak_of_order(body, estimator, freeable_inputs))
-    rule = overlap_rule(options, collective_urgency(body), budget_bytes)
+    urgency = critical_urgency(body, estimator) if critical else collective_urgency(body)
+    rule = overlap_rule(options, urgency, budget_bytes)
     return list_schedule(body, estimator, rule, freeable_inputs)
 
 

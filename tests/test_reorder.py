@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.fx
 from hypothesis import given, settings
@@ -12,9 +13,17 @@ from hypothesis import strategies as st
 from cost_model.estimator import TableEstimator
 from cost_model.memory import peak_memory_bytes
 from cost_model.op_kinds import is_comm, kind_of
+from cost_model.simulator import simulate
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
-from graph_passes.reorder import ReorderOptions, collective_urgency, overlap_rule, reorder_pass
+from graph_passes.reorder import (
+    ReorderOptions,
+    collective_urgency,
+    critical_urgency,
+    overlap_rule,
+    overlap_schedule,
+    reorder_pass,
+)
 from graph_passes.scheduling import SchedulerState, is_order_sensitive, list_schedule
 from graph_passes.verify import verify_pass
 
@@ -269,3 +278,46 @@ def test_the_next_collectives_feeders_come_first_then_original_order() -> None:
     ]
     # the chain's transfers back to back: dgrad 1 | rs2 to 2 (under wgrad) | h | rs1 2.1-4.1 | ag0 to 4.6
     assert abs(ctx.records["reorder"]["predicted_makespan_after_s"] - 4.7) < 1e-9
+
+
+def test_critical_urgency_issues_the_transfer_with_the_most_work_behind_it_first() -> None:
+    """Two chains as a merged MoE graph has them: ``b`` (first in the original order) sends once
+    and then computes 2 s; ``f`` sends, computes 1 s, sends again. Issued in original order,
+    ``f``'s first transfer waits behind ``b``'s on the one channel, and ``b``'s compute runs
+    before ``f``'s and leaves ``f``'s second transfer nothing to hide under (5.2 s). Ranked by
+    the work behind them, ``f``'s transfer goes first, ``b``'s compute hides ``f``'s second
+    (4.2 s)."""
+    g = torch.fx.Graph()
+    xb, xf = g.placeholder("xb"), g.placeholder("xf")
+
+    def node(target, args, name):
+        return g.create_node("call_function", target, args, name=name)
+
+    b0 = node(aten.relu.default, (xb,), "b0")
+    cb = node(c10d.all_reduce.default, (b0, "sum", "0"), "cb")
+    bx = node(aten.relu.default, (node(c10d.wait_tensor.default, (cb,), "wait_cb"),), "bx")
+    f0 = node(aten.relu.default, (xf,), "f0")
+    cf1 = node(c10d.all_reduce.default, (f0, "sum", "0"), "cf1")
+    fx = node(aten.relu.default, (node(c10d.wait_tensor.default, (cf1,), "wait_cf1"),), "fx")
+    cf2 = node(c10d.all_reduce.default, (fx, "sum", "0"), "cf2")
+    fc = node(aten.relu.default, (node(c10d.wait_tensor.default, (cf2,), "wait_cf2"),), "fc")
+    g.output((bx, fc))
+    gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
+    est = TableEstimator(
+        {"b0": 0.1, "f0": 0.1, "fc": 0.1, "bx": 2.0, "cb": 1.0, "cf1": 1.0, "cf2": 1.0},
+        {"compute": 1.0},
+        output_bytes={},
+    )
+    urgency = critical_urgency(list(gm.graph.nodes), est)
+    assert urgency[cf1] < urgency[cb] < urgency[cf2] and urgency[f0] == urgency[cf1]
+    assert collective_urgency(list(gm.graph.nodes))[cb] < collective_urgency(list(gm.graph.nodes))[cf1]
+
+    body = [n for n in gm.graph.nodes if n.op == "call_function"]
+    head, tail = [n for n in gm.graph.nodes if n.op == "placeholder"], [n for n in gm.graph.nodes if n.op == "output"]
+    makespans = {}
+    for critical in (False, True):
+        order = overlap_schedule(body, est, ReorderOptions(memory_budget_ratio=10.0), critical=critical)
+        makespans[critical] = simulate(head + order + tail, est).makespan_s
+        issues = [n.name for n in order if is_comm(kind_of(n))]
+        assert issues == (["cf1", "cb", "cf2"] if critical else ["cb", "cf1", "cf2"])
+    assert makespans == {False: pytest.approx(5.2), True: pytest.approx(4.2)}
