@@ -109,7 +109,7 @@ from graph_passes.reorder import ReorderOptions, overlap_schedule
 class InterleaveOptions:
     """Knobs of the interleave pass."""
 
-    memory_budget_ratio: float = 1.15
+    memory_budget_ratio: float = 1.25
     """Live bytes of the interleaved order may be at most this times the sequential order's peak."""
 
     defer_weight_grads: tuple[int, ...] = (1,)

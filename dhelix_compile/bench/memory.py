@@ -4,7 +4,8 @@
     python -m dhelix_compile.bench.memory --model small --microbatches 8 --pipeline dualpipev,1f1b
     python -m dhelix_compile.bench.memory --model small --microbatches 4 --data-parallel shard
 
-runs the TP+SP reference model on gloo ranks (``testing.multirank``) and prints, per variant,
+runs a benchmark workload (``--model``: ``bench.workloads``, TP+SP or ``--parallel tp``; the
+TP+SP reference model by default) on gloo ranks (``testing.multirank``) and prints, per variant,
 the peak bytes resident during one step above what was resident before it (sampled, see
 ``peak_allocated_bytes``): the eager accumulation loop, the Inductor loop, dhelix single
 strand, and helix. With ``--pipeline``, the model as a pipeline (``bench.pipeline``) under each
@@ -96,17 +97,19 @@ def _token_microbatches(
     return config, mbs, loss_fn
 
 
-def _rank_peaks(rank: int, world_size: int, model: str, microbatches: int, variants: list[str]) -> dict[str, int]:
+def _rank_peaks(
+    rank: int, world_size: int, model: str, parallel: str, microbatches: int, variants: list[str]
+) -> dict[str, int]:
     from dhelix_compile.bench.steps import step_function
-    from dhelix_compile.testing.llama import Transformer
-    from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
+    from dhelix_compile.bench.workloads import build_workload
 
-    config, mbs, loss_fn = _token_microbatches(model, microbatches, 1234)
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
+    workload = build_workload(model, parallel, mesh, world_size, microbatches, torch.Generator().manual_seed(1234))
+    mbs = workload.microbatches
     peaks = {}
     for name in variants:
-        module = parallelize_tp_sp(Transformer(config), mesh)
-        step = step_function(name, module, loss_fn)
+        module = workload.make()
+        step = step_function(name, module, workload.loss_fn)
         step(mbs)  # compile, and the gradients exist: later steps accumulate into them
         peaks[name] = peak_allocated_bytes(functools.partial(step, mbs))
     return peaks
@@ -176,6 +179,7 @@ def _eager_of(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small")
+    parser.add_argument("--parallel", choices=("tp_sp", "tp"), default="tp_sp", help="as dhelix bench's")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument(
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from dhelix_compile.bench import memory  # the ranks import the functions by module name, not __main__
+    from dhelix_compile.bench.workloads import MOE_SIZES
     from dhelix_compile.testing.multirank import run_on_ranks
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the RSS at once
@@ -208,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         what = f"data-parallel {args.data_parallel} (torch: {'DDP' if args.data_parallel == 'replicate' else 'FSDP2'})"
     else:
         variants = [v for v in (args.variants or ",".join(MEMORY_VARIANTS)).split(",") if v]
-        per_rank = run(memory._rank_peaks, args.ranks, args.model, args.microbatches, variants)
-        what = "TP+SP"
+        per_rank = run(memory._rank_peaks, args.ranks, args.model, args.parallel, args.microbatches, variants)
+        what = "" if args.model in MOE_SIZES else {"tp_sp": "TP+SP", "tp": "TP"}[args.parallel]
     peaks = {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
     print(
-        f"peak resident bytes in one step (the busiest rank): {what} {args.model}, {args.ranks} ranks, {args.microbatches} micro-batches"
+        f"peak resident bytes in one step (the busiest rank): {what + ' ' if what else ''}{args.model}, "
+        f"{args.ranks} ranks, {args.microbatches} micro-batches"
     )
     print("| variant | peak MiB | vs eager |")
     print("|---|---:|---:|")
