@@ -29,8 +29,8 @@ Priority rule (first that applies), over the ready nodes::
 
     1. a ready wait that costs nothing now (its transfer is predicted done), is overdue
        (more than max_issue_distance nodes since its issue) or we are over the memory budget
-    2. a ready collective issue, while fewer than max_in_flight transfers are in flight
-       and its buffer fits the memory budget
+    2. a ready collective issue (the most urgent: lowest urgency, then original position),
+       while fewer than max_in_flight transfers are in flight and its buffer fits the memory budget
     3. a ready non-wait node whose allocation fits the memory budget; first those that feed
        the next collective to issue (the earliest not yet issued, by original position: so
        the next transfer can start sooner), then by original position; when none fits, the one
@@ -88,14 +88,18 @@ def collective_urgency(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, fl
     ``inf`` for nodes that feed no collective. Lower is more urgent: running the node brings
     a transfer closer to being issued.
     """
-    position = {n: i for i, n in enumerate(nodes)}
-    urgency: dict[torch.fx.Node, float] = {}
+    return _lowest_downstream(nodes, {n: float(i) for i, n in enumerate(nodes) if is_comm(kind_of(n))})
+
+
+def _lowest_downstream(nodes: Sequence[torch.fx.Node], rank: dict[torch.fx.Node, float]) -> dict[torch.fx.Node, float]:
+    """For each node, the lowest ``rank`` of itself and the nodes downstream of it (``inf``: none ranked)."""
+    lowest: dict[torch.fx.Node, float] = {}
     for node in reversed(nodes):
-        best = float(position[node]) if is_comm(kind_of(node)) else math.inf
+        best = rank.get(node, math.inf)
         for user in node.users:
-            best = min(best, urgency.get(user, math.inf))
-        urgency[node] = best
-    return urgency
+            best = min(best, lowest.get(user, math.inf))
+        lowest[node] = best
+    return lowest
 
 
 def critical_urgency(nodes: Sequence[torch.fx.Node], estimator: Estimator) -> dict[torch.fx.Node, float]:
@@ -116,14 +120,7 @@ def critical_urgency(nodes: Sequence[torch.fx.Node], estimator: Estimator) -> di
         after = max((tail_s[user] for user in node.users if user in tail_s), default=0.0)
         tail_s[node] = estimator.node_cost(node).time_s + after
     comms = sorted((n for n in nodes if is_comm(kind_of(n))), key=lambda n: (-tail_s[n], position[n]))
-    rank = {n: float(i) for i, n in enumerate(comms)}
-    urgency: dict[torch.fx.Node, float] = {}
-    for node in reversed(nodes):
-        best = rank.get(node, math.inf)
-        for user in node.users:
-            best = min(best, urgency.get(user, math.inf))
-        urgency[node] = best
-    return urgency
+    return _lowest_downstream(nodes, {n: float(i) for i, n in enumerate(comms)})
 
 
 def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], budget_bytes: int) -> Rule:
