@@ -74,29 +74,6 @@ def peak_allocated_bytes(fn: Callable[[], Any], interval_s: float = 2e-4) -> int
     return max(peak, rss()) - base
 
 
-def _token_microbatches(
-    model: str, microbatches: int, seed: int
-) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
-    """The reference transformer's config for ``model``, seeded token micro-batches and its loss."""
-    from dhelix_compile.bench.workloads import model_config
-    from dhelix_compile.testing.llama import lm_loss
-
-    config, seq, batch = model_config(model)
-    gen = torch.Generator().manual_seed(seed)
-    mbs = [
-        (
-            torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-            torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-        )
-        for _ in range(microbatches)
-    ]
-
-    def loss_fn(m: torch.nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return lm_loss(m(mb[0]), mb[1])
-
-    return config, mbs, loss_fn
-
-
 def _rank_peaks(
     rank: int, world_size: int, model: str, parallel: str, microbatches: int, variants: list[str]
 ) -> dict[str, int]:
@@ -141,18 +118,21 @@ def _data_parallel_peaks(
 
     from dhelix_compile.bench.data_parallel import wrapper_options
     from dhelix_compile.bench.steps import split_variant, step_function
+    from dhelix_compile.bench.workloads import build_workload
     from dhelix_compile.data_parallelism import data_parallel
     from dhelix_compile.own_code import with_own_code
     from dhelix_compile.testing.data_parallel_checks import sync_on_last, torch_data_parallel
-    from dhelix_compile.testing.llama import Transformer
 
-    config, mbs, loss_fn = _token_microbatches(model, microbatches, 1234 + rank)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    # each rank its own data: the model as written, data-parallel over the ranks
+    gen = torch.Generator().manual_seed(1234 + rank)
+    workload = build_workload(model, "none", mesh, world_size, microbatches, gen)
+    mbs, loss_fn = workload.microbatches, workload.loss_fn
     peaks = {}
     for name in variants:
         runner, options = split_variant(name, DATA_PARALLEL_VARIANTS)
         wrap, options = wrapper_options(options)
-        module: torch.nn.Module = Transformer(config)
+        module: torch.nn.Module = workload.make()
         module.forward = with_own_code(module.forward)  # each variant its own Dynamo cache (own_code.py)
         if runner == "torch":
             module = torch_data_parallel(module, list(module.layers), mesh, mode)  # type: ignore[arg-type]
