@@ -124,7 +124,7 @@ def test_a_compute_op_measured_again_keeps_the_lower_time(tmp_path: pathlib.Path
     stall_s = 50 * STALL_OVERHEAD_S
     times = [base_s, base_s, base_s, stall_s, stall_s, stall_s]
     fresh = {"stalled": stall_s}
-    assert est._measure_stalls_again(items, times, fresh) == 2
+    assert est._measure_stalls_again(items, times, [base_s] * len(items), fresh) == 2
     assert times == [base_s, base_s, base_s, 2 * base_s, stall_s, stall_s]
     assert fresh == {"stalled": 2 * base_s, "unlucky": 100 * STALL_OVERHEAD_S}
 

@@ -474,7 +474,8 @@ class ProfiledEstimator(EstimatorBase):
                     t = known[item.sig]
                     cached += 1
                 times.append(t)
-        measured_again = self._measure_stalls_again(items, times, fresh)
+        base_times = [self.base.node_cost(item.node).time_s for item in items]
+        measured_again = self._measure_stalls_again(items, times, base_times, fresh)
         # compute signature -> its disk-cache entry with this rank's measurement
         new_samples = {sig: with_sample(cache.get(sig, []), t) for sig, t in fresh.items()}
         self._measure_transfers_again(items, missing, times)
@@ -485,12 +486,11 @@ class ProfiledEstimator(EstimatorBase):
                 if item.is_p2p:
                     self.issue_measurements[item.sig] = issue_s
 
-        for item, t in zip(items, times, strict=True):
+        for item, t, base_s in zip(items, times, base_times, strict=True):
             if t == FAILED_S:
                 skipped["measurement failed"] = skipped.get("measurement failed", 0) + 1
                 continue
             self.measurements[item.sig] = t
-            base_s = self.base.node_cost(item.node).time_s
             if not item.is_collective:
                 if item.sig in new_samples:
                     cache[item.sig] = new_samples[item.sig]
@@ -527,17 +527,18 @@ class ProfiledEstimator(EstimatorBase):
             measured_again=measured_again,
         )
 
-    def _measure_stalls_again(self, items: Sequence[_Item], times: list[float], fresh: dict[str, float]) -> int:
+    def _measure_stalls_again(
+        self, items: Sequence[_Item], times: list[float], base_times: Sequence[float], fresh: dict[str, float]
+    ) -> int:
         """Measure once more each compute op whose time is a stall's (module docstring:
-        ``stalls``); the lower time stands in ``times`` and in ``fresh`` (this call's
-        measurements). How many were measured again."""
-        base_s: dict[int, float] = {}
-        for index, item in enumerate(items):
-            if item.is_collective or not times[index] > 0:  # NaN and failed measurements too
-                continue
-            base = self.base.node_cost(item.node).time_s
-            if base > 0:
-                base_s[index] = base
+        ``stalls``; ``base_times``: the base estimate of each item); the lower time stands in
+        ``times`` and in ``fresh`` (this call's measurements). How many were measured again."""
+        base_s = {
+            index: base
+            for index, (item, base) in enumerate(zip(items, base_times, strict=True))
+            # NaN and failed measurements have no ratio
+            if not item.is_collective and times[index] > 0 and base > 0
+        }
         if len(base_s) < STALL_PEERS:
             return 0
         typical = statistics.median(times[index] / base for index, base in base_s.items())
