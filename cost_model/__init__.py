@@ -55,7 +55,14 @@ from cost_model.hardware import (
     register_device,
     register_link,
 )
-from cost_model.memory import alias_source, live_bytes_profile, peak_memory_bytes, storage_root
+from cost_model.memory import (
+    RELEASED_OUTPUTS,
+    alias_source,
+    holds_output,
+    live_bytes_profile,
+    peak_memory_bytes,
+    storage_root,
+)
 from cost_model.op_kinds import NodeKind, is_comm, kind_of, op_name
 from cost_model.profile import CalibrationReport, ProfiledEstimator
 from cost_model.simulator import SimEvent, SimResult, simulate
@@ -64,6 +71,7 @@ from cost_model.symbolic import evaluate, size_hints
 __all__ = [
     "DEVICES",
     "LINKS",
+    "RELEASED_OUTPUTS",
     "AnalyticEstimator",
     "CalibrationReport",
     "CommCall",
@@ -91,6 +99,7 @@ __all__ = [
     "get_link",
     "graph_size_hints",
     "graph_time_expr",
+    "holds_output",
     "is_comm",
     "kind_of",
     "live_bytes_profile",

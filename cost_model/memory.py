@@ -16,7 +16,10 @@ Contract
           free every root whose last use (over all its aliases) is node i
 
   A root used by the graph output, or by a node outside ``order``, lives to the end;
-  a root nobody uses is freed right after it is allocated. ``freeable_inputs`` are graph
+  a root nobody uses is freed right after it is allocated. Outputs at the positions the
+  output node's ``meta[RELEASED_OUTPUTS]`` names are handed over as they are made (helix's
+  backward adds each parameter gradient into ``.grad`` in the graph): the output does not
+  keep them live. ``freeable_inputs`` are graph
   inputs the caller hands over (a backward's saved activations, whose argument list the
   generated code clears): they are live at the start and freed after their last use.
 
@@ -36,6 +39,30 @@ import torch.fx
 from cost_model.op_kinds import kind_of
 
 aten = torch.ops.aten
+
+#: ``meta`` key of a graph's output node: the positions (in ``output.args[0]``) of outputs the
+#: graph hands over as they are made, which the output therefore does not keep live.
+RELEASED_OUTPUTS = "dhelix_released_outputs"
+
+
+def holds_output(output: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether the graph's ``output`` node keeps ``node`` live to the end: it returns ``node`` at
+    a position not in ``output.meta[RELEASED_OUTPUTS]`` (or inside a nested structure)."""
+    released = output.meta.get(RELEASED_OUTPUTS)
+    values = output.args[0] if output.args else ()
+    if not released or not isinstance(values, (list, tuple)):
+        return True
+    return any(node in _nodes_of(value) for i, value in enumerate(values) if i not in released)
+
+
+def _nodes_of(value: object) -> list[torch.fx.Node]:
+    if isinstance(value, torch.fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for item in value for n in _nodes_of(item)]
+    if isinstance(value, dict):
+        return [n for item in value.values() for n in _nodes_of(item)]
+    return []
 
 
 def _schema_alias_arg(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -150,6 +177,8 @@ def live_bytes_profile(
         root = root_of(node)
         last_use[root] = max(last_use.get(root, -1), position[node])
         for user in node.users:
+            if user.op == "output" and not holds_output(user, node):
+                continue
             if user.op == "output" or user not in position:
                 last_use[root] = end
             else:

@@ -807,3 +807,20 @@ def strided_shard(dim: int, split_factor: int) -> Any:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def has_tensor_hooks(tensor: torch.Tensor) -> bool:
+    """Whether hooks were registered on ``tensor`` with ``register_hook`` (``Tensor._backward_hooks``)."""
+    return bool(getattr(tensor, "_backward_hooks", None))
+
+
+def aot_flat_inputs(value: Any) -> list[Any]:
+    """What AOTAutograd makes of one graph input: a traceable tensor subclass (a DTensor) as its
+    inner tensors (``__tensor_flatten__``, recursively), anything else as itself; the joint
+    graph's primals, and the backward graph's outputs, follow the inputs in this order."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(value):
+        return [value]
+    names, _ = value.__tensor_flatten__()
+    return [leaf for name in names for leaf in aot_flat_inputs(getattr(value, name))]

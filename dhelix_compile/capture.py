@@ -97,6 +97,7 @@ def compile_partition(
     on_scheduled: Callable[[torch.fx.GraphModule, PassContext], None] | None = None,
     records: dict[str, dict[str, float]] | None = None,
     planned: tuple[torch.fx.GraphModule, PassContext] | None = None,
+    finish: Callable[[torch.fx.GraphModule], object] | None = None,
     **inductor_kwargs: Any,
 ) -> Callable[..., Any]:
     """Run the pass pipeline on one partition and generate its code (see the module docstring).
@@ -106,7 +107,9 @@ def compile_partition(
     before codegen (not when the pipeline fell back to plain Inductor); ``records`` are numbers
     the caller decided by (``ctx.records``, in the summary beside the passes'). ``planned`` is
     :func:`plan_partition`'s result for ``gm`` under ``config``: it is compiled as is unless
-    dumps are asked for (they record every pass, so the pipeline runs again).
+    dumps are asked for (they record every pass, so the pipeline runs again). ``finish``: a last
+    rewrite of a copy of the scheduled graph, after ``on_scheduled`` has seen it, before the
+    dumps and codegen (helix's gradients added into ``.grad`` in the graph).
     """
     phase = _phase_of(inductor_kwargs)
     name = graph_name or _graph_name(phase)
@@ -133,6 +136,11 @@ def compile_partition(
             dumper.write_summary(ctx, fallback=str(exc), profile_steps=config.profile_steps)
         plan = _measurement_plan(gm, name, dumper, config)  # before codegen: Inductor rewrites its graph
         return _profiled(compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs), plan, dumper, config)
+    if on_scheduled is not None:
+        on_scheduled(scheduled, ctx)
+    if finish is not None:
+        scheduled = copy_graph_module(scheduled)
+        finish(scheduled)
     check_rank_consistency(scheduled, name, config.consistency_timeout_s)
     if dumper is not None:
         write_final_dumps(dumper, gm, scheduled, ctx.estimator or _dump_estimator(config, gm, example_inputs))
@@ -140,8 +148,6 @@ def compile_partition(
             ctx, codegen=config.codegen, comm_order=comm_order(scheduled), profile_steps=config.profile_steps
         )
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
-    if on_scheduled is not None:
-        on_scheduled(scheduled, ctx)
     plan = _measurement_plan(scheduled, name, dumper, config)  # before codegen: Inductor rewrites its graph
     return _profiled(generate(scheduled, example_inputs, config.codegen, inductor_kwargs), plan, dumper, config)
 

@@ -18,7 +18,9 @@ Contract
       micro-batch, so the parameters are shared inputs of the two strands. Data inputs saved
       for the backward (the micro-batch itself) are never shared: they differ per micro-batch.
     - Output: one flat tuple ``(*F outputs, *B outputs)``; ``num_fwd_outputs`` splits it.
-      ``None`` entries of B's output (no gradient) are kept.
+      ``None`` entries of B's output (no gradient) are kept. Positions a strand's output node
+      marks as handed over as they are made (``cost_model.memory.RELEASED_OUTPUTS``) are
+      marked on M's, shifted.
     - Nodes: copies of F's nodes (names prefixed ``f_``), then B's (``b_``): a valid
       topological order, F wholly before B. Each copy keeps its ``meta`` (values, stack
       traces) with ``meta["dhelix"]`` updated: ``strand`` = :data:`FWD_STRAND` (0) for F,
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch.fx
 
+from cost_model.memory import RELEASED_OUTPUTS
 from graph_passes.annotate import META_KEY
 
 FWD_STRAND = 0
@@ -98,7 +101,13 @@ def merge_strands(
 
     fwd_outputs = _copy_body(graph, fwd, fwd_env, "f_", FWD_STRAND, phases[0])
     bwd_outputs = _copy_body(graph, bwd, bwd_env, "b_", BWD_STRAND, phases[1])
-    graph.output((*fwd_outputs, *bwd_outputs))
+    output = graph.output((*fwd_outputs, *bwd_outputs))
+    released = [
+        *_released(fwd),
+        *(len(fwd_outputs) + i for i in _released(bwd)),
+    ]
+    if released:  # the strands' outputs handed over as they are made stay so (cost_model.memory)
+        output.meta[RELEASED_OUTPUTS] = frozenset(released)
     gm = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="MergedStrands")
     return MergedStrands(
         gm=gm,
@@ -106,6 +115,11 @@ def merge_strands(
         num_fwd_outputs=len(fwd_outputs),
         bwd_input_keep=tuple(keep),
     )
+
+
+def _released(source: torch.fx.GraphModule) -> frozenset[int]:
+    output = next(n for n in reversed(source.graph.nodes) if n.op == "output")
+    return frozenset(output.meta.get(RELEASED_OUTPUTS, ()))
 
 
 def _copy_placeholder(

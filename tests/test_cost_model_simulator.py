@@ -358,3 +358,40 @@ def test_simulate_accepts_graph() -> None:
     b.finish(c)
     res = simulate(b.graph, TableEstimator({"c": 2.0}))
     assert isinstance(res, SimResult) and res.makespan_s == 2.0
+
+
+def test_an_output_handed_over_as_it_is_made_is_not_live_to_the_end() -> None:
+    """``RELEASED_OUTPUTS`` (helix adds parameter gradients into ``.grad`` inside the graph):
+    the memory model and the list scheduler's live bytes free such an output at its last use."""
+    from cost_model.memory import RELEASED_OUTPUTS, holds_output
+    from graph_passes.scheduling import SchedulerState
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = _val(400)
+    grad = g.call_function(aten.relu.default, (x,))
+    grad.meta["val"] = _val(1000)
+    kept = g.call_function(aten.neg.default, (x,))
+    kept.meta["val"] = _val(100)
+    later = g.call_function(aten.relu.default, (kept,))
+    later.meta["val"] = _val(2000)
+    out = g.output((grad, later))
+    est = AnalyticEstimator(Device("d", {torch.float32: 1e12}, 1e11, 0.0, "t"), Link("l", 1e9, 0.0, "t"), world_size=2)
+    order = list(g.nodes)
+
+    def bytes_of(n: torch.fx.Node) -> int:
+        return est.node_cost(n).output_bytes
+
+    def scheduled_peak() -> int:
+        body = [n for n in order if n.op not in ("placeholder", "output")]
+        state = SchedulerState(body, est)
+        for node in body:
+            state.advance(node)
+        return state.peak_bytes
+
+    assert peak_memory_bytes(order, bytes_of) == 400 + 1000 + 100 + 2000
+    assert scheduled_peak() == 1000 + 100 + 2000
+    out.meta[RELEASED_OUTPUTS] = frozenset({0})
+    assert not holds_output(out, grad) and holds_output(out, later)
+    assert peak_memory_bytes(order, bytes_of) == 400 + 100 + 2000  # grad is gone before later
+    assert scheduled_peak() == 100 + 2000

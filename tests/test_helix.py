@@ -222,6 +222,35 @@ def test_an_error_in_either_call_of_a_pair_is_raised_not_hung(schedule: str, fai
 
 
 @pytest.mark.inductor
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_backward_graphs_add_parameter_gradients_into_grad(monkeypatch: pytest.MonkeyPatch, in_graph: bool) -> None:
+    """``helix_grads_in_graph``: every backward graph (alone and merged) routes each parameter's
+    gradient through ``dhelix::grad_total``; the step still equals the eager loop, onto existing
+    gradients and across steps, and a tensor hook still sees each micro-batch's gradient alone."""
+    import dhelix_compile.helix_runtime.strands as strands
+
+    routed: list[int] = []
+    original = strands.add_grads_in_graph
+    monkeypatch.setattr(
+        strands, "add_grads_in_graph", lambda gm, parts: routed.append(original(gm, parts)) or routed[-1]
+    )
+    config = ModelConfig(n_layers=1)
+    model = Transformer(config)
+    reference = copy.deepcopy(model)
+    seen: dict[str, list[torch.Tensor]] = {"helix": [], "eager": []}
+    model.norm.weight.register_hook(lambda g: seen["helix"].append(g.clone()))
+    reference.norm.weight.register_hook(lambda g: seen["eager"].append(g.clone()))
+    step = dhelix_compile.helix(model, _lm_loss_fn, helix_grads_in_graph=in_graph, **EAGER)
+    for seed in (0, 1):
+        mbs = _transformer_batches(4, config, seed)
+        _assert_same(model, reference, step(mbs), _eager_loop(reference, _lm_loss_fn, mbs))
+    n_params = len(list(model.parameters()))
+    assert routed == ([n_params, n_params] if in_graph else [])  # B alone, then B ⊕ F
+    assert len(seen["helix"]) == len(seen["eager"]) == 8
+    for got, want in zip(seen["helix"], seen["eager"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_inductor_codegen_equals_eager_loop(tmp_path: Path) -> None:
     config = ModelConfig(n_layers=1)
     model = Transformer(config)

@@ -45,3 +45,38 @@ def test_with_accumulated_grad_adds_the_parameters_grad_and_clears_it() -> None:
     assert param.grad is None
     del param  # the slot holds its parameter weakly
     assert torch.equal(WITH_ACCUMULATED_GRAD(grad, slot), grad)
+
+
+def test_grad_total_adds_into_the_parameters_grad_buffer_and_hands_it_over() -> None:
+    """``dhelix::grad_total``: helix's backward graphs return it instead of each micro-batch's
+    gradient; autograd stores the result in the cleared ``.grad``."""
+    from dhelix_compile.ops import GRAD_TOTAL, accumulator_slot
+
+    param = torch.nn.Parameter(torch.zeros(2, 3))
+    slot = accumulator_slot(param)
+    grad = torch.ones(2, 3)
+    first = GRAD_TOTAL(grad, slot)  # nothing accumulated: a copy, never the input itself
+    assert torch.equal(first, grad) and first.data_ptr() != grad.data_ptr() and param.grad is None
+    accumulated = torch.full((2, 3), 2.0)
+    param.grad = accumulated
+    total = GRAD_TOTAL(grad, slot)
+    assert total is accumulated and torch.equal(total, torch.full((2, 3), 3.0))  # in place
+    assert param.grad is None
+
+
+def test_grad_total_leaves_grad_alone_where_adding_in_place_would_differ_from_autograd() -> None:
+    from dhelix_compile.ops import GRAD_TOTAL, accumulator_slot
+
+    cases = {
+        "dtype": (torch.ones(2, 3, dtype=torch.bfloat16), torch.full((2, 3), 2.0), None),
+        "stride": (torch.ones(2, 3), torch.full((3, 2), 2.0).t(), None),
+        "hook": (torch.ones(2, 3), torch.full((2, 3), 2.0), lambda g: g),
+    }
+    for name, (grad, accumulated, hook) in cases.items():
+        param = torch.nn.Parameter(torch.zeros(2, 3))
+        if hook is not None:
+            param.register_hook(hook)  # it must see this micro-batch's gradient alone
+        param.grad = accumulated
+        got = GRAD_TOTAL(grad, accumulator_slot(param))
+        assert torch.equal(got, grad) and got.data_ptr() != grad.data_ptr(), name
+        assert param.grad is accumulated and torch.equal(accumulated, torch.full_like(accumulated, 2.0)), name

@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from dhelix_compile.bench import memory  # the ranks import the functions by module name, not __main__
+    from dhelix_compile.bench.steps import parse_variants
     from dhelix_compile.bench.workloads import MOE_SIZES
     from dhelix_compile.testing.multirank import run_on_ranks
 
@@ -181,18 +182,18 @@ def main(argv: list[str] | None = None) -> int:
         from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
 
         kinds = [k for k in args.pipeline.split(",") if k]
-        variants = [v for v in (args.variants or ",".join(PIPELINE_VARIANTS)).split(",") if v]
+        variants = parse_variants(args.variants or ",".join(PIPELINE_VARIANTS))
         per_rank = run(memory._pipeline_peaks, args.ranks, args.model, args.microbatches, kinds, variants)
         what = f"pipeline {', '.join(kinds)}"
     elif args.data_parallel:
-        variants = [v for v in (args.variants or ",".join(DATA_PARALLEL_VARIANTS)).split(",") if v]
+        variants = parse_variants(args.variants or ",".join(DATA_PARALLEL_VARIANTS))
         per_rank = run(
             memory._data_parallel_peaks, args.ranks, args.model, args.microbatches, args.data_parallel, variants
         )
         per_rank = [{f"{args.data_parallel} {name}": peak for name, peak in rank.items()} for rank in per_rank]
         what = f"data-parallel {args.data_parallel} (torch: {'DDP' if args.data_parallel == 'replicate' else 'FSDP2'})"
     else:
-        variants = [v for v in (args.variants or ",".join(MEMORY_VARIANTS)).split(",") if v]
+        variants = parse_variants(args.variants or ",".join(MEMORY_VARIANTS))
         per_rank = run(memory._rank_peaks, args.ranks, args.model, args.parallel, args.microbatches, variants)
         what = "" if args.model in MOE_SIZES else {"tp_sp": "TP+SP", "tp": "TP"}[args.parallel]
     peaks = {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}

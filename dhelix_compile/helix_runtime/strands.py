@@ -23,13 +23,16 @@ it. For the step B1+F2::
     loss_2 = f(mb_2)          -> F wrapper takes the parked call:
                                  M(fwd args + bwd args) -> (fwd outs, grads)
                                  hands the grads over ──► B wrapper returns them; autograd
-                                                          accumulates .grad as backward would
+                                                          stores .grad as backward would
     wait ◄────────────────────────────────────── done
 
 F0+F1 runs ``f(mb_0)`` on the partner thread (its F call parks; the loss comes back as the
 job's result). In B0+B1 the taking B1 returns its gradients only after the partner's
 ``loss_0.backward()`` has returned, so gradients accumulate in micro-batch order, exactly as
-in the eager loop.
+in the eager loop. With ``helix_grads_in_graph`` (the default) a backward graph adds each
+parameter's gradient into ``.grad`` where it is computed and returns the sum, which autograd
+stores (``helix_runtime.grad_accumulation``): M does not hold micro-batch i's gradients while
+micro-batch i+1's forward runs.
 
 Nothing is left waiting: a parked call that no call takes (a recompile to another graph, an
 error, a merged graph that failed to compile, two calls of different graphs) runs alone in the
@@ -57,6 +60,7 @@ from cost_model.op_kinds import op_name
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.capture import compile_partition, joint_pass, plan_partition
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.helix_runtime.grad_accumulation import Slots, add_grads_in_graph, mark_released, parameter_slots
 from dhelix_compile.helix_runtime.schedule import merged_graph_kind
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError
@@ -134,6 +138,7 @@ class _Strand:
     inductor_kwargs: dict[str, Any]
     compiled: BoxedCallable
     chained: bool = False  # the decompose pass rewrote an all-to-all chain of ``gm``
+    grad_slots: Slots = ()  # B: its outputs' parameters (grad_accumulation); empty: .grad added after it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +158,8 @@ class StrandPair:
         self.exchange = exchange
         self.forward: _Strand | None = None
         self.backward: _Strand | None = None
+        #: the Dynamo graph's flat inputs' parameter slots; empty: B returns plain gradients
+        self.grad_slots: Slots = ()
         #: per (this pair's phase, parked pair, parked phase): the merged graph of the two calls;
         #: None: run them one after the other
         self._merged: dict[tuple[Phase, StrandPair, Phase], _Merged | None] = {}
@@ -289,9 +296,28 @@ def _compile_merged(
         graph_name=name,
         records=records,
         planned=planned,
+        finish=_adding_grads(first.grad_slots, second.grad_slots, merged.num_fwd_outputs),
         **first.inductor_kwargs,
     )
     return _Merged(merged, compiled)
+
+
+def _adding_grads(
+    first: Slots, second: Slots | None = None, split: int = 0
+) -> Callable[[torch.fx.GraphModule], object] | None:
+    """``compile_partition``'s ``finish`` for a graph that returns a strand's outputs (then, merged,
+    another's from index ``split``), given each strand's ``grad_slots`` (empty for a forward):
+    each backward's parameter gradients added into ``.grad`` in the graph (``grad_accumulation``).
+    None when neither has slots."""
+    if not first and not second:
+        return None
+
+    def finish(gm: torch.fx.GraphModule) -> object:
+        total = len(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+        spans = [(first, 0, split if second is not None else total), (second or (), split, total - split)]
+        return add_grads_in_graph(gm, [(start, n, slots) for slots, start, n in spans if slots])
+
+    return finish
 
 
 @dataclasses.dataclass(frozen=True)
@@ -580,8 +606,16 @@ def compile_strand_partition(
                 "to 0 (or use model.eval() for the dropout layers)."
             )
     scheduled: list[tuple[torch.fx.GraphModule, PassContext]] = []
+    grad_slots = pair.grad_slots if inductor_kwargs.get("is_backward") else ()
+    if grad_slots:
+        mark_released(gm, grad_slots)
     compiled = compile_partition(
-        gm, example_inputs, config=config, on_scheduled=lambda g, ctx: scheduled.append((g, ctx)), **inductor_kwargs
+        gm,
+        example_inputs,
+        config=config,
+        on_scheduled=lambda g, ctx: scheduled.append((g, ctx)),
+        finish=_adding_grads(grad_slots),
+        **inductor_kwargs,
     )
     rewritten = tuple(
         name
@@ -601,6 +635,7 @@ def compile_strand_partition(
         dict(inductor_kwargs),
         compiled,
         chained,
+        grad_slots,
     )
     if strand.phase == "fwd":
         pair.forward = strand
@@ -622,6 +657,8 @@ class Strands:
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         pair = StrandPair(self.config, self.exchange)
+        if self.config.helix_grads_in_graph and not self.exchange.merge_across_graphs:
+            pair.grad_slots = parameter_slots(example_inputs)
         inner = functools.partial(compile_strand_partition, config=self.config, pair=pair)
         return compat.compile_with_aot_autograd(gm, example_inputs, inner, joint_pass=joint_pass(self.config))
 

@@ -1,10 +1,25 @@
 """Custom ops dhelix's rewritten graphs call; importing this package registers them with torch.
 
 exchange.py            ``dhelix::exchange``: a send and a receive in one asynchronous, functional op
-accumulated_grad.py    ``dhelix::with_accumulated_grad``: a gradient plus its parameter's accumulated one
+accumulated_grad.py    ``dhelix::with_accumulated_grad``: a gradient plus its parameter's accumulated one;
+                       ``dhelix::grad_total``: the same sum, computed into the parameter's ``.grad``
 """
 
-from dhelix_compile.ops.accumulated_grad import WITH_ACCUMULATED_GRAD, accumulator_slot, with_accumulated_grad
+from dhelix_compile.ops.accumulated_grad import (
+    GRAD_TOTAL,
+    WITH_ACCUMULATED_GRAD,
+    accumulator_slot,
+    grad_total,
+    with_accumulated_grad,
+)
 from dhelix_compile.ops.exchange import P2P_EXCHANGE, p2p_exchange
 
-__all__ = ["P2P_EXCHANGE", "WITH_ACCUMULATED_GRAD", "accumulator_slot", "p2p_exchange", "with_accumulated_grad"]
+__all__ = [
+    "GRAD_TOTAL",
+    "P2P_EXCHANGE",
+    "WITH_ACCUMULATED_GRAD",
+    "accumulator_slot",
+    "grad_total",
+    "p2p_exchange",
+    "with_accumulated_grad",
+]

@@ -1,0 +1,26 @@
+"""``python -m dhelix_compile.bench.memory``: the command line (the ranks' measurements are benchmarks, not tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dhelix_compile.bench import memory
+
+
+def test_variants_with_several_bracketed_options_reach_the_ranks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Commas inside brackets separate options, not variants (they were split as variants once)."""
+    calls: list[tuple[Any, ...]] = []
+
+    def fake_run(fn: Any, ranks: int, *args: Any, **kwargs: Any) -> list[dict[str, int]]:
+        calls.append(args)
+        return [{name: 2**20 * (i + 1) for i, name in enumerate(args[-1])}] * ranks
+
+    monkeypatch.setattr("dhelix_compile.testing.multirank.run_on_ranks", fake_run)
+    variant = "helix[memory_budget_ratio=1.0,interleave_memory_budget_ratio=1.0]"
+    assert memory.main(["--model", "mlp_medium", "--variants", f"eager,{variant}"]) == 0
+    assert calls[0][-1] == ["eager", variant]
+    assert f"| {variant} | 2.0 | 2.00x |" in capsys.readouterr().out
