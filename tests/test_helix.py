@@ -251,6 +251,27 @@ def test_backward_graphs_add_parameter_gradients_into_grad(monkeypatch: pytest.M
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_gradients_kept_in_a_flat_buffer_stay_there() -> None:
+    """``.grad`` as views into one buffer (DDP's gradient_as_bucket_view): helix adds into it as
+    autograd does, so the buffer holds the gradients after the step."""
+    config = ModelConfig(n_layers=1)
+    model = Transformer(config)
+    reference = copy.deepcopy(model)
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    views = flat.split([p.numel() for p in model.parameters()])
+    for p, view in zip(model.parameters(), views, strict=True):
+        p.grad = view.view_as(p)
+    mbs = _transformer_batches(3, config)
+    _assert_same(
+        model,
+        reference,
+        dhelix_compile.helix(model, _lm_loss_fn, **EAGER)(mbs),
+        _eager_loop(reference, _lm_loss_fn, mbs),
+    )
+    for p, view in zip(model.parameters(), views, strict=True):
+        assert p.grad.data_ptr() == view.data_ptr()
+
+
 def test_inductor_codegen_equals_eager_loop(tmp_path: Path) -> None:
     config = ModelConfig(n_layers=1)
     model = Transformer(config)

@@ -71,6 +71,7 @@ def test_grad_total_leaves_grad_alone_where_adding_in_place_would_differ_from_au
         "dtype": (torch.ones(2, 3, dtype=torch.bfloat16), torch.full((2, 3), 2.0), None),
         "stride": (torch.ones(2, 3), torch.full((3, 2), 2.0).t(), None),
         "hook": (torch.ones(2, 3), torch.full((2, 3), 2.0), lambda g: g),
+        "view": (torch.ones(2, 3), torch.full((12,), 2.0)[6:].view(2, 3), None),  # a flat buffer's
     }
     for name, (grad, accumulated, hook) in cases.items():
         param = torch.nn.Parameter(torch.zeros(2, 3))

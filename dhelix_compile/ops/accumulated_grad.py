@@ -22,8 +22,11 @@ until the graph ends (in a merged graph, while the next micro-batch's forward ru
 then stores the returned total in the cleared ``param.grad``, as it stores a first gradient:
 ``.grad`` ends as eager's, added in the same order. Where adding in place would differ from
 autograd's accumulation, it returns a copy of ``g`` and leaves ``.grad`` alone: nothing
-accumulated yet, hooks on the parameter (a tensor hook must see ``g`` alone), or a local
-gradient of another dtype, shape or stride.
+accumulated yet, hooks on the parameter (a tensor hook must see ``g`` alone), a local gradient
+of another dtype, shape or stride, or one that is a view into a larger buffer (DDP's
+``gradient_as_bucket_view``, a flat gradient buffer: autograd adds into it in place, and the
+buffer stays ``.grad``'s storage). Otherwise ``.grad`` afterwards may be another tensor object
+with the same values (autograd stores or copies the returned sum).
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def grad_total(grad: torch.Tensor, slot: int) -> torch.Tensor:
     local = _local(accumulated)
     if (local.dtype, local.shape, local.stride()) != (grad.dtype, grad.shape, grad.stride()) or local.requires_grad:
         return grad.clone()
+    if local.storage_offset() or local.untyped_storage().nbytes() != local.numel() * local.element_size():
+        return grad.clone()  # a view into a buffer (DDP's gradient_as_bucket_view): autograd adds into it
     param.grad = None
     return local.add_(grad)
 
