@@ -20,6 +20,7 @@ def test_variants_with_several_bracketed_options_reach_the_ranks(
         return [{name: 2**20 * (i + 1) for i, name in enumerate(args[-1])}] * ranks
 
     monkeypatch.setattr("dhelix_compile.testing.multirank.run_on_ranks", fake_run)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # main sets it for its ranks; undone after the test
     variant = "helix[memory_budget_ratio=1.0,interleave_memory_budget_ratio=1.0]"
     assert memory.main(["--model", "mlp_medium", "--variants", f"eager,{variant}"]) == 0
     assert calls[0][-1] == ["eager", variant]
