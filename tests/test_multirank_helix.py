@@ -122,6 +122,8 @@ def test_merged_graph_through_inductor_keeps_the_interleaved_order(tmp_path: Pat
     codes = [code[code.index("def call(") :] for code in results[0]["codes"]]
     actual = [[m.group(1) or "matmul" for m in _CODE_TOKEN.finditer(code)] for code in codes]
     assert expected in actual, f"no generated module follows the merged graph's order {expected}"
+    # the backward strands' DTensor parameters' gradients are added into .grad in the graph (helix_grads_in_graph)
+    assert sum("torch.ops.dhelix.grad_total.default(" in code for code in codes) >= 2  # B alone and M
 
 
 @pytest.mark.parametrize(

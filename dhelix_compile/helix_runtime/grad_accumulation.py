@@ -40,13 +40,16 @@ Slots = tuple[int | None, ...]
 
 
 def parameter_slots(example_inputs: Sequence[Any]) -> Slots:
-    """A slot for each flat input that is a parameter requiring grad (a DTensor parameter has one
-    inner tensor, its local shard); None for every other flat input."""
+    """A slot for each flat input that is a parameter requiring grad, or a DTensor parameter's
+    local shard (its one inner tensor; its mesh is a flat input too); None for every other."""
     slots: list[int | None] = []
     for value in example_inputs:
         leaves = compat.aot_flat_inputs(value)
-        is_parameter = isinstance(value, torch.nn.Parameter) and value.requires_grad and len(leaves) == 1
-        slots.extend([accumulator_slot(value)] if is_parameter else [None] * len(leaves))
+        row: list[int | None] = [None] * len(leaves)
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if isinstance(value, torch.nn.Parameter) and value.requires_grad and len(tensors) == 1:
+            row[tensors[0]] = accumulator_slot(value)
+        slots.extend(row)
     return tuple(slots)
 
 
