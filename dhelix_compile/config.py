@@ -178,7 +178,8 @@ class DHelixConfig:
         "returning the micro-batch's gradient for autograd to add after the graph, which a merged "
         "graph holds while micro-batch i+1's forward runs. The interleave pass's memory budget "
         "then counts the gradients as freed. On the MoE layer: step 210.6 ms instead of 233.1, "
-        "peak 1.23x the eager accumulation loop's instead of 1.42x (BENCHMARKS.md). The same sums "
+        "peak 1.01x the eager accumulation loop's instead of 1.42x; HF Llama TP+SP 1.02x instead "
+        "of 1.29x (BENCHMARKS.md). The same sums "
         "in the same order as eager's; a parameter with a tensor hook (register_hook), or nothing "
         "accumulated yet, gets its gradient as usual; off in helix_pipeline (one graph serves "
         "several stage modules).",
