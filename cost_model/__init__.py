@@ -58,9 +58,9 @@ from cost_model.hardware import (
 from cost_model.memory import (
     RELEASED_OUTPUTS,
     alias_source,
-    holds_output,
     live_bytes_profile,
     peak_memory_bytes,
+    released_nodes,
     storage_root,
 )
 from cost_model.op_kinds import NodeKind, is_comm, kind_of, op_name
@@ -99,7 +99,6 @@ __all__ = [
     "get_link",
     "graph_size_hints",
     "graph_time_expr",
-    "holds_output",
     "is_comm",
     "kind_of",
     "live_bytes_profile",
@@ -111,6 +110,7 @@ __all__ = [
     "peak_memory_bytes",
     "register_device",
     "register_link",
+    "released_nodes",
     "simulate",
     "size_hints",
     "storage_root",

@@ -45,14 +45,18 @@ aten = torch.ops.aten
 RELEASED_OUTPUTS = "dhelix_released_outputs"
 
 
-def holds_output(output: torch.fx.Node, node: torch.fx.Node) -> bool:
-    """Whether the graph's ``output`` node keeps ``node`` live to the end: it returns ``node`` at
-    a position not in ``output.meta[RELEASED_OUTPUTS]`` (or inside a nested structure)."""
+def released_nodes(nodes: Sequence[torch.fx.Node]) -> frozenset[torch.fx.Node]:
+    """The nodes of ``nodes``' graph that its output node returns only at the positions its
+    ``meta[RELEASED_OUTPUTS]`` names: handed over as they are made, not kept live to the end."""
+    if not nodes:
+        return frozenset()
+    output = nodes[0].graph.output_node()
     released = output.meta.get(RELEASED_OUTPUTS)
     values = output.args[0] if output.args else ()
     if not released or not isinstance(values, (list, tuple)):
-        return True
-    return any(node in _nodes_of(value) for i, value in enumerate(values) if i not in released)
+        return frozenset()
+    held = {n for i, value in enumerate(values) if i not in released for n in _nodes_of(value)}
+    return frozenset(n for i in released if i < len(values) for n in _nodes_of(values[i]) if n not in held)
 
 
 def _nodes_of(value: object) -> list[torch.fx.Node]:
@@ -171,13 +175,14 @@ def live_bytes_profile(
     input_bytes = sum(output_bytes(n) for n in inputs)
 
     last_use: dict[torch.fx.Node, int] = {}
+    released = released_nodes(order)
     for node in order:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
         root = root_of(node)
         last_use[root] = max(last_use.get(root, -1), position[node])
         for user in node.users:
-            if user.op == "output" and not holds_output(user, node):
+            if user.op == "output" and node in released:
                 continue
             if user.op == "output" or user not in position:
                 last_use[root] = end

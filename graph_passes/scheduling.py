@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from cost_model.estimator import Estimator
-from cost_model.memory import holds_output, storage_root
+from cost_model.memory import released_nodes, storage_root
 from cost_model.op_kinds import is_comm, kind_of
 from graph_passes._torch_compat import OpOverload
 from graph_passes.annotate import issue_of
@@ -98,12 +98,13 @@ class SchedulerState:
         self._pinned: set[torch.fx.Node] = set()
         self._kept: set[torch.fx.Node] = set()
         freeable = set(freeable_inputs)
+        released = released_nodes(nodes)
         for node in [*nodes, *freeable_inputs]:
             root = self._root[node]
             if root not in freeable and (root not in self.position or root.op in ("placeholder", "get_attr")):
                 self._pinned.add(root)  # graph inputs (or their views) are live in every order
             for user in node.users:
-                if user.op == "output" and not holds_output(user, node):
+                if user.op == "output" and node in released:
                     continue  # handed over as it is made
                 if user in self.position and user.op != "output":
                     self._uses_left[root] = self._uses_left.get(root, 0) + 1
