@@ -118,7 +118,7 @@ def merge_strands(
 
 
 def _released(source: torch.fx.GraphModule) -> frozenset[int]:
-    output = next(n for n in reversed(source.graph.nodes) if n.op == "output")
+    output = source.graph.output_node()
     return frozenset(output.meta.get(RELEASED_OUTPUTS, ()))
 
 

@@ -53,9 +53,12 @@ def parameter_slots(example_inputs: Sequence[Any]) -> Slots:
     return tuple(slots)
 
 
-def _outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, list[Any]]:
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return output, list(output.args[0])
+def graph_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, list[Any]]:
+    """``gm``'s output node and the values it returns."""
+    output = gm.graph.output_node()
+    values = output.args[0]
+    assert isinstance(values, (list, tuple)), f"an AOTAutograd partition returns a tuple, not {values!r}"
+    return output, list(values)
 
 
 def _gradients(outs: Sequence[Any], offset: int, length: int, slots: Slots) -> list[tuple[int, int]]:
@@ -76,7 +79,7 @@ def _gradients(outs: Sequence[Any], offset: int, length: int, slots: Slots) -> l
 def mark_released(gm: torch.fx.GraphModule, slots: Slots) -> None:
     """Mark the backward graph ``gm``'s parameter gradients (the outputs :func:`add_grads_in_graph`
     will route) as handed over as they are made, for the passes' memory model."""
-    output, outs = _outputs(gm)
+    output, outs = graph_outputs(gm)
     released = [index for index, _ in _gradients(outs, 0, len(outs), slots)]
     if released:
         output.meta[RELEASED_OUTPUTS] = frozenset(released)
@@ -89,7 +92,7 @@ def add_grads_in_graph(gm: torch.fx.GraphModule, parts: Sequence[tuple[int, int,
     the index of its first output among ``gm``'s, its number of outputs and its slots.
     """
     graph = gm.graph
-    output, outs = _outputs(gm)
+    output, outs = graph_outputs(gm)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     added = 0
     for offset, length, slots in parts:

@@ -60,7 +60,13 @@ from cost_model.op_kinds import op_name
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.capture import compile_partition, joint_pass, plan_partition
 from dhelix_compile.config import DHelixConfig
-from dhelix_compile.helix_runtime.grad_accumulation import Slots, add_grads_in_graph, mark_released, parameter_slots
+from dhelix_compile.helix_runtime.grad_accumulation import (
+    Slots,
+    add_grads_in_graph,
+    graph_outputs,
+    mark_released,
+    parameter_slots,
+)
 from dhelix_compile.helix_runtime.schedule import merged_graph_kind
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError
@@ -313,7 +319,7 @@ def _adding_grads(
         return None
 
     def finish(gm: torch.fx.GraphModule) -> object:
-        total = len(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+        total = len(graph_outputs(gm)[1])
         spans = [(first, 0, split if second is not None else total), (second or (), split, total - split)]
         return add_grads_in_graph(gm, [(start, n, slots) for slots, start, n in spans if slots])
 
