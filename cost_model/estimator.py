@@ -28,6 +28,11 @@ A pass that lowers a planned node after the planning (``graph_passes.gloo_collec
 all-gather or a reduce-scatter -> an all-to-all at the same issue and wait) may fix the new nodes' costs in
 ``node.meta[PLANNED_COST_KEY]`` (a :class:`NodeCost`), so that the final graph is priced as it
 was planned; :class:`PlannedCosts` reads them (the dumps' predicted timeline of the final graph).
+A node added after the planning that runs an op no estimator can time by itself (a custom op
+with side effects: helix's ``dhelix::grad_total`` adds a gradient into ``.grad``) may name a
+*stand-in* in ``node.meta[STAND_IN_KEY]``: a node of a graph of its own (:func:`stand_in_node`)
+calling a pure op on inputs like the node's, which :class:`PlannedCosts` prices in its place
+(measured first with ``measure_new`` where the estimator measures).
 
 :class:`AnalyticEstimator` -- the roofline / alpha-beta model::
 
@@ -378,6 +383,24 @@ class TableEstimator(EstimatorBase):
 #: ``node.meta`` key of the :class:`NodeCost` a lowering pass fixed for a node it made after the
 #: planning (module docstring); read by :class:`PlannedCosts`.
 PLANNED_COST_KEY = "dhelix_planned_cost"
+#: ``node.meta`` key: the node (:func:`stand_in_node`) whose cost this node has (module docstring).
+STAND_IN_KEY = "dhelix_stand_in"
+
+
+def stand_in_node(node: torch.fx.Node, target: object, args: Sequence[torch.fx.Node]) -> torch.fx.Node:
+    """A node of a new graph calling ``target`` on placeholders like ``args`` (their
+    ``meta["val"]``), its output like ``node``'s: what ``node`` costs, to keep in
+    ``node.meta[STAND_IN_KEY]``. An input named twice gets one placeholder."""
+    graph = torch.fx.Graph()
+    inputs: dict[torch.fx.Node, torch.fx.Node] = {}
+    for arg in args:
+        if arg not in inputs:
+            inputs[arg] = graph.placeholder(f"{arg.name}_like")
+            inputs[arg].meta["val"] = arg.meta.get("val")
+    call = graph.call_function(target, tuple(inputs[a] for a in args))  # type: ignore[arg-type]
+    call.meta["val"] = node.meta.get("val")
+    graph.output(call)
+    return call
 
 
 class MemoizedEstimator:
@@ -415,11 +438,15 @@ class MemoizedEstimator:
 
 class PlannedCosts(MemoizedEstimator):
     """Prices a graph as it was planned: a node carrying ``meta[PLANNED_COST_KEY]`` costs that
-    :class:`NodeCost`, every other node what the wrapped estimator says (memoized)."""
+    :class:`NodeCost`, one carrying ``meta[STAND_IN_KEY]`` what its stand-in costs, every other
+    node what the wrapped estimator says (memoized)."""
 
     def node_cost(self, node: torch.fx.Node) -> NodeCost:
         planned = node.meta.get(PLANNED_COST_KEY)
-        return planned if isinstance(planned, NodeCost) else super().node_cost(node)
+        if isinstance(planned, NodeCost):
+            return planned
+        stand_in = node.meta.get(STAND_IN_KEY)
+        return super().node_cost(stand_in if isinstance(stand_in, torch.fx.Node) else node)
 
 
 #: Alias: the stub estimator tests hand to passes.

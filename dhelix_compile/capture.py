@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from cost_model import Estimator, PlannedCosts
+from cost_model.estimator import STAND_IN_KEY
 from cost_model.op_kinds import op_name
 from cost_model.profile import ProfiledEstimator
 from dhelix_compile import _torch_compat as compat
@@ -141,6 +142,9 @@ def compile_partition(
     if finish is not None:
         scheduled = copy_graph_module(scheduled)
         finish(scheduled)
+        stand_ins = [n.meta[STAND_IN_KEY] for n in scheduled.graph.nodes if STAND_IN_KEY in n.meta]
+        if dumper is not None and ctx.estimator is not None and stand_ins:  # the final timeline prices them
+            ctx.estimator.measure_new(stand_ins)
     check_rank_consistency(scheduled, name, config.consistency_timeout_s)
     if dumper is not None:
         write_final_dumps(dumper, gm, scheduled, ctx.estimator or _dump_estimator(config, gm, example_inputs))

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from dhelix_compile.bench.run import ceiling_row, hidden_share, markdown
-from dhelix_compile.bench.worker import ACCOUNT_PARTS, _per_step, _step_account
+from dhelix_compile.bench.worker import ACCOUNT_PARTS, _per_step, _predicted_step_s, _step_account
 from dhelix_compile.helix_runtime.schedule import helix_schedule, write_schedule
 
 
@@ -237,3 +237,30 @@ def test_bad_data_parallel_runs_are_named(argv: list[str], message: str, capsys)
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_predicted_step_adds_each_planned_graphs_final_makespan(tmp_path) -> None:
+    """A planned graph's prediction is its final graph's (the dumps' timeline, helix's in-graph
+    gradient adds included), else its pass's; a graph no pass planned leaves the step unpredicted."""
+
+    def write(folder, kind: str, summary: dict) -> None:
+        graph = folder / "rank0" / f"1_0_{kind}"
+        graph.mkdir(parents=True)
+        (graph / "summary.json").write_text(json.dumps(summary))
+
+    write(tmp_path, "fwd", {"records": {"reorder": {"predicted_makespan_s": 1.0}}})  # no timeline dumped
+    write(
+        tmp_path,
+        "merged",
+        {"records": {"interleave": {"predicted_makespan_s": 10.0}}, "timeline": {"makespan_after_s": 12.0}},
+    )
+    write(
+        tmp_path,
+        "bwd",
+        {"records": {"reorder": {"predicted_makespan_s": 100.0}}, "timeline": {"makespan_after_s": 104.0}},
+    )
+    write_schedule(tmp_path / "rank0", "forward_backward", helix_schedule(4, "forward_backward"))
+    assert _predicted_step_s(tmp_path, 0, 4) == pytest.approx(1.0 + 3 * 12.0 + 104.0)
+    write(tmp_path / "unplanned", "fwd", {"records": {}, "timeline": {"makespan_after_s": 1.0}})
+    write(tmp_path / "unplanned", "bwd", {"records": {"reorder": {"predicted_makespan_s": 2.0}}})
+    assert _predicted_step_s(tmp_path / "unplanned", 0, 4) is None

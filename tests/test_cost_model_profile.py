@@ -553,3 +553,29 @@ def test_segments_measured_together_on_two_gloo_ranks(tmp_path: pathlib.Path) ->
     whole, matmul, unmakeable = r0
     assert whole is not None and matmul is not None and 0 < matmul < whole
     assert unmakeable is None
+
+
+def test_a_gradient_added_in_graph_is_priced_as_its_measured_add(tmp_path: pathlib.Path) -> None:
+    """Helix's ``dhelix::grad_total`` (added after planning, not runnable alone: it writes
+    ``.grad``) names an ``aten.add`` of its gradient as its stand-in (``STAND_IN_KEY``); once
+    measured (``measure_new``) the final graph's prediction (``PlannedCosts``) prices it so."""
+    from cost_model import PlannedCosts
+    from cost_model.estimator import STAND_IN_KEY
+    from dhelix_compile.helix_runtime.grad_accumulation import add_grads_in_graph
+    from dhelix_compile.ops.accumulated_grad import GRAD_TOTAL
+
+    def backward_like(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.t() @ (x @ w), w * 2
+
+    gm = trace_aten(backward_like, torch.randn(64, 256), torch.randn(256, 256))
+    est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, warmup=1, repeats=3, progress=False)
+    est.calibrate(gm)
+    assert add_grads_in_graph(gm, [(0, 2, (7, None))]) == 1  # the first output is slot 7's gradient
+    (total,) = [n for n in gm.graph.nodes if n.target is GRAD_TOTAL]
+    stand_in = total.meta[STAND_IN_KEY]
+    assert stand_in.target is aten.add.Tensor
+    assert [a.meta["val"].shape for a in stand_in.args] == [torch.Size([256, 256])] * 2
+    est.measure_new([stand_in])
+    measured = est.measurements[est.signature(stand_in) or ""]
+    assert PlannedCosts(est).node_cost(total).time_s == measured > 0
+    assert est.node_cost(total).time_s != measured  # alone, the estimator cannot time the op itself

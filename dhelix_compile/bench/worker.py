@@ -140,14 +140,17 @@ def _per_step(
 
 
 def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | None:
-    """Predicted step time from this rank's graph dumps: each graph's predicted makespan (the
-    interleave pass's for a merged graph, else the reorder pass's), added up per step."""
+    """Predicted step time from this rank's graph dumps: each planned graph's predicted makespan,
+    added up per step. A graph is planned where the interleave pass (a merged graph) or the
+    reorder pass recorded its prediction; the makespan is its final graph's (the dumps' timeline:
+    what ran after the passes, helix's in-graph gradient adds included), else the pass's."""
     makespans: dict[str, float] = {}
     for kind, summary in _graph_summaries(dump_dir, rank).items():
         records = summary.get("records", {})
         for pass_name in ("interleave", "reorder"):
             if "predicted_makespan_s" in records.get(pass_name, {}):
-                makespans[kind] = records[pass_name]["predicted_makespan_s"]
+                final = summary.get("timeline", {}).get("makespan_after_s")
+                makespans[kind] = final if final is not None else records[pass_name]["predicted_makespan_s"]
                 break
     return _per_step(makespans, microbatches, read_schedule_kind(dump_dir / f"rank{rank}"))
 

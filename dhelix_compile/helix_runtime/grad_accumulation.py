@@ -13,6 +13,9 @@ memory is free at once. It runs on the scheduled graph, after the passes and the
 candidates' measurements, which run the graph as it was planned; :func:`mark_released` tells
 the passes' memory model beforehand that those outputs are not held to the graph's end
 (``cost_model.memory.RELEASED_OUTPUTS``), so the memory budgets count what the graph will hold.
+Each ``grad_total`` node names an ``aten.add`` of its gradient as its stand-in
+(``cost_model.estimator.STAND_IN_KEY``): the final graph's predicted timeline prices the add
+(measured, with profiled costs), not the analytic guess for an op it cannot run.
 
 Slots name parameters by object (:func:`parameter_slots`), so the rewrite is for graphs that are
 called with the same parameters every time: not a pipeline's, where one Dynamo graph serves every
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from cost_model.estimator import STAND_IN_KEY, stand_in_node
 from cost_model.memory import RELEASED_OUTPUTS
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.ops.accumulated_grad import GRAD_TOTAL, accumulator_slot
@@ -106,6 +110,8 @@ def add_grads_in_graph(gm: torch.fx.GraphModule, parts: Sequence[tuple[int, int,
                 total.meta["val"] = torch.empty_like(value)
             if "dhelix" in grad.meta:
                 total.meta["dhelix"] = {**grad.meta["dhelix"], "kind": "compute"}
+            # priced as what it does to memory: two gradient-sized reads and one write
+            total.meta[STAND_IN_KEY] = stand_in_node(total, torch.ops.aten.add.Tensor, (grad, grad))
             outs[index] = total
             added += 1
     if added:
