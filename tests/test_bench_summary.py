@@ -8,7 +8,13 @@ import os
 import pytest
 
 from dhelix_compile.bench.run import ceiling_row, hidden_share, markdown
-from dhelix_compile.bench.worker import ACCOUNT_PARTS, _per_step, _predicted_step_s, _step_account
+from dhelix_compile.bench.worker import (
+    ACCOUNT_PARTS,
+    _per_step,
+    _predicted_contention_s,
+    _predicted_step_s,
+    _step_account,
+)
 from dhelix_compile.helix_runtime.schedule import helix_schedule, write_schedule
 
 
@@ -78,6 +84,19 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
     assert rows["inductor"][9:11] == ["-", "-"]  # no CPU time measured: shown as such, not as zero
     assert rows["*ceiling*"][3:] == ["1.43x", "1.05", "1.00", "80%", "95.0", "", "104.0", "1.0", "", ""]
     assert any("(here 2: 1 in flight 112.0 ms, 2 in flight 105.0 ms)" in line for line in table)
+
+
+def test_the_prediction_table_shows_the_cpu_beside_gloos_threads_alone_and_on_the_link() -> None:
+    helix = {
+        **_variant(0.200, 0.150, 0.190),
+        "gloo_cpu_s_median": 0.012,
+        "predicted_step_s": 0.160,
+        "cpu_s_alone_median": 0.152,
+        "predicted_contention_s": 0.0105,
+    }
+    table = markdown(_summary({"helix": helix, "dhelix": {**_variant(0.25, 0.15), "predicted_step_s": 0.2}}))
+    assert "| helix | 160.0 | 200.0 | 0.80 | 152.0 -> 178.0 | 10.5 |" in table.splitlines()
+    assert "| dhelix | 200.0 | 250.0 | 0.80 | - -> - | - |" in table.splitlines()  # not recorded: shown so
 
 
 def _write_summary(folder, kind: str, account: dict | None) -> None:
@@ -261,6 +280,13 @@ def test_the_predicted_step_adds_each_planned_graphs_final_makespan(tmp_path) ->
     )
     write_schedule(tmp_path / "rank0", "forward_backward", helix_schedule(4, "forward_backward"))
     assert _predicted_step_s(tmp_path, 0, 4) == pytest.approx(1.0 + 3 * 12.0 + 104.0)
+    assert _predicted_contention_s(tmp_path, 0, 4) is None  # the forward's dump does not say
+    for kind, contention in (("fwd", 0.5), ("merged", 2.0), ("bwd", 3.0)):
+        summary_path = tmp_path / "rank0" / f"1_0_{kind}" / "summary.json"
+        summary = json.loads(summary_path.read_text())
+        summary.setdefault("timeline", {})["contention_after_s"] = contention
+        summary_path.write_text(json.dumps(summary))
+    assert _predicted_contention_s(tmp_path, 0, 4) == pytest.approx(0.5 + 3 * 2.0 + 3.0)
     write(tmp_path / "unplanned", "fwd", {"records": {}, "timeline": {"makespan_after_s": 1.0}})
     write(tmp_path / "unplanned", "bwd", {"records": {"reorder": {"predicted_makespan_s": 2.0}}})
     assert _predicted_step_s(tmp_path / "unplanned", 0, 4) is None

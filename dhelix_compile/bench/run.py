@@ -174,6 +174,13 @@ def _cpu_cell(row: dict[str, Any]) -> str:
     return format_ms(row.get("cpu_s_median")) + ("" if gloo is None else f" ({format_ms(gloo)})")
 
 
+def _compute_cpu_cell(row: dict[str, Any]) -> str:
+    """The variant's CPU per step beside gloo's threads, alone -> on the link ("-" where unknown)."""
+    cpu, gloo = row.get("cpu_s_median"), row.get("gloo_cpu_s_median")
+    on_link = None if cpu is None or gloo is None else cpu - gloo
+    return f"{format_ms(row.get('cpu_s_alone_median'))} -> {format_ms(on_link)}"
+
+
 def _compile_times(link_run: dict[str, Any], name: str) -> dict[str, float | None]:
     """The variant's first step on the link (compile + one step), and its seconds in dhelix's
     passes and in profiling (the slowest rank's; None for runs that did not record them)."""
@@ -235,8 +242,12 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         own_compute = compute.get(name, t_compute)
         median = statistics.median(samples)
         predicted = (link_run.get("predicted_step_s") or {}).get(name)
+        contention = (link_run.get("predicted_contention_s") or {}).get(name)
+        alone_cpu = (compute_run.get("cpu_s") or {}).get(name)
         variants[name] = {
             "predicted_step_s": max(predicted) if predicted and None not in predicted else None,
+            "predicted_contention_s": max(contention) if contention and None not in contention else None,
+            "cpu_s_alone_median": statistics.median(alone_cpu) if alone_cpu else None,
             "measured_account": (link_run.get("measured_account") or {}).get(name),
             "step_s_median": median,
             "step_s_all": samples,
@@ -375,14 +386,24 @@ def markdown(summary: dict[str, Any]) -> str:
     if predicted:
         lines += [
             "",
-            "| variant | predicted step (ms) | measured median (ms) | predicted / measured |",
-            "|---|---:|---:|---:|",
+            "| variant | predicted step (ms) | measured median (ms) | predicted / measured "
+            "| CPU beside gloo's threads, alone -> on the link (ms) | predicted contention (ms) |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for name, v in predicted.items():
             lines.append(
                 f"| {name} | {format_ms(v['predicted_step_s'])} | {format_ms(v['step_s_median'])} "
-                f"| {v['predicted_step_s'] / v['step_s_median']:.2f} |"
+                f"| {v['predicted_step_s'] / v['step_s_median']:.2f} | {_compute_cpu_cell(v)} "
+                f"| {format_ms(v.get('predicted_contention_s'))} |"
             )
+        lines += [
+            "",
+            "CPU beside gloo's threads: the busiest rank's CPU per step less its gloo threads', alone (the step "
+            "on the fake process group, where dhelix plans with the analytic model: a plan the profiled costs "
+            "change, a decomposition, differs) and on the link; what it grew by is compute slowed beside the "
+            "transfers, the transfers' own work on the calling thread, and what the plan on the link adds. "
+            "Predicted contention: the compute time the cost model adds for running beside transfers.",
+        ]
     accounted = {n: v["measured_account"] for n, v in summary["variants"].items() if v.get("measured_account")}
     if accounted:
         lines += [

@@ -144,15 +144,33 @@ def _predicted_step_s(dump_dir: Path, rank: int, microbatches: int) -> float | N
     added up per step. A graph is planned where the interleave pass (a merged graph) or the
     reorder pass recorded its prediction; the makespan is its final graph's (the dumps' timeline:
     what ran after the passes, helix's in-graph gradient adds included), else the pass's."""
-    makespans: dict[str, float] = {}
+    return _planned_per_step(dump_dir, rank, microbatches, "makespan_after_s", "predicted_makespan_s")
+
+
+def _predicted_contention_s(dump_dir: Path, rank: int, microbatches: int) -> float | None:
+    """The compute time the planned graphs' schedules add per step by running beside transfers
+    (``timeline.contention_after_s``, the simulator's contention factors); None where a planned
+    graph's dump does not say."""
+    return _planned_per_step(dump_dir, rank, microbatches, "contention_after_s")
+
+
+def _planned_per_step(
+    dump_dir: Path, rank: int, microbatches: int, timeline_key: str, record_key: str | None = None
+) -> float | None:
+    """A per-call number of each planned graph (``_predicted_step_s`` says which) added up per
+    step: its dumps' ``timeline[timeline_key]``, else its pass's ``record_key`` record."""
+    per_graph: dict[str, float] = {}
     for kind, summary in _graph_summaries(dump_dir, rank).items():
         records = summary.get("records", {})
         for pass_name in ("interleave", "reorder"):
             if "predicted_makespan_s" in records.get(pass_name, {}):
-                final = summary.get("timeline", {}).get("makespan_after_s")
-                makespans[kind] = final if final is not None else records[pass_name]["predicted_makespan_s"]
+                value = summary.get("timeline", {}).get(timeline_key)
+                if value is None and record_key is not None:
+                    value = records[pass_name][record_key]
+                if value is not None:
+                    per_graph[kind] = value
                 break
-    return _per_step(makespans, microbatches, read_schedule_kind(dump_dir / f"rank{rank}"))
+    return _per_step(per_graph, microbatches, read_schedule_kind(dump_dir / f"rank{rank}"))
 
 
 #: The parts of a measured call's account (``observe.measured.CallAccount``) the bench adds up.
@@ -313,8 +331,12 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
             if name.startswith(("dhelix", "helix")) and not args.pipeline
         }
         names = sorted(predicted)
-        per_rank = gather_floats([predicted[name] for name in names], dist.group.WORLD)
+        contention = [_predicted_contention_s(dump_root / _folder(name), rank, args.microbatches) for name in names]
+        per_rank = gather_floats([*(predicted[name] for name in names), *contention], dist.group.WORLD)
         result["predicted_step_s"] = {name: [row[i] for row in per_rank] for i, name in enumerate(names)}
+        result["predicted_contention_s"] = {
+            name: [row[len(names) + i] for row in per_rank] for i, name in enumerate(names)
+        }
         if rank == 0:  # profiled calls (profile_steps): rank 0's account of each step
             accounts = {name: _step_account(dump_root / _folder(name), rank, args.microbatches) for name in names}
             result["measured_account"] = {name: parts for name, parts in accounts.items() if parts}

@@ -12,6 +12,8 @@ Contract
                        the share of the hideable communication that the schedule hides
                        (None when nothing can be hidden: no communication)
       peak_memory_before_bytes / peak_memory_after_bytes
+      contention_after_s   SimResult.contention_s: the compute time the schedule adds by running
+                           compute beside transfers (their contention factors)
 
   ``GraphDumper`` stores them under ``"timeline"`` in each graph's ``summary.json``.
   With ``profile_steps``, ``summary.json`` also gets ``"measured"``
@@ -54,6 +56,7 @@ def timeline_numbers(before: SimResult, after: SimResult) -> dict[str, Any]:
         "hidden_share": (sequential_s - after.makespan_s) / hideable_s if hideable_s > 0 else None,
         "peak_memory_before_bytes": before.peak_memory_bytes,
         "peak_memory_after_bytes": after.peak_memory_bytes,
+        "contention_after_s": after.contention_s,
     }
 
 
