@@ -579,3 +579,16 @@ def test_a_gradient_added_in_graph_is_priced_as_its_measured_add(tmp_path: pathl
     measured = est.measurements[est.signature(stand_in) or ""]
     assert PlannedCosts(est).node_cost(total).time_s == measured > 0
     assert est.node_cost(total).time_s != measured  # alone, the estimator cannot time the op itself
+
+
+def test_the_contention_stand_in_is_as_large_as_an_exchanges_payload() -> None:
+    """A P2P exchange (``dhelix::exchange``, which ``describe_comm`` does not know) counts its
+    payload's bytes, so the transfer timed beside the compute is that large (else 1 MiB)."""
+    from cost_model.profile.contention import _comm_nbytes
+    from dhelix_compile.ops.exchange import P2P_EXCHANGE
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(256, 512)
+    exchange = graph.call_function(P2P_EXCHANGE, (x, 1, 1, 0, "group"))
+    assert _comm_nbytes(exchange) == 256 * 512 * 4
