@@ -110,7 +110,7 @@ def _send_gather(graph: torch.fx.Graph, gather: torch.fx.Node, ctx: PassContext)
         node.meta.update({k: copy.copy(v) for k, v in gather.meta.items()})
     _annotated_like(repeated, gather)
     if ctx.estimator is not None:
-        sent.meta[PLANNED_COST_KEY] = _planned_cost(ctx.estimator, gather, sent, repeated)
+        sent.meta[PLANNED_COST_KEY] = _planned_cost(ctx.estimator, gather, sent)
     gather.replace_all_uses_with(sent)
     graph.erase_node(gather)
     ctx.count(PASS_NAME, "all-gathers sent as all-to-alls")
@@ -122,9 +122,8 @@ def _send_reduce_scatter(graph: torch.fx.Graph, scatter: torch.fx.Node, ctx: Pas
     (wait,) = scatter.users
     fake_mode = fake_mode_of([val(x)])
     strand = scatter.meta.get(META_KEY, {}).get("strand")
-    copied = None
     if not val(x).is_contiguous():
-        x = copied = Emitter(graph, scatter, fake_mode, strand).call(
+        x = Emitter(graph, scatter, fake_mode, strand).call(
             torch.ops.aten.clone.default, x, memory_format=torch.contiguous_format
         )
         _annotated_like(x, scatter)
@@ -134,7 +133,7 @@ def _send_reduce_scatter(graph: torch.fx.Graph, scatter: torch.fx.Node, ctx: Pas
     )
     sent.meta.update({k: copy.copy(v) for k, v in scatter.meta.items() if k != "val"})
     if ctx.estimator is not None:
-        sent.meta[PLANNED_COST_KEY] = _planned_cost(ctx.estimator, scatter, sent, copied)
+        sent.meta[PLANNED_COST_KEY] = _planned_cost(ctx.estimator, scatter, sent)
     readers = list(wait.users)
     wait.args = (sent, *wait.args[1:])
     wait.meta["val"] = val(sent)
@@ -176,21 +175,14 @@ def _repeats(shard: torch.fx.Node, ranks: int) -> list[int]:
     return [ranks] + [1] * (value.dim() - 1)
 
 
-def _planned_cost(
-    estimator: Estimator, planned: torch.fx.Node, sent: torch.fx.Node, before: torch.fx.Node | None = None
-) -> NodeCost:
-    """``sent`` priced as the plan priced the ``planned`` collective, with ``sent``'s own memory
-    numbers. ``before``: a node the lowering put ahead of ``sent`` (the gather's ``repeat``, the
-    scatter's contiguous copy) whose work the planned issue time already holds (the profiler
-    measures a collective as this pass sends it: ``cost_model.profile.running.run_node``), so it
-    comes off the issue, and the final graph counts it once, as its own node."""
+def _planned_cost(estimator: Estimator, planned: torch.fx.Node, sent: torch.fx.Node) -> NodeCost:
+    """``sent`` priced as the plan priced the ``planned`` collective, with ``sent``'s own memory numbers."""
     plan = estimator.node_cost(planned)
     own = estimator.node_cost(sent)
-    lowered_s = estimator.node_cost(before).time_s if before is not None else 0.0
     return dataclasses.replace(
         own,
         time_s=plan.time_s,
         time_expr=plan.time_expr,
-        issue_s=max(plan.issue_s - lowered_s, 0.0),
+        issue_s=plan.issue_s,
         contention_factor=plan.contention_factor,
     )

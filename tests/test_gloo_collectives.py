@@ -227,34 +227,3 @@ def test_gloo_all_to_all_reduce_scatters_equal_the_reduce_scatter_on_gloo_ranks(
     for diffs in run_on_ranks(_scatter_on_ranks, world_size, timeout_s=240):
         for diff in diffs:
             assert diff == 0.0 if world_size == 2 else diff < 1e-6
-
-
-def test_the_gathers_measured_issue_loses_the_repeat_that_the_final_graph_prices_apart() -> None:
-    """The profiler times an all-gather as this pass sends it (the shard repeated, then the
-    all-to-all), so its issue time holds the repeat; the final graph has the repeat as a node of
-    its own, so the all-to-all's planned issue is the rest, and the repeat is counted once."""
-    import dataclasses
-
-    from cost_model import PlannedCosts, TableEstimator
-    from cost_model.estimator import PLANNED_COST_KEY
-
-    class IssuedGather(TableEstimator):
-        def node_cost(self, node: torch.fx.Node):  # type: ignore[no-untyped-def]
-            cost = super().node_cost(node)
-            if node.target == c10d.all_gather_into_tensor.default:
-                return dataclasses.replace(cost, issue_s=0.004)
-            return cost
-
-    with fake_world(4) as group:
-        gm = _traced(group, 4)
-        gather = next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default)
-        estimator = IssuedGather({gather.name: 0.030}, {"compute": 0.001, "collective": 0.0005})
-        ctx = PassContext(
-            "test", "fwd", estimator=estimator, pass_options={PASS: GlooCollectiveOptions(frozenset({gather.args[2]}))}
-        )
-        annotate_pass(gm, ctx)
-        gloo_collectives_pass(gm, ctx)
-    (sent,) = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
-    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.repeat.default]
-    assert sent.meta[PLANNED_COST_KEY].issue_s == pytest.approx(0.004 - estimator.node_cost(repeat).time_s)
-    assert PlannedCosts(estimator).node_cost(sent).time_s == pytest.approx(0.030)

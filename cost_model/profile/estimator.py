@@ -62,14 +62,11 @@ on that link measured 1.2-1.3x slower. Both are measured once per process
 
 P2P exchanges (``dhelix::exchange``, which the decompose pass creates and hands to
 ``measure_new``) on a live group are measured like collectives, each rank running its own
-transfer of the signature (``signatures.p2p_signature``: peers and tag left out). A measured
-collective or exchange gives two numbers: the *issue* -- the seconds the call itself takes on
-the calling thread (copying the payload and handing it to the backend: 0.4-1.7 ms for an
-exchange of 0.5-8 MiB, 0.1-1.1 ms for the reference transformer's all-to-alls on this project's
-CPU machine, 38 of them in one merged graph) -- and the whole, issue to done.
-``NodeCost.issue_s`` is the issue (agreed by MAX), ``time_s`` the rest: the simulator holds the
-compute stream for the issue. (Until 2026-11-27, tenth session, only exchanges had an issue
-time; a collective's issue was priced at zero.)
+transfer of the signature (``signatures.p2p_signature``: peers and tag left out), and give two
+numbers: the *issue* -- the seconds the call itself takes on the calling thread (copying the
+payload and handing it to the backend: 0.4-1.7 ms for 0.5-8 MiB on this project's CPU
+machine) -- and the whole, issue to both halves done. ``NodeCost.issue_s``
+is the issue (agreed by MAX), ``time_s`` the rest.
 
 Nodes that cannot be measured (unknown groups, a fake process group, an op that raises on
 random inputs) keep the base estimate; ``CalibrationReport.skipped`` counts why. P2P
@@ -306,16 +303,12 @@ class ProfiledEstimator(EstimatorBase):
         measured = self.measurements.get(sig) if sig is not None else None
         if measured is None:
             return _scaled(cost, self.compute_scale(node)) if cost.kind == "compute" else cost
-        issue = min(self.issue_measurements.get(sig or "", 0.0), measured) if cost.kind == "collective" else 0.0
-        rest = measured - issue
         expr: sympy.Expr
         if cost.time_s > 0 and cost.time_expr.free_symbols:
-            expr = cost.time_expr * sympy.Float(rest / cost.time_s)
+            expr = cost.time_expr * sympy.Float(measured / cost.time_s)
         else:
-            expr = sympy.Float(rest)
-        if cost.kind == "collective":
-            return dataclasses.replace(cost, time_s=rest, time_expr=expr, issue_s=issue)
-        return dataclasses.replace(cost, time_s=rest, time_expr=expr)
+            expr = sympy.Float(measured)
+        return dataclasses.replace(cost, time_s=measured, time_expr=expr)
 
     def measure_new(self, nodes: Sequence[torch.fx.Node]) -> CalibrationReport:
         """``calibrate`` nodes a pass created after calibration (the decompose pass's variants),
@@ -487,10 +480,10 @@ class ProfiledEstimator(EstimatorBase):
         new_samples = {sig: with_sample(cache.get(sig, []), t) for sig, t in fresh.items()}
         self._measure_transfers_again(items, missing, times)
         times = agree_max_s(times, agree_group)
-        if any(it.is_collective for it in items):  # the same on every rank: the signatures are agreed
+        if any(it.is_p2p for it in items):  # the same on every rank: the signatures are agreed
             issues = agree_max_s([self.issue_measurements.get(it.sig, 0.0) for it in items], agree_group)
             for item, issue_s in zip(items, issues, strict=True):
-                if item.is_collective:
+                if item.is_p2p:
                     self.issue_measurements[item.sig] = issue_s
 
         for item, t, base_s in zip(items, times, base_times, strict=True):
@@ -604,7 +597,7 @@ class ProfiledEstimator(EstimatorBase):
                 return out
 
             total = median_run_or_nan_s(run, self.warmup, self.repeats, device, group)  # NaN: the base model prices it
-            if not math.isnan(total):
+            if item.is_p2p and not math.isnan(total):
                 self.issue_measurements[item.sig] = statistics.median(issued_s[self.warmup :])
             return total
 
