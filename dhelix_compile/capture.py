@@ -142,11 +142,11 @@ def compile_partition(
     if finish is not None:
         scheduled = copy_graph_module(scheduled)
         finish(scheduled)
-        stand_ins = [n.meta[STAND_IN_KEY] for n in scheduled.graph.nodes if STAND_IN_KEY in n.meta]
-        if dumper is not None and ctx.estimator is not None and stand_ins:  # the final timeline prices them
-            ctx.estimator.measure_new(stand_ins)
     check_rank_consistency(scheduled, name, config.consistency_timeout_s)
     if dumper is not None:
+        stand_ins = [n.meta[STAND_IN_KEY] for n in scheduled.graph.nodes if STAND_IN_KEY in n.meta]
+        if ctx.estimator is not None and stand_ins:  # the final timeline prices them (PlannedCosts)
+            ctx.estimator.measure_new(stand_ins)
         write_final_dumps(dumper, gm, scheduled, ctx.estimator or _dump_estimator(config, gm, example_inputs))
         dumper.write_summary(
             ctx, codegen=config.codegen, comm_order=comm_order(scheduled), profile_steps=config.profile_steps

@@ -174,6 +174,11 @@ def _cpu_cell(row: dict[str, Any]) -> str:
     return format_ms(row.get("cpu_s_median")) + ("" if gloo is None else f" ({format_ms(gloo)})")
 
 
+def _slowest_rank(per_rank: list[float | None] | None) -> float | None:
+    """The largest of the ranks' numbers; None unless every rank has one."""
+    return max(v for v in per_rank if v is not None) if per_rank and None not in per_rank else None
+
+
 def _compute_cpu_cell(row: dict[str, Any]) -> str:
     """The variant's CPU per step beside gloo's threads, alone -> on the link ("-" where unknown)."""
     cpu, gloo = row.get("cpu_s_median"), row.get("gloo_cpu_s_median")
@@ -245,8 +250,8 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         contention = (link_run.get("predicted_contention_s") or {}).get(name)
         alone_cpu = (compute_run.get("cpu_s") or {}).get(name)
         variants[name] = {
-            "predicted_step_s": max(predicted) if predicted and None not in predicted else None,
-            "predicted_contention_s": max(contention) if contention and None not in contention else None,
+            "predicted_step_s": _slowest_rank(predicted),
+            "predicted_contention_s": _slowest_rank(contention),
             "cpu_s_alone_median": statistics.median(alone_cpu) if alone_cpu else None,
             "measured_account": (link_run.get("measured_account") or {}).get(name),
             "step_s_median": median,
