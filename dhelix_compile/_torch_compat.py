@@ -26,6 +26,7 @@ from torch._inductor.choices import InductorChoices as _InductorChoices
 from torch._inductor.compile_fx import compile_fx as _compile_fx
 from torch._inductor.compile_fx import compile_fx_inner as _compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass as _CustomGraphPass
+from torch._inductor.graph import GraphLowering as _GraphLowering
 from torch._inductor.virtualized import V as _V
 
 if TYPE_CHECKING:
@@ -192,6 +193,74 @@ def inductor_compile_partition_keeping_order(
     """
     with _inductor_config.patch(KEEP_ORDER_CONFIG), _V.set_choices_handler(_NoFusionAcrossCollectives()):
         return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
+
+
+#: Suffix of a placeholder whose input its caller hands over (:func:`mark_donated`).
+DONATED_SUFFIX = "_handed_over"
+
+
+def donated_input_indices() -> tuple[int, ...]:
+    """The positions of the backward graph being compiled whose inputs AOTAutograd donates: saved
+    activations that alias nothing else and that it frees before the call, which Inductor may
+    write the graph's outputs over (``TracingContext.fw_metadata.bw_donated_idxs``, empty with
+    ``torch._functorch.config.donated_buffer`` off). Read it while the backward compiles: the
+    forward's compile sees the same indices, which are not its own; () outside AOTAutograd."""
+    context = torch._guards.TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    return tuple(getattr(metadata, "bw_donated_idxs", None) or ())
+
+
+def mark_donated(gm: torch.fx.GraphModule, positions: Sequence[int]) -> None:
+    """Name the placeholders at ``positions`` as donated (``DONATED_SUFFIX``): compiled under
+    :func:`donated_placeholders`, Inductor may reuse their buffers for the graph's own, as it
+    does a backward's saved activations. The caller must hand those inputs over (clear its
+    argument list, keep no other reference). The name is in the code Inductor hashes, so a
+    cached compile never serves a graph that donates to a caller that does not, or back."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position in positions:
+        node = placeholders[position]
+        if not node.name.endswith(DONATED_SUFFIX):
+            node._rename(node.name + DONATED_SUFFIX)
+            node.target = node.name
+    gm.recompile()
+
+
+_donating_lock = threading.Lock()
+_donating_depth = 0
+
+
+@contextlib.contextmanager
+def donated_placeholders() -> Iterator[None]:
+    """While open, Inductor lowers a placeholder named with ``DONATED_SUFFIX`` as a donated
+    buffer (``ir.DonatedBuffer``), whatever the graph's phase: ``GraphLowering.placeholder``
+    donates only in a backward, by AOTAutograd's indices, and helix's merged graph takes a
+    backward's saved activations beside a forward's inputs."""
+    global _donating_depth
+    with _donating_lock:
+        if _donating_depth == 0:
+            _GraphLowering.placeholder = _donating_placeholder  # type: ignore[method-assign]
+        _donating_depth += 1
+    try:
+        yield
+    finally:
+        with _donating_lock:
+            _donating_depth -= 1
+            if _donating_depth == 0:
+                _GraphLowering.placeholder = _lowering_placeholder  # type: ignore[method-assign]
+
+
+_lowering_placeholder = _GraphLowering.placeholder
+
+
+def _donating_placeholder(self: Any, target: str, args: Any, kwargs: Any) -> Any:
+    if not (isinstance(target, str) and target.endswith(DONATED_SUFFIX)):
+        return _lowering_placeholder(self, target, args, kwargs)
+    saved = self.is_backward, self.bw_donated_idxs
+    self.is_backward, self.bw_donated_idxs = True, [self.placeholder_idx + 1]  # the index it is about to take
+    try:
+        return _lowering_placeholder(self, target, args, kwargs)
+    finally:
+        self.is_backward, self.bw_donated_idxs = saved
 
 
 def eager_partition(gm: torch.fx.GraphModule | Callable[..., Any]) -> Callable[..., Any]:

@@ -99,6 +99,7 @@ def compile_partition(
     records: dict[str, dict[str, float]] | None = None,
     planned: tuple[torch.fx.GraphModule, PassContext] | None = None,
     finish: Callable[[torch.fx.GraphModule], object] | None = None,
+    donated: Sequence[int] = (),
     **inductor_kwargs: Any,
 ) -> Callable[..., Any]:
     """Run the pass pipeline on one partition and generate its code (see the module docstring).
@@ -110,7 +111,9 @@ def compile_partition(
     :func:`plan_partition`'s result for ``gm`` under ``config``: it is compiled as is unless
     dumps are asked for (they record every pass, so the pipeline runs again). ``finish``: a last
     rewrite of a copy of the scheduled graph, after ``on_scheduled`` has seen it, before the
-    dumps and codegen (helix's gradients added into ``.grad`` in the graph).
+    dumps and codegen (helix's gradients added into ``.grad`` in the graph). ``donated``: the
+    positions of inputs the caller hands over, whose buffers the generated code may reuse
+    (``_torch_compat.mark_donated``).
     """
     phase = _phase_of(inductor_kwargs)
     name = graph_name or _graph_name(phase)
@@ -139,9 +142,12 @@ def compile_partition(
         return _profiled(compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs), plan, dumper, config)
     if on_scheduled is not None:
         on_scheduled(scheduled, ctx)
-    if finish is not None:
+    if finish is not None or donated:
         scheduled = copy_graph_module(scheduled)
+    if finish is not None:
         finish(scheduled)
+    if donated:
+        compat.mark_donated(scheduled, donated)
     check_rank_consistency(scheduled, name, config.consistency_timeout_s)
     if dumper is not None:
         stand_ins = [n.meta[STAND_IN_KEY] for n in scheduled.graph.nodes if STAND_IN_KEY in n.meta]

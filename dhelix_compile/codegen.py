@@ -9,6 +9,8 @@ Contract
       graph holds collectives, Inductor's own reorderings are off and no fusion crosses a
       collective, so the generated code issues and waits in dhelix's order
       (``_torch_compat.inductor_compile_partition_keeping_order``).
+    - Placeholders named as donated (``_torch_compat.mark_donated``: helix's merged graphs
+      name a backward's saved activations so) become Inductor's donated buffers.
     - ``"eager"``: the FX graph as is — every aten op runs in the order dhelix chose. For
       debugging and fast tests; numerically it is the reference for the passes.
 """
@@ -40,7 +42,8 @@ def generate(
     if codegen == "eager":
         return compat.eager_partition(gm)
     if codegen == "inductor":
-        if has_communication(gm):
-            return compat.inductor_compile_partition_keeping_order(gm, example_inputs, **inductor_kwargs)
-        return compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
+        with compat.donated_placeholders():
+            if has_communication(gm):
+                return compat.inductor_compile_partition_keeping_order(gm, example_inputs, **inductor_kwargs)
+            return compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
     raise ValueError(f"unknown dhelix codegen {codegen!r}; choose 'inductor' or 'eager'")

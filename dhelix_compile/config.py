@@ -91,8 +91,8 @@ class DHelixConfig:
     )
     memory_budget_ratio: float = _option(
         1.25,
-        "Reordering may raise a graph's predicted peak live bytes to at most this multiple of "
-        "the original order's peak (>= 1).",
+        "Reordering may raise a graph's predicted peak live bytes above its parameters and other "
+        "inputs it never frees to at most this multiple of the original order's (>= 1).",
     )
     max_in_flight: int = _option(2, "At most this many collectives issued and not yet waited on (>= 1).")
     bucket_mb: float = _option(
@@ -187,11 +187,11 @@ class DHelixConfig:
     interleave_memory_budget_ratio: float = _option(
         1.25,
         "helix: the merged forward+backward graph's order may raise its predicted peak live bytes "
-        "to at most this multiple of the backward-then-forward order's (>= 1). 1.25 (1.15 before "
-        "2026-11-26) admits the order that sends the MoE layer's forward all-to-all first (its "
-        "experts run before the backward's, both strands' activations live: 1.19x the merged "
-        "graph's peak): 10-15% faster step in three runs, the step's peak 1.42x the eager "
-        "accumulation loop's instead of 1.36x (BENCHMARKS.md).",
+        "above its parameters and other inputs it never frees (what the step adds to the memory "
+        "it already holds) to at most this multiple of the backward-then-forward order's (>= 1). "
+        "Until 2026-11-27 the parameters counted too, which let the MoE layer's plan add 78% to "
+        "what the step holds: 1.31-1.45x the eager accumulation loop's peak, against 0.87x now "
+        "(its step 6-7% slower; BENCHMARKS.md).",
     )
     interleave_defer_weight_grads: tuple[int, ...] = _option(
         (1,),

@@ -54,7 +54,8 @@ Algorithm::
         and counting live bytes as it does (a second opinion: the DP's additive pair costs do
         not see a wait that a chain of transfers leaves exposed, nor a stretch of one strand's
         compute that the other's work could split); keep the shortest predicted
-        makespan whose peak live bytes (the backward's saved inputs freed at last use) stay
+        makespan whose peak live bytes above the inputs it never frees (the backward's saved
+        inputs freed at last use; the parameters not counted, as in the DP's budget) stay
         within memory_budget_ratio x the sequential order's
 
 Reason codes (``ctx.stats["interleave"]``; details in ``ctx.notes["interleave"]``)::
@@ -84,7 +85,7 @@ from collections.abc import Sequence
 import torch.fx
 
 from cost_model.estimator import Estimator, MemoizedEstimator
-from cost_model.memory import live_bytes_profile
+from cost_model.memory import held_peak_bytes, live_bytes_profile
 from cost_model.op_kinds import is_comm
 from cost_model.simulator import simulate
 from cost_model.strand_plan import (
@@ -272,9 +273,9 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     }
     results = {name: simulate(head + order + tail, estimator) for name, order in candidates.items()}
     peaks = {
-        name: live_bytes_profile(
+        name: held_peak_bytes(
             head + order + tail, lambda n: estimator.node_cost(n).output_bytes, freeable_inputs=bwd_inputs
-        ).peak_bytes
+        )
         for name, order in candidates.items()
     }
     fits = [n for n in candidates if n == "sequential" or peaks[n] <= options.memory_budget_ratio * peaks["sequential"]]

@@ -65,6 +65,15 @@ class MergedStrands:
         """M's argument list from the two strands' argument lists."""
         return [*fwd_args, *(a for a, keep in zip(bwd_args, self.bwd_input_keep, strict=True) if keep)]
 
+    def merged_positions(self, fwd_positions: Collection[int], bwd_positions: Collection[int]) -> tuple[int, ...]:
+        """M's input positions of the given positions in the two strands' argument lists, as
+        :meth:`merged_args` places them; a backward input M reads from the forward's has none."""
+        bwd_at = [i for i, keep in enumerate(self.bwd_input_keep) if keep]
+        return (
+            *sorted(i for i in fwd_positions if i < self.num_fwd_inputs),
+            *(self.num_fwd_inputs + k for k, j in enumerate(bwd_at) if j in bwd_positions),
+        )
+
 
 def merge_strands(
     fwd: torch.fx.GraphModule,

@@ -5,8 +5,9 @@ Contract
     nodes in a new topological order, or the graph untouched with the reason counted.
     - Semantics: only the order changes; order-sensitive nodes (mutation, RNG, side effects)
       keep their relative position (``scheduling.is_order_sensitive``).
-    - Memory: the new order's peak live bytes (``cost_model.memory``) stay within
-      ``memory_budget_ratio`` x the original order's peak.
+    - Memory: the new order's peak live bytes above the inputs it never frees
+      (``cost_model.memory.held_peak_bytes``) stay within ``memory_budget_ratio`` x the
+      original order's.
     - Determinism: the order is a function of the graph and the estimator's numbers only, so
       every rank (same graph, same agreed costs) computes the same schedule.
     - Judged by the simulator: kept only if ``cost_model.simulate`` predicts a shorter makespan.
@@ -62,7 +63,7 @@ from collections.abc import Sequence
 import torch.fx
 
 from cost_model.estimator import Estimator, MemoizedEstimator
-from cost_model.memory import peak_memory_bytes
+from cost_model.memory import held_peak_bytes
 from cost_model.op_kinds import is_comm, kind_of
 from cost_model.simulator import simulate
 from graph_passes.context import PassContext
@@ -238,8 +239,8 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
             f"{ctx.graph_name}: the new order predicts {after.makespan_s:.4g} s, the original {before.makespan_s:.4g} s",
         )
         return gm
-    peak_before = peak_memory_bytes(all_nodes, output_bytes)
-    peak_after = peak_memory_bytes(new_nodes, output_bytes)
+    peak_before = held_peak_bytes(all_nodes, output_bytes)
+    peak_after = held_peak_bytes(new_nodes, output_bytes)
     if peak_after > options.memory_budget_ratio * peak_before:
         ctx.explain(
             "reorder",

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import dhelix_compile
+from dhelix_compile import _torch_compat as compat
 from dhelix_compile.helix_runtime.schedule import SCHEDULE_KINDS, merged_graph_dirs
 from dhelix_compile.helix_runtime.step import HelixError
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
@@ -281,6 +282,9 @@ def test_inductor_codegen_equals_eager_loop(tmp_path: Path) -> None:
     _assert_same(model, reference, step(mbs), _eager_loop(reference, _lm_loss_fn, mbs))
     merged = [json.loads((p / "summary.json").read_text()) for p in merged_graph_dirs(tmp_path)]
     assert merged and merged[0]["stats"]["interleave"]["sequential: no estimator"] == 1
+    # the merged graph takes over B's saved activations: Inductor may reuse their buffers
+    pictures = [(p / "graph.dot").read_text() for p in merged_graph_dirs(tmp_path)]
+    assert pictures and all(compat.DONATED_SUFFIX in text for text in pictures)
 
 
 # ---------------------------------------------------------------------- bad input

@@ -73,6 +73,15 @@ def test_merged_graph_computes_both_strands_and_shares_parameters() -> None:
     for g, w in zip(got, want):
         assert (g is None and w is None) or torch.equal(g, w)
 
+    # a position in either strand's argument list maps to where merged_args puts that argument
+    fwd_positions, bwd_positions = [2], list(range(len(bwd_names)))
+    merged_args = merged.merged_args(fwd_args1, bwd_args0)
+    positions = merged.merged_positions(fwd_positions, bwd_positions)
+    kept = [j for j in bwd_positions if merged.bwd_input_keep[j]]
+    assert len(positions) == 1 + len(kept) and len(kept) < len(bwd_positions)  # the shared weights drop out
+    assert merged_args[positions[0]] is fwd_args1[2]
+    assert all(merged_args[m] is bwd_args0[j] for m, j in zip(positions[1:], kept, strict=True))
+
 
 def test_merge_rejects_submodules_with_a_clear_message() -> None:
     traced = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2)))
@@ -361,3 +370,29 @@ def test_emit_follows_the_path() -> None:
     fwd = [Segment(0, ("f0",), 0, 0, 0, 0), Segment(0, ("f1",), 0, 0, 0, 0)]  # type: ignore[arg-type]  # names for nodes
     bwd = [Segment(1, ("b0",), 0, 0, 0, 0)]  # type: ignore[arg-type]  # emit only reorders them
     assert emit([(0, 0), (1, None)], fwd, bwd) == ["b0", "f0", "f1"]
+
+
+def test_the_memory_budget_scales_what_an_order_adds_not_the_parameters() -> None:
+    """The budget compares the bytes an order holds above the inputs it never frees: a large
+    parameter the graph reads (the MoE layer's experts) must not dilute it. Before, every
+    candidate's peak counted the parameters, and a 1.25 budget let an order through that added
+    78% to the MoE layer's held bytes."""
+
+    def run(padding_bytes: int) -> tuple[dict[str, float], list[str]]:
+        gm = _merged_tp_graph()
+        if padding_bytes:
+            first = next(iter(gm.graph.nodes))
+            with gm.graph.inserting_before(first):
+                weight = gm.graph.placeholder("f_big_weight")
+            weight.meta["val"] = torch.empty(padding_bytes // 4, device="meta")
+        ctx = _ctx(TableEstimator(kind_times_s={"compute": 1e-3, "collective": 1e-3}), memory_budget_ratio=1.05)
+        interleave_pass(annotate_pass(gm, ctx), ctx)
+        record, stats = ctx.records["interleave"], ctx.stats["interleave"]
+        peaks = {k: v for k, v in record.items() if k.startswith("predicted_peak_bytes_")}
+        over = sorted(k for k in stats if k.endswith("order over the memory budget"))
+        return peaks, over
+
+    peaks, over = run(0)
+    assert peaks["predicted_peak_bytes_list"] > 1.05 * peaks["predicted_peak_bytes_sequential"]
+    assert "list order over the memory budget" in over
+    assert run(1 << 30) == (peaks, over)  # a 1 GiB parameter changes nothing

@@ -130,6 +130,29 @@ def test_memory_budget_keeps_the_original_order_when_hoisting_would_grow_the_pea
     assert _names(gm).index("rs") < _names(gm).index("wgrad")
 
 
+def test_memory_budget_scales_what_the_order_holds_above_its_parameters() -> None:
+    """A large parameter (``w``, never freed) does not dilute the budget: the hoist that a 1.2
+    budget refuses without it is refused with it too."""
+    for weight_bytes in (0, 10**9):
+        g = torch.fx.Graph()
+        x, w, grad = g.placeholder("x"), g.placeholder("w"), g.placeholder("grad")
+        dgrad = g.create_node("call_function", aten.mm.default, (grad, w), name="dgrad")
+        wgrad = g.create_node("call_function", aten.mm.default, (x, grad), name="wgrad")
+        total = g.create_node("call_function", aten.sum.default, (wgrad,), name="total")
+        rs = g.create_node("call_function", c10d.reduce_scatter_tensor.default, (dgrad, "sum", 2, "0"), name="rs")
+        wait = g.create_node("call_function", c10d.wait_tensor.default, (rs,), name="wait_rs")
+        out = g.create_node("call_function", aten.add.Tensor, (wait, total), name="out")
+        g.output((out,))
+        sizes = {"w": weight_bytes, "dgrad": 10, "wgrad": 500, "total": 10, "rs": 1000, "wait_rs": 0, "out": 10}
+        big = TableEstimator(kind_times_s={"compute": 1.0, "collective": 1.0}, output_bytes=sizes)
+        gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
+        before = _names(gm)
+        ctx = _ctx(big, memory_budget_ratio=1.2)
+        reorder_pass(gm, ctx)
+        assert _names(gm) == before, weight_bytes
+        assert ctx.stats["reorder"]["kept original order: over the memory budget"] == 1
+
+
 def _two_chains() -> dict[str, torch.fx.Node]:
     """A merged graph in miniature: ``saved`` (a backward's saved input) read by ``use`` then
     freed; ``act`` (a forward's activation, a graph output) made by ``make`` and kept."""

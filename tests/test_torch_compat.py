@@ -204,3 +204,50 @@ def test_waiting_for_inductors_compile_workers_is_a_no_op_without_a_pool() -> No
     assert callable(AsyncCompile.wait_pool_ready)
     with inductor_config.patch(compile_threads=1):
         compat.wait_for_compile_workers(timeout_s=5.0)
+
+
+def test_a_placeholder_marked_donated_lends_its_buffer_to_the_graphs_output() -> None:
+    """``mark_donated`` + ``donated_placeholders`` (codegen.generate): Inductor writes the output
+    over the handed-over input, as it does over a backward's saved activations; unmarked, not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dhelix_compile.codegen import generate
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((x.sin() * 2 + y).relu(),)
+
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    for donate in (False, True):
+        gm = make_fx(f, tracing_mode="fake")(x, y)
+        if donate:
+            compat.mark_donated(gm, [0])
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        assert placeholders[0].endswith(compat.DONATED_SUFFIX) is donate
+        assert not placeholders[1].endswith(compat.DONATED_SUFFIX)
+        compiled = generate(gm, [x, y], "inductor", {})
+        args = [x.clone(), y.clone()]
+        donated_at = args[0].data_ptr()
+        (out,) = compiled(args)  # clears args: the call owns the inputs
+        assert (out.data_ptr() == donated_at) is donate
+        torch.testing.assert_close(out, f(x, y)[0])
+
+
+def test_a_backward_partition_sees_the_inputs_aot_autograd_donates() -> None:
+    """``donated_input_indices`` reads AOTAutograd's donated saved activations while the backward
+    compiles (helix hands them to its merged graphs): saved activations, not the tangent."""
+    seen: dict[bool, tuple[int, ...]] = {}
+    inputs: dict[bool, list[str]] = {}
+
+    def inner(gm, example_inputs, **kwargs):
+        backward = bool(kwargs.get("is_backward"))
+        seen[backward] = compat.donated_input_indices()
+        inputs[backward] = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        return compat.eager_partition(gm)
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    compiled = torch.compile(model, backend=lambda gm, inputs: compat.compile_with_aot_autograd(gm, inputs, inner))
+    compiled(torch.randn(2, 4)).sum().backward()
+    names = [inputs[True][i] for i in seen[True]]
+    assert names and not any(name.startswith(("tangents", "primals")) for name in names)
+    assert compat.donated_input_indices() == ()  # outside a compile

@@ -145,6 +145,7 @@ class _Strand:
     compiled: BoxedCallable
     chained: bool = False  # the decompose pass rewrote an all-to-all chain of ``gm``
     grad_slots: Slots = ()  # B: its outputs' parameters (grad_accumulation); empty: .grad added after it
+    donated: tuple[int, ...] = ()  # B: its inputs AOTAutograd donates (saved activations it frees first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +304,10 @@ def _compile_merged(
         records=records,
         planned=planned,
         finish=_adding_grads(first.grad_slots, second.grad_slots, merged.num_fwd_outputs),
+        # a backward's saved activations are M's to free (_run_merged hands them over): Inductor
+        # writes M's buffers over them, as it does in B alone (the MLP block's silu gradient
+        # took a new 3 MiB buffer in M at its peak, and B's saved pre-activation in B alone)
+        donated=merged.merged_positions(first.donated, second.donated),
         **first.inductor_kwargs,
     )
     return _Merged(merged, compiled)
@@ -642,6 +647,7 @@ def compile_strand_partition(
         compiled,
         chained,
         grad_slots,
+        compat.donated_input_indices() if inductor_kwargs.get("is_backward") else (),
     )
     if strand.phase == "fwd":
         pair.forward = strand
