@@ -104,8 +104,9 @@ def test_without_collectives_or_estimator_it_skips() -> None:
     assert ctx.stats["reorder"]["skipped: no estimator"] == 1
 
 
-def test_memory_budget_keeps_the_original_order_when_hoisting_would_grow_the_peak() -> None:
-    """Hoisting rs (1000 B) above wgrad (500 B, reduced then freed) would raise the peak."""
+def _hoistable_reduce_scatter(weight_bytes: int = 0) -> tuple[torch.fx.Graph, TableEstimator]:
+    """A backward slice whose reduce-scatter (1000 B) the reorder pass would hoist above the
+    weight gradient (500 B, reduced then freed), raising the peak; ``w`` is a parameter."""
     g = torch.fx.Graph()
     x, w, grad = g.placeholder("x"), g.placeholder("w"), g.placeholder("grad")
     dgrad = g.create_node("call_function", aten.mm.default, (grad, w), name="dgrad")
@@ -115,8 +116,12 @@ def test_memory_budget_keeps_the_original_order_when_hoisting_would_grow_the_pea
     wait = g.create_node("call_function", c10d.wait_tensor.default, (rs,), name="wait_rs")
     out = g.create_node("call_function", aten.add.Tensor, (wait, total), name="out")
     g.output((out,))
-    sizes = {"dgrad": 10, "wgrad": 500, "total": 10, "rs": 1000, "wait_rs": 0, "out": 10}
-    big = TableEstimator(kind_times_s={"compute": 1.0, "collective": 1.0}, output_bytes=sizes)
+    sizes = {"w": weight_bytes, "dgrad": 10, "wgrad": 500, "total": 10, "rs": 1000, "wait_rs": 0, "out": 10}
+    return g, TableEstimator(kind_times_s={"compute": 1.0, "collective": 1.0}, output_bytes=sizes)
+
+
+def test_memory_budget_keeps_the_original_order_when_hoisting_would_grow_the_peak() -> None:
+    g, big = _hoistable_reduce_scatter()
     gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
     before = _names(gm)
     ctx = _ctx(big, memory_budget_ratio=1.0)
@@ -134,17 +139,7 @@ def test_memory_budget_scales_what_the_order_holds_above_its_parameters() -> Non
     """A large parameter (``w``, never freed) does not dilute the budget: the hoist that a 1.2
     budget refuses without it is refused with it too."""
     for weight_bytes in (0, 10**9):
-        g = torch.fx.Graph()
-        x, w, grad = g.placeholder("x"), g.placeholder("w"), g.placeholder("grad")
-        dgrad = g.create_node("call_function", aten.mm.default, (grad, w), name="dgrad")
-        wgrad = g.create_node("call_function", aten.mm.default, (x, grad), name="wgrad")
-        total = g.create_node("call_function", aten.sum.default, (wgrad,), name="total")
-        rs = g.create_node("call_function", c10d.reduce_scatter_tensor.default, (dgrad, "sum", 2, "0"), name="rs")
-        wait = g.create_node("call_function", c10d.wait_tensor.default, (rs,), name="wait_rs")
-        out = g.create_node("call_function", aten.add.Tensor, (wait, total), name="out")
-        g.output((out,))
-        sizes = {"w": weight_bytes, "dgrad": 10, "wgrad": 500, "total": 10, "rs": 1000, "wait_rs": 0, "out": 10}
-        big = TableEstimator(kind_times_s={"compute": 1.0, "collective": 1.0}, output_bytes=sizes)
+        g, big = _hoistable_reduce_scatter(weight_bytes)
         gm = annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), _ctx())
         before = _names(gm)
         ctx = _ctx(big, memory_budget_ratio=1.2)
