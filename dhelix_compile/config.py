@@ -191,7 +191,7 @@ class DHelixConfig:
         "it already holds) to at most this multiple of the backward-then-forward order's (>= 1). "
         "Until 2026-11-27 the parameters counted too, which let the MoE layer's plan add 78% to "
         "what the step holds: 1.31-1.45x the eager accumulation loop's peak, against 0.87x now "
-        "(its step 6-7% slower; BENCHMARKS.md).",
+        "(its step 6-10% slower; BENCHMARKS.md).",
     )
     interleave_defer_weight_grads: tuple[int, ...] = _option(
         (1,),
