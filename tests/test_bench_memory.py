@@ -25,3 +25,22 @@ def test_variants_with_several_bracketed_options_reach_the_ranks(
     assert memory.main(["--model", "mlp_medium", "--variants", f"eager,{variant}"]) == 0
     assert calls[0][-1] == ["eager", variant]
     assert f"| {variant} | 2.0 | 2.00x |" in capsys.readouterr().out
+
+
+def test_a_rate_puts_the_ranks_on_that_link(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--rate``: the profiled plans follow the link, so the peaks are measured on the one asked for."""
+    links: list[Any] = []
+
+    def fake_run(fn: Any, ranks: int, *args: Any, **kwargs: Any) -> list[dict[str, int]]:
+        links.append(kwargs["link"])
+        return [{name: 2**20 for name in args[-1]}] * ranks
+
+    monkeypatch.setattr("dhelix_compile.testing.multirank.run_on_ranks", fake_run)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert memory.main(["--model", "moe_medium", "--variants", "eager,helix", "--rate", "613mbit"]) == 0
+    assert memory.main(["--model", "moe_medium", "--variants", "eager,helix"]) == 0
+    assert [link.rate for link in links] == ["613mbit", None]
+    out = capsys.readouterr().out
+    assert "a 613mbit link" in out and "loopback" in out

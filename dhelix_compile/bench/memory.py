@@ -3,9 +3,12 @@
     python -m dhelix_compile.bench.memory --model small --microbatches 4 --ranks 2
     python -m dhelix_compile.bench.memory --model small --microbatches 8 --pipeline dualpipev,1f1b
     python -m dhelix_compile.bench.memory --model small --microbatches 4 --data-parallel shard
+    python -m dhelix_compile.bench.memory --model moe_medium --microbatches 4 --rate 613mbit
 
 runs a benchmark workload (``--model``: ``bench.workloads``, TP+SP or ``--parallel tp``; the
-TP+SP reference model by default) on gloo ranks (``testing.multirank``) and prints, per variant,
+TP+SP reference model by default) on gloo ranks (``testing.multirank``; on loopback, or with
+``--rate`` over a rate-limited link, where the profiled cost model plans as it does in ``dhelix
+bench``'s run at that rate: a plan, and its memory, follows the link) and prints, per variant,
 the peak bytes resident during one step above what was resident before it (sampled, see
 ``peak_allocated_bytes``): the eager accumulation loop, the Inductor loop, dhelix single
 strand, and helix. With ``--pipeline``, the model as a pipeline (``bench.pipeline``) under each
@@ -167,17 +170,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pipeline", default=None, help="comma-separated schedules (bench.pipeline.SCHEDULE_KINDS)")
     parser.add_argument("--data-parallel", choices=("shard", "replicate"), default=None)
+    parser.add_argument(
+        "--rate",
+        default=None,
+        help="run the ranks over a link of this tc rate (e.g. 613mbit: the rate a dhelix bench run chose), "
+        "since the profiled plans, and so their memory, follow the link; default: loopback",
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from dhelix_compile.bench import memory  # the ranks import the functions by module name, not __main__
     from dhelix_compile.bench.steps import parse_variants
     from dhelix_compile.bench.workloads import MOE_SIZES
+    from dhelix_compile.launch.link import LinkSpec
     from dhelix_compile.testing.multirank import run_on_ranks
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the RSS at once
     # the ranks start cold (forked=False), as a user's processes do, not forked from a server's heap
-    run = functools.partial(run_on_ranks, timeout_s=args.timeout_s, forked=False)
+    run = functools.partial(run_on_ranks, timeout_s=args.timeout_s, forked=False, link=LinkSpec(rate=args.rate))
     if args.pipeline:
         from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
 
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks = {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
     print(
         f"peak resident bytes in one step (the busiest rank): {what + ' ' if what else ''}{args.model}, "
-        f"{args.ranks} ranks, {args.microbatches} micro-batches"
+        f"{args.ranks} ranks, {args.microbatches} micro-batches, {f'a {args.rate} link' if args.rate else 'loopback'}"
     )
     print("| variant | peak MiB | vs eager |")
     print("|---|---:|---:|")
