@@ -362,6 +362,27 @@ def test_an_in_place_collective_in_the_graph_matches_its_profile() -> None:
     assert step.mismatch is None and step.segments_s() is not None
 
 
+def test_other_ops_of_a_boundarys_namespace_are_compute() -> None:
+    """A graph with a ``dhelix::exchange`` boundary also runs ``dhelix::grad_total`` (helix adds
+    each gradient into ``.grad`` in the graph): those events are compute, not boundaries (a helix
+    backward's 41 boundaries met 80 events once, and its calls lost their segments)."""
+    boundaries = (
+        Boundary("ex", "exchange", "dhelix", "p2p"),
+        Boundary("wait", "wait_tensor", "_c10d_functional", "wait", issue="ex"),
+    )
+    plan = MeasurementPlan("g", boundaries, (2e-5, 3e-5, 1e-5), 6e-5)
+    events = [
+        _event("dhelix::g", 100.0, 100.0, cat="user_annotation"),
+        _event("dhelix::grad_total", 101.0, 5.0),
+        _event("dhelix::exchange", 120.0, 10.0),
+        _event("dhelix::grad_total", 135.0, 5.0),
+        _event("_c10d_functional::wait_tensor", 150.0, 30.0),
+    ]
+    step = read_step(plan, events)
+    assert step.mismatch is None
+    assert step.segments_s() == pytest.approx([30e-6, 50e-6, 20e-6])
+
+
 def test_a_profile_that_does_not_match_the_graph_keeps_only_the_whole_call() -> None:
     plan = MeasurementPlan("g", _boundaries(), (2e-5, 3e-5, 1e-5), 6e-5)
     step = read_step(plan, _profile(issue="_c10d_functional::all_reduce_"))

@@ -79,7 +79,7 @@ import torch.fx
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cost_model import SimEvent, SimResult
-from cost_model.op_kinds import NodeKind, kind_of
+from cost_model.op_kinds import COLLECTIVE_OPS, P2P_OP_NAMES, P2P_OPS, WAIT_OPS, NodeKind, kind_of, op_name
 from cost_model.units import format_ms
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.observe.timeline import LabelledTimeline
@@ -263,6 +263,13 @@ class MeasuredStep:
         return [(b - a) * 1e-6 for a, b in itertools.pairwise(instants)]
 
 
+#: The communication ops an event may run (``base_op`` names): the namespace of a graph's boundaries
+#: holds others too (``dhelix::grad_total`` beside ``dhelix::exchange``), which are compute.
+_COMM_OPS = frozenset(
+    base_op(name) for name in (*(op_name(op) for op in (*COLLECTIVE_OPS, *P2P_OPS, *WAIT_OPS)), *P2P_OP_NAMES)
+)
+
+
 def read_step(plan: MeasurementPlan, events: Sequence[dict[str, Any]]) -> MeasuredStep:
     """The call span and boundary events of one profiled call (``events``: Chrome trace events)."""
     calls = [
@@ -280,6 +287,7 @@ def read_step(plan: MeasurementPlan, events: Sequence[dict[str, Any]]) -> Measur
             and e.get("cat") == _OP_CAT
             and e.get("tid") == calls[0].get("tid")
             and str(e.get("name", "")).partition("::")[0] in namespaces
+            and base_op(str(e.get("name", ""))) in _COMM_OPS
         ),
         key=lambda s: (s.start_us, -s.end_us),
     )
