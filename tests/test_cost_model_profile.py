@@ -582,8 +582,8 @@ def test_a_gradient_added_in_graph_is_priced_as_its_measured_add(tmp_path: pathl
 
 
 def test_the_contention_stand_in_is_as_large_as_an_exchanges_payload() -> None:
-    """A P2P exchange (``dhelix::exchange``, which ``describe_comm`` does not know) counts its
-    payload's bytes, so the transfer timed beside the compute is that large (else 1 MiB)."""
+    """A P2P exchange (``dhelix::exchange``) counts its payload's bytes (``describe_comm``), so the
+    transfer timed beside the compute is that large (else 1 MiB)."""
     from cost_model.profile.contention import _comm_nbytes
     from dhelix_compile.ops.exchange import P2P_EXCHANGE
 

@@ -50,10 +50,9 @@ import torch.fx
 
 from cost_model.comm_nodes import describe_comm, resolve_group_size
 from cost_model.nodes import call_target
-from cost_model.op_kinds import kind_of
 from cost_model.profile.running import device_of_nodes, real_args, synchronize
 from cost_model.rank_agreement import agree_max, backend_name, comm_device
-from cost_model.symbolic import concretize, evaluate, size_hints
+from cost_model.symbolic import evaluate, size_hints
 
 MIN_BYTES: int = 1 << 20
 MAX_BYTES: int = 64 << 20
@@ -166,11 +165,7 @@ def factors_of(cache: dict[str, float], transfer: Transfer) -> list[float]:
 
 
 def _comm_nbytes(node: torch.fx.Node) -> int:
-    """The bytes a collective moves, or a P2P exchange sends (its tensor arguments); 0 when unknown."""
-    hints = size_hints([node, *node.all_input_nodes])
-    if kind_of(node) == "p2p":
-        sent = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]
-        return sum(int(concretize(t.numel(), hints)) * t.element_size() for t in sent if isinstance(t, torch.Tensor))
+    """The bytes a collective moves, or a P2P exchange sends (``describe_comm``); 0 when unknown."""
     try:
         call = describe_comm(node, 1)
     except ValueError:
@@ -178,7 +173,7 @@ def _comm_nbytes(node: torch.fx.Node) -> int:
     nbytes = call.nbytes
     if isinstance(nbytes, int):
         return nbytes
-    return int(evaluate(nbytes, hints))
+    return int(evaluate(nbytes, size_hints([node, *node.all_input_nodes])))
 
 
 __all__ = ["CONTENTION_KEY_PREFIX", "TRANSFERS", "Transfer", "factors_of", "measure_contention", "transfer_of"]
