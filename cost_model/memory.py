@@ -138,12 +138,21 @@ class LiveProfile:
         input_bytes: bytes of graph inputs (placeholders/get_attr) live at the start,
             freeable ones included.
         peak_bytes: the maximum over the order (at least ``input_bytes``).
+        held_input_bytes: ``input_bytes`` less the freeable inputs': the inputs the order never
+            frees (its parameters, a forward's micro-batch).
     """
 
     live_after_alloc_bytes: tuple[int, ...]
     live_after_free_bytes: tuple[int, ...]
     input_bytes: int
     peak_bytes: int
+    held_input_bytes: int
+
+    @property
+    def held_peak_bytes(self) -> int:
+        """The peak above :attr:`held_input_bytes`: what running the order adds to the memory the
+        step already holds."""
+        return self.peak_bytes - self.held_input_bytes
 
 
 def live_bytes_profile(
@@ -211,7 +220,8 @@ def live_bytes_profile(
             if root in freeable or (root.op not in ("placeholder", "get_attr") and root in position):
                 live -= output_bytes(root)
         after_free.append(live)
-    return LiveProfile(tuple(profile), tuple(after_free), input_bytes, peak)
+    held_input_bytes = input_bytes - sum(output_bytes(n) for n in freeable)
+    return LiveProfile(tuple(profile), tuple(after_free), input_bytes, peak, held_input_bytes)
 
 
 def held_peak_bytes(
@@ -220,13 +230,11 @@ def held_peak_bytes(
     *,
     freeable_inputs: Collection[torch.fx.Node] = (),
 ) -> int:
-    """Peak of :func:`live_bytes_profile` above the graph inputs the order never frees (its
-    parameters, a forward's micro-batch): what running ``order`` adds to the memory the step
-    already holds. Memory budgets scale this, not the peak: counting the parameters let an
+    """:attr:`LiveProfile.held_peak_bytes` of ``order``: what running it adds to the memory the
+    step already holds. Memory budgets scale this, not the peak: counting the parameters let an
     order that added 78% to the MoE layer's held bytes pass a 1.25 budget (its experts' 12 MiB
     per rank diluted the ratio)."""
-    profile = live_bytes_profile(order, output_bytes, freeable_inputs=freeable_inputs)
-    return profile.peak_bytes - (profile.input_bytes - sum(output_bytes(n) for n in set(freeable_inputs)))
+    return live_bytes_profile(order, output_bytes, freeable_inputs=freeable_inputs).held_peak_bytes
 
 
 def peak_memory_bytes(order: Sequence[torch.fx.Node], output_bytes: Callable[[torch.fx.Node], int]) -> int:

@@ -133,7 +133,7 @@ def strand_segments(
     if not nodes:
         return []
     profile = live_bytes_profile(nodes, lambda n: estimator.node_cost(n).output_bytes, freeable_inputs=freeable_inputs)
-    base = profile.input_bytes - sum(estimator.node_cost(n).output_bytes for n in freeable_inputs)
+    base = profile.held_input_bytes
     segments: list[Segment] = []
     start = 0
     for index, node in enumerate(nodes):
