@@ -212,6 +212,8 @@ def _pass_context(
                 )
             },
         )
+        if isinstance(estimator, ProfiledEstimator) and estimator.speed is not None:
+            ctx.record("cost_model", machine_speed=estimator.speed)
     return ctx
 
 

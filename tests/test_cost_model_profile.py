@@ -59,9 +59,48 @@ def test_calibrate_measures_then_hits_the_cache(tmp_path: pathlib.Path) -> None:
 
     third = ProfiledEstimator(base, tmp_path, progress=False)
     report3 = third.calibrate(gm)
-    assert (report3.measured, report3.cached) == (0, 3)
-    assert third.measurements == {sig: min(samples) for sig, samples in entries.items()}
+    assert (report3.measured, report3.cached) == (0, 3)  # its speed probes are not counted
+    assert report3.speed is not None and report3.speed > 0
+    # each cached time at the machine's speed now, or the probe's own time where that is lower
+    assert all(0 < third.measurements[sig] <= min(samples) * report3.speed for sig, samples in entries.items())
     assert simulate(gm.graph, third).compute_s == pytest.approx(sum(third.measurements.values()))
+
+
+def test_cached_times_are_put_at_the_machines_speed_now(tmp_path: pathlib.Path, monkeypatch: Any) -> None:
+    """The cache holds each op's lowest time. On a machine that runs 2x slower now, the speed
+    probes (the slowest cached ops, measured again) say so, and every cached time is doubled,
+    the ops the probes did not measure too; an op measured now keeps the lower of its own time
+    and its cached one at that speed. The probes' times join the cache, where the lowest stand."""
+    gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    base = AnalyticEstimator(DEVICE, LINK)
+    est = ProfiledEstimator(base, tmp_path, progress=False, device_name="unit", measure_contention=False)
+    sigs = {n.target: est.signature(n) or "" for n in gm.graph.nodes if n.op == "call_function"}
+    cached = {sigs[aten.mm.default]: 4e-3, sigs[aten.relu.default]: 3e-3, sigs[aten.sum.dim_IntList]: 1e-3}
+    entries = {sig: [t] * CACHE_SAMPLES for sig, t in cached.items()}
+    est.disk_cache.path("unit").write_text(json.dumps({"version": CACHE_VERSION, "device": "unit", "entries": entries}))
+    probed: list[str] = []
+
+    def twice_as_slow(item: Any) -> float:
+        probed.append(item.sig)
+        return 2 * cached[item.sig]
+
+    monkeypatch.setattr(est, "_measure", twice_as_slow)
+    monkeypatch.setattr("cost_model.profile.estimator.SPEED_PROBES", 2)
+    report = est.calibrate(gm)
+    assert (report.measured, report.cached, report.speed) == (0, 3, 2.0)
+    assert probed == [sigs[aten.mm.default], sigs[aten.relu.default]]  # the slowest two
+    assert est.measurements == pytest.approx({sig: 2 * t for sig, t in cached.items()})
+    assert est.disk_cache.load("unit") == entries  # slower samples do not displace the lowest
+
+    # an earlier stall: a 10x time in the cache (one sample, so measured again) is this
+    # call's measurement, not 10x at the speed the probes measured
+    stale = {**entries, sigs[aten.sum.dim_IntList]: [10 * cached[sigs[aten.sum.dim_IntList]]]}
+    est.disk_cache.path("unit").write_text(json.dumps({"version": CACHE_VERSION, "device": "unit", "entries": stale}))
+    later = ProfiledEstimator(base, tmp_path, progress=False, device_name="unit", measure_contention=False)
+    monkeypatch.setattr(later, "_measure", twice_as_slow)
+    report = later.calibrate(gm)
+    assert (report.measured, report.speed) == (1, 2.0)
+    assert later.measurements[sigs[aten.sum.dim_IntList]] == pytest.approx(2 * cached[sigs[aten.sum.dim_IntList]])
 
 
 def test_a_slow_cached_measurement_does_not_stay(tmp_path: pathlib.Path) -> None:
@@ -80,7 +119,9 @@ def test_a_slow_cached_measurement_does_not_stay(tmp_path: pathlib.Path) -> None
     later = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False, device_name="unit")
     report = later.calibrate(gm)
     assert (report.measured, report.cached) == (2, 1)  # relu and sum had their first measurement
-    assert later.measurements[sig] == est.measurements[sig]
+    # the settled time, at the speed its probe measured now (module docstring: ``speed``)
+    assert report.speed is not None
+    assert later.measurements[sig] == pytest.approx(est.measurements[sig] * report.speed)
 
 
 def test_a_stalled_compute_time_is_measured_again_even_when_settled(tmp_path: pathlib.Path) -> None:
@@ -104,7 +145,8 @@ def test_a_stalled_compute_time_is_measured_again_even_when_settled(tmp_path: pa
 
     healed = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False, device_name="unit")
     report = healed.calibrate(gm)
-    assert report.measured_again == 0 and healed.measurements[sig] == est.measurements[sig]
+    assert report.measured_again == 0 and report.speed is not None  # relu's entry is its probe now
+    assert healed.measurements[sig] == pytest.approx(est.measurements[sig] * report.speed)
 
 
 def test_a_compute_op_measured_again_keeps_the_lower_time(tmp_path: pathlib.Path, monkeypatch: Any) -> None:

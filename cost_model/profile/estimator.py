@@ -16,6 +16,15 @@ except that a node whose *signature* has been measured gets the measured time.
                     symbols), ``warmup`` calls, then the median of ``repeats`` timed calls;
                     the lower of that and the cache's earlier measurement, if any
         collective: the same on the live process group (barrier first, wait included)
+    speed  the disk cache keeps each op's lowest time: the machine at its fastest, and a
+           machine's speed drifts from hour to hour (this project's CPU VM ran a ``bmm`` cached
+           at 3.2 ms in 3.7-4.3 ms a day later, and priced every profiled step 0.70-0.75x of its
+           measured time on loopback, where no transfer slows it). Where this call takes times
+           from the cache, it measures its SPEED_PROBES slowest cached ops again (graph order on
+           ties; not counted as measured) and speed = the median of now / cached over every
+           probe of this process. Each compute time with a cache entry becomes
+           min(measured now (if it was), cached lowest x speed); one without keeps its
+           measurement. The probes' times join their cache entries (the lowest stand)
     again  every collective and exchange measured above, measured once more after all of
            them, in the same order: the lower median stands. A transfer's time on a link
            shared with other traffic comes in epochs: on this project's emulated link a
@@ -159,6 +168,8 @@ class CalibrationReport:
         seconds: wall time of the calibration.
         measured_again: compute signatures measured once more as stalled (module docstring:
             ``stalls``).
+        speed: how much slower this machine runs now than its cached times (module docstring:
+            ``speed``; below 1: faster); None when no cached time was used.
     """
 
     measured: int
@@ -167,6 +178,7 @@ class CalibrationReport:
     contention_factor: float | None
     seconds: float
     measured_again: int = 0
+    speed: float | None = None
 
 
 #: Op namespaces whose ops the profiler runs on random inputs: torch's own, free of side effects.
@@ -250,6 +262,8 @@ class ProfiledEstimator(EstimatorBase):
         self._contention_cache: dict[str, float] = {}
         self._link_ratios: dict[str, float] = {}  # collective signature -> measured / base time
         self._compute_ratios: dict[str, dict[str, float]] = {}  # op -> {signature: measured / base time}
+        #: now / cached lowest time of every speed probe of this process (module docstring: ``speed``)
+        self._speed_ratios: list[float] = []
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
         #: measured segment pairs (cost_model.profile.pairs), kept for later compiles in this process
         self.pair_measurements: dict[tuple[SegmentSignature, SegmentSignature], float] = {}
@@ -467,7 +481,6 @@ class ProfiledEstimator(EstimatorBase):
                     t = self._measure(item)
                     if not item.is_collective and not math.isnan(t):
                         fresh[item.sig] = t
-                        t = cached_seconds(with_sample(cache.get(item.sig, []), t))
                     measured += 1
                     bar.update()
                 else:
@@ -476,6 +489,7 @@ class ProfiledEstimator(EstimatorBase):
                 times.append(t)
         base_times = [self.base.node_cost(item.node).time_s for item in items]
         measured_again = self._measure_stalls_again(items, times, base_times, fresh)
+        speed = self._at_machine_speed(items, times, cache, fresh)
         # compute signature -> its disk-cache entry with this rank's measurement
         new_samples = {sig: with_sample(cache.get(sig, []), t) for sig, t in fresh.items()}
         self._measure_transfers_again(items, missing, times)
@@ -525,6 +539,7 @@ class ProfiledEstimator(EstimatorBase):
             contention_factor=contention,
             seconds=time.perf_counter() - t_start,
             measured_again=measured_again,
+            speed=speed,
         )
 
     def _measure_stalls_again(
@@ -553,6 +568,42 @@ class ProfiledEstimator(EstimatorBase):
             fresh[sig] = min(fresh.get(sig, again), again)
             times[index] = min(times[index], again)
         return len(stalled)
+
+    @property
+    def speed(self) -> float | None:
+        """How much slower this machine runs now than its cached compute times (module
+        docstring: ``speed``): the median of this process's probes; None before any."""
+        return statistics.median(self._speed_ratios) if self._speed_ratios else None
+
+    def _at_machine_speed(
+        self, items: Sequence[_Item], times: list[float], cache: dict[str, list[float]], fresh: dict[str, float]
+    ) -> float | None:
+        """Put the compute times that come from the disk cache at the machine's speed now (module
+        docstring: ``speed``): probe the slowest cached ops not measured in this call, pool now /
+        cached, and make each such time in ``times`` min(``fresh``'s, cached lowest x speed).
+        The probes join ``fresh``. The speed, None when no cached time is used."""
+        cached_s = {
+            item.sig: min(cache[item.sig])
+            for item in items
+            if not item.is_collective and item.sig in cache and item.sig not in self.measurements
+        }
+        if not cached_s:
+            return None
+        probes = sorted(
+            (sig for sig in cached_s if sig not in fresh),
+            key=lambda sig: -cached_s[sig],  # stable: graph order on ties
+        )[:SPEED_PROBES]
+        for sig in probes:
+            now = self._measure(next(item for item in items if item.sig == sig))
+            if math.isfinite(now) and now > 0 and cached_s[sig] > 0:
+                fresh[sig] = now
+                self._speed_ratios.append(now / cached_s[sig])
+        speed = self.speed
+        for index, item in enumerate(items):
+            if item.sig in cached_s and not math.isnan(times[index]):  # NaN: its measurement failed
+                at_speed = cached_s[item.sig] * (speed or 1.0)
+                times[index] = min(fresh[item.sig], at_speed) if item.sig in fresh else at_speed
+        return speed
 
     def _measure_transfers_again(self, items: Sequence[_Item], missing: Sequence[float], times: list[float]) -> None:
         """Measure each transfer measured by this calibration once more; keep the lower (module
@@ -606,6 +657,9 @@ class ProfiledEstimator(EstimatorBase):
 
         return median_run_or_nan_s(run_compute, self.warmup, self.repeats, device)
 
+
+#: ``speed`` (module docstring): cached compute ops measured again by each calibration that uses the cache
+SPEED_PROBES: int = 3
 
 #: ``stalls`` (module docstring): a compute op measured above this many times what the graph's
 #: typical measured / base ratio makes of its base estimate ...
