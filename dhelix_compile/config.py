@@ -203,6 +203,13 @@ class DHelixConfig:
         4000,
         "helix: evaluations of the local search that refines the strand plan's DP path (0 turns it off; >= 0).",
     )
+    interleave_slice_ratio: float = _option(
+        0.5,
+        "helix: the strand plan also cuts each strand's long stretches of compute into slices of "
+        "at most this times the merged graph's median transfer, so that a strand whose transfer "
+        "lands in the middle of the other strand's stretch goes on there (planned by the timed DP; "
+        "the simulator judges it beside the other orders; 0 turns it off; >= 0).",
+    )
     interleave_timed_width: int = _option(
         0,
         "helix: partial paths each cell of the strand plan's timed DP keeps (the DP over simulated "
@@ -299,6 +306,7 @@ class DHelixConfig:
             _check_number("interleave_defer_weight_grads", distance, int, minimum=1)
         _check_number("interleave_refine_evals", self.interleave_refine_evals, int, minimum=0)
         _check_number("interleave_timed_width", self.interleave_timed_width, int, minimum=0)
+        _check_number("interleave_slice_ratio", self.interleave_slice_ratio, float, minimum=0.0)
         _check_number("profile_steps", self.profile_steps, int, minimum=0)
         if self.profile_steps > 0 and self.dump_dir is None:
             raise ConfigError(
