@@ -49,7 +49,8 @@ Algorithm::
         (with ``timed_width`` > 0; off by default, see :class:`InterleaveOptions`)
     sliced: with ``slice_ratio`` > 0, both strands cut again with every stretch of compute
         also cut where it reaches slice_s = slice_ratio x the median transfer (no shorter than
-        a strand's compute over MAX_SLICES; off when no segment computes for two slices), then
+        a strand's compute over MAX_SLICES; off when no segment computes for two slices, and for
+        strands of more than MAX_SLICED_SEGMENTS - MAX_SLICES segments), then
         the timed DP and the local search over those slices: a strand whose transfer lands in
         the middle of the other strand's long stretch goes on there instead of after it (the
         MoE layer's experts wait 19 ms of backward compute for a dispatch that landed 6 ms
@@ -273,7 +274,9 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
             if timed != path:
                 plans[f"{name}_timed"] = emit(timed, fwd_segments, segments)
     slice_s = _slice_s(fwd_segments, captured, options.slice_ratio)
-    if slice_s < math.inf:  # a long stretch of compute the other strand's transfers could split
+    if (
+        slice_s < math.inf and max(len(fwd_segments), len(captured)) + MAX_SLICES <= MAX_SLICED_SEGMENTS
+    ):  # a long stretch of compute the other strand's transfers could split
         sliced_fwd = strand_segments(fwd_nodes, estimator, slice_s=slice_s)
         for name, order in bwd_orders.items():
             sliced_bwd = strand_segments(order, estimator, freeable_inputs=bwd_inputs, slice_s=slice_s)
@@ -380,6 +383,10 @@ SLICED_WIDTH = 4
 
 #: The most slices a strand's compute is cut into (the timed DP's cells grow with their square).
 MAX_SLICES = 48
+#: No sliced plan for a strand of more segments than this: the timed DP over two strands of
+#: 182 segments took 2.1 s per backward order on this project's CPU machine, and a 32-layer
+#: merged graph (134 segments a strand) would have added about 4 s to its 3.5 s interleave pass.
+MAX_SLICED_SEGMENTS = 128
 
 
 def _slice_s(fwd: Sequence[Segment], bwd: Sequence[Segment], ratio: float) -> float:
