@@ -309,17 +309,22 @@ def _ctx(estimator, memory_budget_ratio: float = 1.15, timed_width: int = 0, sli
     return PassContext(graph_name="merged", phase="fwd", estimator=estimator, pass_options=options)
 
 
-@pytest.mark.parametrize("timed_width", [0, 4])
-def test_interleave_pass_interleaves_keeping_each_strands_order(timed_width: int) -> None:
+def _interleaved_tp_graph(estimator, **options: float) -> tuple[torch.fx.GraphModule, PassContext]:
+    """The merged TP graph through the interleave pass (toy tensors: the overlap costs relatively
+    much memory, so the budget is 2x), verified, each strand still in its own order."""
     gm = _merged_tp_graph()
     before = _strand_orders(gm)
-    estimator = TableEstimator(kind_times_s={"compute": 1e-3, "collective": 1e-3})
-    # toy tensors: the overlap costs relatively much memory
-    ctx = _ctx(estimator, memory_budget_ratio=2.0, timed_width=timed_width)
+    ctx = _ctx(estimator, memory_budget_ratio=2.0, **options)
     gm = interleave_pass(annotate_pass(gm, ctx), ctx)
     verify_pass(gm, ctx)
-    after = _strand_orders(gm)
-    assert after == before  # each strand in its own order
+    assert _strand_orders(gm) == before
+    return gm, ctx
+
+
+@pytest.mark.parametrize("timed_width", [0, 4])
+def test_interleave_pass_interleaves_keeping_each_strands_order(timed_width: int) -> None:
+    estimator = TableEstimator(kind_times_s={"compute": 1e-3, "collective": 1e-3})
+    gm, ctx = _interleaved_tp_graph(estimator, timed_width=timed_width)
     record = ctx.records["interleave"]
     assert ctx.stats["interleave"]["interleaved"] == 1
     assert record["predicted_makespan_s"] < record["predicted_makespan_sequential_s"]
@@ -453,13 +458,8 @@ def test_strand_segments_cut_compute_into_slices() -> None:
 
 @pytest.mark.parametrize("slice_ratio", [0.0, 0.5])
 def test_the_sliced_plan_is_one_more_candidate_the_simulator_judges(slice_ratio: float) -> None:
-    gm = _merged_tp_graph()
-    before = _strand_orders(gm)
     estimator = TableEstimator(kind_times_s={"compute": 1e-3, "collective": 1e-3})
-    ctx = _ctx(estimator, memory_budget_ratio=2.0, slice_ratio=slice_ratio)
-    gm = interleave_pass(annotate_pass(gm, ctx), ctx)
-    verify_pass(gm, ctx)
-    assert _strand_orders(gm) == before
+    _, ctx = _interleaved_tp_graph(estimator, slice_ratio=slice_ratio)
     record = ctx.records["interleave"]
     assert ("predicted_makespan_dp_sliced_s" in record) == (slice_ratio > 0)
     assert ("slice_s" in record) == (slice_ratio > 0)
