@@ -53,8 +53,8 @@ Algorithm::
         strands of more than MAX_SLICED_SEGMENTS - MAX_SLICES segments), then
         the timed DP and the local search over those slices: a strand whose transfer lands in
         the middle of the other strand's long stretch goes on there instead of after it (the
-        MoE layer's experts wait 19 ms of backward compute for a dispatch that landed 6 ms
-        into it); candidate ``{dp}_sliced``
+        MoE layer's experts waited for all of 19 ms of backward compute, although their
+        dispatch had landed 13 ms into it); candidate ``{dp}_sliced``
     judge: ``simulate`` the sequential order, the DP's orders and the reorder pass's list
         scheduler run over both strands at node granularity (``list``: collectives issued in
         original order; ``list_critical``: the one with the most work behind it first,

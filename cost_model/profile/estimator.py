@@ -17,9 +17,10 @@ except that a node whose *signature* has been measured gets the measured time.
                     the lower of that and the cache's earlier measurement, if any
         collective: the same on the live process group (barrier first, wait included)
     speed  the disk cache keeps each op's lowest time: the machine at its fastest, and a
-           machine's speed drifts from hour to hour (this project's CPU VM ran a ``bmm`` cached
-           at 3.2 ms in 3.7-4.3 ms a day later, and priced every profiled step 0.70-0.75x of its
-           measured time on loopback, where no transfer slows it). Where this call takes times
+           machine's speed drifts from day to day (this project's CPU VM ran a ``bmm`` cached at
+           3.2 ms in 3.7-4.3 ms on 2026-11-27, and the cached times priced the MoE layer's
+           profiled steps at 0.70-0.75x of their measured time on loopback, where no transfer
+           slows them). Where this call takes times
            from the cache, it measures its SPEED_PROBES slowest cached ops again (graph order on
            ties; not counted as measured) and speed = the median of now / cached over every
            probe of this process. Each compute time with a cache entry becomes
