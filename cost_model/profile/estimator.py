@@ -14,7 +14,8 @@ except that a node whose *signature* has been measured gets the measured time.
     for sig in need (graph order, same on every rank):
         compute:    real tensors of the node's shapes/strides/dtypes (size hints for
                     symbols), ``warmup`` calls, then the median of ``repeats`` timed calls;
-                    the lower of that and the cache's earlier measurement, if any
+                    the lower of that and the cache's earlier measurement at the machine's
+                    speed now, if there is one (``speed``)
         collective: the same on the live process group (barrier first, wait included)
     speed  the disk cache keeps each op's lowest time: the machine at its fastest, and a
            machine's speed drifts from day to day (this project's CPU VM ran a ``bmm`` cached at
@@ -584,7 +585,7 @@ class ProfiledEstimator(EstimatorBase):
         cached, and make each such time in ``times`` min(``fresh``'s, cached lowest x speed).
         The probes join ``fresh``. The speed, None when no cached time is used."""
         cached_s = {
-            item.sig: min(cache[item.sig])
+            item.sig: cached_seconds(cache[item.sig])
             for item in items
             if not item.is_collective and item.sig in cache and item.sig not in self.measurements
         }
