@@ -346,7 +346,23 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
         real.disk_cache.path("unit").write_text(
             json.dumps({"version": CACHE_VERSION, "device": "unit", "entries": {real.signature(mm): [1.0, 1.0]}})
         )
-    report = real.calibrate(gm)
+    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "broadcast")}
+    sent = dict.fromkeys(originals, 0)  # what the contention stand-ins send (the graph only all-reduces)
+
+    def counting(name: str) -> Any:
+        def send(*args: Any, **kwargs: Any) -> Any:
+            sent[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return send
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        report = real.calibrate(gm)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
     skewed = _RankSkewedEstimator(
         base, pathlib.Path(cache_root, f"skew{rank}"), warmup=0, repeats=1, progress=False, measure_contention=False
     )
@@ -374,6 +390,7 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
         "measured": report.measured,
         "contention": report.contention_factor,
         "contention_by_kind": dict(real.measured_contention),
+        "stand_ins_sent": sent,
         "issue_factor": real.node_cost(issue).contention_factor,
         "p2p_factor": real.node_cost(p2p).contention_factor,
         "real": real.measurements,
@@ -399,6 +416,9 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     assert by_kind == r1["contention_by_kind"] and set(by_kind) == {"reduce", "move"}
     assert min(by_kind.values()) >= 1.0 and r0["contention"] == max(by_kind.values())
     assert (r0["issue_factor"], r0["p2p_factor"]) == (by_kind["reduce"], by_kind["move"])
+    # a "move" is timed beside all-to-alls, what a graph on gloo sends for every move: each rank
+    # sends and receives at once (broadcasts carried one direction at a time, and slowed less)
+    assert r0["stand_ins_sent"]["all_to_all_single"] > 0 and r0["stand_ins_sent"]["broadcast"] == 0
     # the disk cache holds compute ops only: collectives and contention depend on the link
     assert r0["on_disk"] and not any(k.startswith("contention|") or "c10d" in k for k in r0["on_disk"])
     # the max over ranks wins: rank 1 "measured" 2 ms

@@ -12,10 +12,14 @@ Contract
     iters  calls of the op that fill about 20 ms (1..1000 calls)
     xfer   the transfer that stands for a kind of communication (``TRANSFERS``): "reduce"
            (collectives that add: all_reduce, reduce_scatter) an all_reduce; "move" (every
-           other collective and point-to-point transfer) broadcasts from each rank in turn,
-           which send and receive without adding -- on CPU the two take very different CPU per
-           byte (a broadcast rather than an all_to_all or all_gather: gloo runs it in place,
-           with no ATen work on its thread; see graph_passes.gloo_collectives)
+           other collective and point-to-point transfer) an all_to_all_single, which sends and
+           receives without adding -- on CPU the two take very different CPU per byte. An
+           all-to-all is what a graph on gloo sends for every move (its all-gathers and
+           reduce-scatters, graph_passes.gloo_collectives, and its exchanges, dhelix::exchange):
+           every rank sends and receives at once. Broadcasts from each rank in turn, the
+           stand-in until 2026-11-27, carry one direction at a time: on the 539 Mbit/s link a
+           2-rank probe's bmm ran 1.01-1.23x slower beside them and 1.27-1.45x beside
+           all-to-alls of the same size (BENCHMARKS.md, thirteenth session)
     key    "contention|<op signature>|bytes=..|iters=..|backend=..|size=..|in_flight=..|<xfer>"
            (``cache`` is the caller's in-process memo: the key cannot name the link, so a factor
            never goes to the disk cache; see cost_model.profile.estimator)
@@ -38,7 +42,6 @@ Every rank takes the same branch (the cache check is agreed first), so the trans
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import time
@@ -111,14 +114,13 @@ def measure_contention(
     except Exception:  # noqa: BLE001 - no inputs for the op: time the transfer alone
         args = None
     size = int(resolve_group_size(group) or 1)
-    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=comm_device(group, device))
-    sent = itertools.count()
+    buf = torch.zeros(nbytes // 4 // size * size, dtype=torch.float32, device=comm_device(group, device))
+    out = torch.empty_like(buf)
 
     def send(async_op: bool) -> Any:
         if transfer == "reduce":
             return dist.all_reduce(buf, group=group, async_op=async_op)
-        root = dist.get_global_rank(group, next(sent) % size)
-        return dist.broadcast(buf, src=root, group=group, async_op=async_op)
+        return dist.all_to_all_single(out, buf, group=group, async_op=async_op)
 
     def compute_once() -> None:
         if args is not None:

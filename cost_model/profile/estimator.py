@@ -49,7 +49,7 @@ except that a node whose *signature* has been measured gets the measured time.
     times  = all_reduce(MAX) over ranks of every signature's time -> every rank plans the
              same schedule from the same numbers
     contention factors (optional), one per kind of transfer (``profile.contention``): a
-             measured compute op timed alone and with all_reduces ("reduce") or broadcasts
+             measured compute op timed alone and with all_reduces ("reduce") or all-to-alls
              ("move") in flight on the group throughout; ratio, agreed by MAX. A kind's factor
              is the median of every one measured in this process (each graph measures with
              its own slowest op and largest transfer): one measurement varies by up to 1.2x
