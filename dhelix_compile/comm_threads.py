@@ -53,12 +53,12 @@ thread may run per period: ``MAX_SHARE``, or less so that every rank's gloo thre
 stay under 90% of the cores (the kernel admits at most 95%); 0.0 below ``MIN_SHARE``, too little
 to move bytes (nothing moves then, and the reason says so).
 
-``gloo_threads_cpu_s() -> float``: the CPU seconds this process's gloo threads have run so far
-(each thread's own CPU clock, to the nanosecond; ``/proc``'s ticks are 10 ms). The bench takes it
-around each step, to tell the CPU the transfers took from the compute's.
-
-The names are gloo's and torch's, not an API: ``tests/test_comm_threads.py`` checks that a gloo
-group still has threads by these names, and that they move.
+The threads are found by name, and their CPU read, by ``cost_model.profile.threads`` (the
+profiler prices a transfer's CPU with them; re-exported here): ``GLOO_THREAD_NAMES``,
+``gloo_thread_ids()``, ``gloo_threads_cpu_s()`` (the bench takes it around each step, to tell the
+CPU the transfers took from the compute's), ``local_ranks()``, ``usable_cores()``.
+``tests/test_comm_threads.py`` checks that a gloo group still has threads by those names, and
+that they move.
 """
 
 from __future__ import annotations
@@ -68,11 +68,15 @@ import dataclasses
 import errno
 import os
 import struct
-import time
-from pathlib import Path
 
-#: Thread names of a gloo process group's communication threads (torch 2.13, gloo).
-GLOO_THREAD_NAMES = frozenset({"pt_gloo_runloop", "gloo_tcp_loop"})
+from cost_model.profile.threads import (
+    GLOO_THREAD_NAMES,
+    gloo_thread_ids,
+    gloo_threads_cpu_s,
+    local_ranks,
+    usable_cores,
+)
+
 #: ``SCHED_DEADLINE``'s period and relative deadline for a gloo thread (1 ms: a transfer's steps
 #: are tens of microseconds of CPU; a spin is cut off within a millisecond).
 PERIOD_NS = 1_000_000
@@ -84,8 +88,6 @@ MIN_SHARE = 0.05
 #: Linux's ``SCHED_DEADLINE`` (``os`` does not name it) and ``sched_setattr``'s syscall number per architecture.
 SCHED_DEADLINE = 6
 _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
-
-_TASKS = Path("/proc/self/task")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,57 +104,6 @@ class ThreadPriority:
     """The share of each period this call gives a thread it moves (threads moved before keep theirs;
     0.0 where it finds no gloo thread or declines before trying: oversubscribed, no ``sched_setattr``,
     too little bandwidth)."""
-
-
-def gloo_thread_ids() -> list[int]:
-    """This process's threads named one of :data:`GLOO_THREAD_NAMES` (none where there is no ``/proc``)."""
-    found = []
-    try:
-        tasks = sorted(_TASKS.iterdir(), key=lambda p: int(p.name))
-    except OSError:
-        return []
-    for task in tasks:
-        try:
-            name = (task / "comm").read_text().strip()
-        except OSError:  # the thread exited
-            continue
-        if name in GLOO_THREAD_NAMES:
-            found.append(int(task.name))
-    return found
-
-
-def _thread_cpu_clock(tid: int) -> int:
-    """The clock id of thread ``tid``'s CPU time (Linux: ``CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED``
-    over the inverted thread id, as glibc's ``pthread_getcpuclockid`` builds it)."""
-    return ((~tid) << 3) | 6
-
-
-def gloo_threads_cpu_s() -> float:
-    """CPU seconds this process's gloo threads have run (0.0 without gloo threads or ``/proc``)."""
-    total = 0.0
-    for tid in gloo_thread_ids():
-        try:
-            total += time.clock_gettime(_thread_cpu_clock(tid))
-        except OSError:  # the thread exited
-            continue
-    return total
-
-
-def local_ranks() -> int:
-    """Ranks on this machine: ``LOCAL_WORLD_SIZE`` (torchrun sets it), else every rank of the
-    default process group (one machine), else 1."""
-    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
-        return int(os.environ["LOCAL_WORLD_SIZE"])
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the platform tells, else all)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def deadline_share(local_ranks: int, gloo_threads: int, cores: int) -> float:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from cost_model.profile.threads import thread_cpu_clock
 from dhelix_compile import comm_threads
 from dhelix_compile.comm_threads import ThreadPriority, gloo_thread_ids, prioritize_gloo_threads
 from dhelix_compile.testing.multirank import run_on_ranks
@@ -86,7 +87,7 @@ def test_a_threads_cpu_clock_is_read_from_outside_it() -> None:
     started.wait()
     time.sleep(0.05)
     assert thread.native_id is not None
-    clock = comm_threads._thread_cpu_clock(thread.native_id)
+    clock = thread_cpu_clock(thread.native_id)
     first = time.clock_gettime(clock)
     stop.set()
     time.sleep(0.01)  # the thread reads its own clock before it exits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pathlib
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch.distributed._functional_collectives as funcol
 
 from cost_model import AnalyticEstimator, Device, Link, ProfiledEstimator, simulate
 from cost_model.profile.cache import CACHE_SAMPLES, CACHE_VERSION
+from cost_model.profile.estimator import MAX_CPU_SHARE
 from cost_model.progress import progress_bar
 from cost_model.testing import fake_world, trace_aten
 from dhelix_compile.testing.multirank import run_on_ranks
@@ -234,7 +236,7 @@ def test_a_kinds_contention_factor_is_the_median_of_the_processs_measurements(
     keys = iter(range(100))
 
     def fake_measure(
-        compute: Any, comms: Any, group: Any, cache: dict[str, float], repeats: int, transfer: str
+        compute: Any, comms: Any, group: Any, cache: dict[str, float], repeats: int, transfer: str, shares: Any
     ) -> float:
         factor = next(measured)
         cache[f"contention|{next(keys)}|{transfer}"] = factor  # keys end with the kind, as measure_contention's
@@ -368,6 +370,12 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
     )
     skewed.calibrate(gm)
     issue = next(n for n in gm.graph.nodes if n.target == c10d.all_reduce.default)
+    takes_cpu = real.transfers_take_compute_cpu
+    factors = {}
+    for together in (False, True):  # the all-reduce's factor, its threads apart from the compute or not
+        real.transfers_take_compute_cpu = together
+        factors[together] = real.node_cost(issue).contention_factor
+    real.transfers_take_compute_cpu = takes_cpu
     from dhelix_compile.ops.exchange import P2P_EXCHANGE
 
     exchange = trace_aten(
@@ -391,6 +399,12 @@ def _gloo_calibrate(rank: int, world_size: int, cache_root: str) -> dict[str, An
         "contention": report.contention_factor,
         "contention_by_kind": dict(real.measured_contention),
         "stand_ins_sent": sent,
+        "issue_cpu_share": real.transfer_cpu_shares[real.signature(issue) or ""],
+        "standin_cpu_shares": dict(real.standin_cpu_shares),
+        "p2p_cpu_share": real.transfer_cpu_shares[real.signature(p2p) or ""],
+        "takes_cpu": takes_cpu,
+        "factor_apart": factors[False],
+        "factor_together": factors[True],
         "issue_factor": real.node_cost(issue).contention_factor,
         "p2p_factor": real.node_cost(p2p).contention_factor,
         "real": real.measurements,
@@ -415,7 +429,20 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     by_kind = r0["contention_by_kind"]
     assert by_kind == r1["contention_by_kind"] and set(by_kind) == {"reduce", "move"}
     assert min(by_kind.values()) >= 1.0 and r0["contention"] == max(by_kind.values())
-    assert (r0["issue_factor"], r0["p2p_factor"]) == (by_kind["reduce"], by_kind["move"])
+    # ... and, where its threads run on the compute's cores (2 ranks x 1 thread filling the
+    # cores), what it takes of them against what the stand-in's took: each measured, agreed
+    share, standin = r0["issue_cpu_share"], r0["standin_cpu_shares"]
+    assert share == r1["issue_cpu_share"] and share > 0
+    assert standin == r1["standin_cpu_shares"] and set(standin) == {"reduce", "move"}
+    assert r0["takes_cpu"] == r1["takes_cpu"] == (len(os.sched_getaffinity(0)) <= 2)
+    assert r0["factor_apart"] == by_kind["reduce"]
+    moved = by_kind["reduce"] * (1 - min(standin["reduce"], MAX_CPU_SHARE)) / (1 - min(share, MAX_CPU_SHARE))
+    assert r0["factor_together"] == pytest.approx(max(1.0, moved))
+    assert r0["issue_factor"] == r0["factor_together" if r0["takes_cpu"] else "factor_apart"]
+    p2p_moved = (
+        by_kind["move"] * (1 - min(standin["move"], MAX_CPU_SHARE)) / (1 - min(r0["p2p_cpu_share"], MAX_CPU_SHARE))
+    )
+    assert r0["p2p_factor"] == pytest.approx(max(1.0, p2p_moved) if r0["takes_cpu"] else by_kind["move"])
     # a "move" is timed beside all-to-alls, what a graph on gloo sends for every move: each rank
     # sends and receives at once (broadcasts carried one direction at a time, and slowed less)
     assert r0["stand_ins_sent"]["all_to_all_single"] > 0 and r0["stand_ins_sent"]["broadcast"] == 0

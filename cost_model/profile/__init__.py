@@ -9,7 +9,8 @@ max over ranks, so every rank plans the same schedule. Its pieces, each a module
     signatures    what a measurement is keyed by (the same on every rank of an SPMD graph)
     cache         the disk cache of compute signatures, one JSON file per device (device_key)
     running       running one node alone on real tensors; median_run_s, device_of_nodes
-    contention    the compute slowdown while an all_reduce is in flight
+    contention    the compute slowdown while a transfer is in flight (an all_reduce or an all_to_all)
+    threads       the threads that move transfers (gloo's), their CPU, and the cores the compute has
     pairs         two segments co-executed: the interleave pass's measured P(F_i, B_j)
 
 Ranks agree through :mod:`cost_model.rank_agreement`; the progress bar is

@@ -31,6 +31,11 @@ Contract
                            barrier; k async xfer(bytes); t_busy = time(iters calls); wait all
            factor = max over ranks of max(1, median(t_busy) / median(t_alone))
     cache[key] = factor
+    share  (with ``shares``) the CPU the stand-in's transfer threads (gloo's,
+           ``profile.threads``) ran during each timed busy window over the window, median,
+           agreed by MAX: how much of the core its transfers took. Where transfer threads run
+           on the compute's cores, the factor holds that much; a transfer that takes more or
+           less is priced from it (``profile.estimator``: ``cpu share``)
 
 The timed calls run with a transfer in flight from their first to their last: the slowdown the
 simulator applies to compute under a transfer. (One transfer shorter than the calls, as this
@@ -54,6 +59,7 @@ import torch.fx
 from cost_model.comm_nodes import describe_comm, resolve_group_size
 from cost_model.nodes import call_target
 from cost_model.profile.running import device_of_nodes, real_args, synchronize
+from cost_model.profile.threads import gloo_thread_ids, threads_cpu_s
 from cost_model.rank_agreement import agree_max, backend_name, comm_device
 from cost_model.symbolic import evaluate, size_hints
 
@@ -82,11 +88,13 @@ def measure_contention(
     cache: dict[str, float],
     repeats: int,
     transfer: Transfer = "reduce",
+    shares: dict[str, float] | None = None,
 ) -> float | None:
     """The compute slowdown under a ``transfer`` (module docstring).
 
     ``compute``: ``(seconds, signature, node)`` of every measured compute op; ``comms``:
-    ``(seconds, node)`` of every measured collective issue; ``cache`` gains the factor's key.
+    ``(seconds, node)`` of every measured collective issue; ``cache`` gains the factor's key,
+    and ``shares`` (when given) the stand-in transfers' CPU share under the same key.
     """
     if group is None or backend_name(group) == "fake" or resolve_group_size(group) in (None, 1):
         return None
@@ -104,6 +112,8 @@ def measure_contention(
     if not agree_max([0.0 if key in cache else 1.0], group)[0]:
         factor = agree_max([cache[key]], group)[0]
         cache[key] = factor
+        if shares is not None:
+            shares[key] = agree_max([shares.get(key, 0.0)], group)[0]
         return factor
     import torch.distributed as dist
 
@@ -141,6 +151,8 @@ def measure_contention(
     in_flight = 1 if one >= window else int(min(MAX_IN_FLIGHT, 1 + math.ceil(window / max(one, 1e-6))))
     alone: list[float] = []
     busy: list[float] = []
+    busy_shares: list[float] = []
+    threads = gloo_thread_ids()  # listed once: each window reads only their clocks
     for _ in range(repeats):
         t0 = time.perf_counter()
         compute_once()
@@ -149,15 +161,19 @@ def measure_contention(
         # back to back, so that a transfer is in flight for all of the timed calls (their values
         # race on one buffer; only the time is used)
         works = [send(async_op=True) for _ in range(in_flight)]
+        cpu0 = threads_cpu_s(threads)
         t0 = time.perf_counter()
         compute_once()
         busy.append(time.perf_counter() - t0)
+        busy_shares.append((threads_cpu_s(threads) - cpu0) / max(busy[-1], 1e-9))
         for work in works:
             work.wait()
     base = statistics.median(alone)
     local = max(1.0, statistics.median(busy) / base) if base > 0 else 1.0
     factor = agree_max([local], group)[0]
     cache[key] = factor
+    if shares is not None:
+        shares[key] = agree_max([statistics.median(busy_shares)], group)[0]
     return factor
 
 

@@ -58,6 +58,20 @@ except that a node whose *signature* has been measured gets the measured time.
              Each transfer's ``NodeCost.contention_factor`` is its kind's (a gloo reduce-scatter,
              sent as an all-to-all whose adding runs after the wait, is a "move":
              ``running.scatter_sent_as_all_to_all``); ``contention_factor`` the largest
+    cpu share  per measured transfer: the CPU its transfer threads (gloo's,
+             ``profile.threads``) ran during each timed run over the run's wall time, median,
+             agreed by MAX (``transfer_cpu_shares``); per kind, the stand-in's own
+             (``standin_cpu_shares``, pooled like the factors). Where those threads run on
+             cores the compute needs (``transfers_take_compute_cpu``: a CPU device, and every
+             core runs a rank's compute, ``threads.compute_fills_cores``), the compute keeps
+             only the rest of its core while a transfer is in flight. The kind's factor holds
+             the stand-in's share, so a transfer's factor is
+             kind's x (1 - stand-in share) / (1 - its share), at least 1 (shares at most
+             MAX_CPU_SHARE): a transfer whose threads take more of the core than the stand-in's
+             1 MiB all-to-alls slows the compute more. On this project's 2-core machine the
+             reference transformer's many smaller collectives kept gloo's threads busy 68 ms per
+             step beside 278 ms of compute thread, and its merged graph ran about 93 ms per call
+             against 67.6 predicted without this (BENCHMARKS.md, thirteenth session)
     write the compute ops' measurements to the cache (JSON, one file per device, atomically
              replaced; ``cost_model.profile.cache``)
     progress bar (cost_model.progress): rank 0 only; ``progress=None`` shows it when stderr
@@ -144,6 +158,7 @@ from cost_model.profile.signatures import (
     is_collective_signature,
     p2p_signature,
 )
+from cost_model.profile.threads import compute_fills_cores, gloo_thread_ids, threads_cpu_s
 from cost_model.progress import item_label, progress_bar
 from cost_model.rank_agreement import FAILED_S, agree_max, agree_max_s, backend_name, check_same_signatures
 from cost_model.strand_plan import Pair
@@ -259,6 +274,17 @@ class ProfiledEstimator(EstimatorBase):
         self.issue_measurements: dict[str, float] = {}
         #: compute slowdown under each kind of transfer (cost_model.profile.contention), as measured
         self.measured_contention: dict[Transfer, float] = {}
+        #: per measured transfer signature: the CPU its transfer threads ran per second of the
+        #: transfer (module docstring: ``cpu share``), agreed by MAX
+        self.transfer_cpu_shares: dict[str, float] = {}
+        #: per kind of transfer: the contention stand-in's own CPU share (cost_model.profile.contention),
+        #: the median of every one measured in this process, as ``measured_contention``
+        self.standin_cpu_shares: dict[Transfer, float] = {}
+        self._standin_shares: dict[str, float] = {}  # by contention key, as ``_contention_cache``
+        #: the transfers' threads run on cores the compute needs (a CPU device whose cores every
+        #: rank's compute fills; set by ``calibrate``): a transfer's share, against the stand-in's,
+        #: moves its factor
+        self.transfers_take_compute_cpu = False
         #: every contention measurement of this process by its key: never on disk (module docstring);
         #: ``measured_contention`` holds each kind's median of them
         self._contention_cache: dict[str, float] = {}
@@ -299,7 +325,13 @@ class ProfiledEstimator(EstimatorBase):
         if cost.kind in ("collective", "p2p") and self.measured_contention:
             transfer = "move" if scatter_sent_as_all_to_all(node) else transfer_of(cost.collective)
             factor = self.measured_contention.get(transfer)
-            return cost if factor is None else dataclasses.replace(cost, contention_factor=factor)
+            if factor is None:
+                return cost
+            share = self.transfer_cpu_shares.get(self.signature(node) or "")
+            if self.transfers_take_compute_cpu and share is not None:
+                standin = self.standin_cpu_shares.get(transfer, 0.0)
+                factor = max(1.0, factor * (1.0 - min(standin, MAX_CPU_SHARE)) / (1.0 - min(share, MAX_CPU_SHARE)))
+            return dataclasses.replace(cost, contention_factor=factor)
         return cost
 
     def _priced(self, node: torch.fx.Node) -> NodeCost:
@@ -501,6 +533,12 @@ class ProfiledEstimator(EstimatorBase):
             for item, issue_s in zip(items, issues, strict=True):
                 if item.is_p2p:
                     self.issue_measurements[item.sig] = issue_s
+        if any(it.is_collective for it in items):
+            shares = agree_max([self.transfer_cpu_shares.get(it.sig, 0.0) for it in items], agree_group)
+            for item, share in zip(items, shares, strict=True):
+                if item.is_collective:
+                    self.transfer_cpu_shares[item.sig] = share
+            self.transfers_take_compute_cpu = device.type == "cpu" and compute_fills_cores(torch.get_num_threads())
 
         for item, t, base_s in zip(items, times, base_times, strict=True):
             if t == FAILED_S:
@@ -527,11 +565,21 @@ class ProfiledEstimator(EstimatorBase):
             ]
             for transfer in TRANSFERS:
                 factor = measure_contention(
-                    measured_compute, measured_comms, agree_group, self._contention_cache, self.repeats, transfer
+                    measured_compute,
+                    measured_comms,
+                    agree_group,
+                    self._contention_cache,
+                    self.repeats,
+                    transfer,
+                    self._standin_shares,
                 )
                 if factor is not None:
                     pooled = statistics.median(factors_of(self._contention_cache, transfer))
                     self.measured_contention[transfer] = pooled
+                    if factors_of(self._standin_shares, transfer):
+                        self.standin_cpu_shares[transfer] = statistics.median(
+                            factors_of(self._standin_shares, transfer)
+                        )
                     contention = max(contention or 1.0, pooled)
         self.disk_cache.store(key, {k: v for k, v in cache.items() if not k.startswith(CONTENTION_KEY_PREFIX)})
         return CalibrationReport(
@@ -614,11 +662,16 @@ class ProfiledEstimator(EstimatorBase):
             if not (need and item.is_collective):
                 continue
             issue_s = self.issue_measurements.get(item.sig)
+            share = self.transfer_cpu_shares.get(item.sig)
             again = self._measure(item)
             if math.isnan(times[index]) or again < times[index]:
                 times[index] = again
-            elif issue_s is not None:  # the first measurement stands, with its issue time
+                continue
+            # the first measurement stands, with its issue time and CPU share
+            if issue_s is not None:
                 self.issue_measurements[item.sig] = issue_s
+            if share is not None:
+                self.transfer_cpu_shares[item.sig] = share
 
     def _show_progress(self, total: int, group: Any) -> bool:
         """The bar's rule: rank 0 only; then ``progress`` when set, else a terminal and enough work."""
@@ -640,18 +693,24 @@ class ProfiledEstimator(EstimatorBase):
         if item.is_collective:
             group = self._group_of(node)
             issued_s: list[float] = []
+            shares: list[float] = []
+            threads = gloo_thread_ids()  # listed once: each run reads only their clocks
 
             def run() -> object:
+                cpu0 = threads_cpu_s(threads)
                 t0 = time.perf_counter()
                 out = run_node(node, args, kwargs)
                 issued_s.append(time.perf_counter() - t0)
                 for t in transfer_tensors(out):
                     c10d.wait_tensor(t)
+                shares.append((threads_cpu_s(threads) - cpu0) / max(time.perf_counter() - t0, 1e-9))
                 return out
 
             total = median_run_or_nan_s(run, self.warmup, self.repeats, device, group)  # NaN: the base model prices it
-            if item.is_p2p and not math.isnan(total):
-                self.issue_measurements[item.sig] = statistics.median(issued_s[self.warmup :])
+            if not math.isnan(total):
+                self.transfer_cpu_shares[item.sig] = statistics.median(shares[self.warmup :])
+                if item.is_p2p:
+                    self.issue_measurements[item.sig] = statistics.median(issued_s[self.warmup :])
             return total
 
         def run_compute() -> object:
@@ -662,6 +721,10 @@ class ProfiledEstimator(EstimatorBase):
 
 #: ``speed`` (module docstring): cached compute ops measured again by each calibration that uses the cache
 SPEED_PROBES: int = 3
+
+#: ``cpu share`` (module docstring): the most of the compute's core a transfer's threads are
+#: taken to hold (the factor grows as 1 / (1 - share); a share near 1 would stop the compute)
+MAX_CPU_SHARE: float = 0.75
 
 #: ``stalls`` (module docstring): a compute op measured above this many times what the graph's
 #: typical measured / base ratio makes of its base estimate ...
