@@ -63,9 +63,9 @@ except that a node whose *signature* has been measured gets the measured time.
              agreed by MAX (``transfer_cpu_shares``); per kind, the stand-in's own
              (``standin_cpu_shares``, pooled like the factors). Where those threads run on
              cores the compute needs (``transfers_take_compute_cpu``: a CPU device, and every
-             core runs a rank's compute, ``threads.compute_fills_cores``), the compute keeps
-             only the rest of its core while a transfer is in flight. The kind's factor holds
-             the stand-in's share, so a transfer's factor is
+             core runs a rank's compute, ``threads.compute_fills_cores``; on any rank, agreed),
+             the compute keeps only the rest of its core while a transfer is in flight. The
+             kind's factor holds the stand-in's share, so a transfer's factor is
              kind's x (1 - stand-in share) / (1 - its share), at least 1 (shares at most
              MAX_CPU_SHARE): a transfer whose threads take more of the core than the stand-in's
              1 MiB all-to-alls slows the compute more. On this project's 2-core machine the
@@ -538,7 +538,9 @@ class ProfiledEstimator(EstimatorBase):
             for item, share in zip(items, shares, strict=True):
                 if item.is_collective:
                     self.transfer_cpu_shares[item.sig] = share
-            self.transfers_take_compute_cpu = device.type == "cpu" and compute_fills_cores(torch.get_num_threads())
+            # agreed, as every number a plan reads: machines of one job may differ in cores
+            takes = device.type == "cpu" and compute_fills_cores(torch.get_num_threads())
+            self.transfers_take_compute_cpu = agree_max([1.0 if takes else 0.0], agree_group)[0] > 0
 
         for item, t, base_s in zip(items, times, base_times, strict=True):
             if t == FAILED_S:
