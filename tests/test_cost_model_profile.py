@@ -435,14 +435,15 @@ def test_two_gloo_ranks_agree(tmp_path: pathlib.Path) -> None:
     assert share == r1["issue_cpu_share"] and share > 0
     assert standin == r1["standin_cpu_shares"] and set(standin) == {"reduce", "move"}
     assert r0["takes_cpu"] == r1["takes_cpu"] == (len(os.sched_getaffinity(0)) <= 2)
+
+    def taking(kind: str, share: float) -> float:  # a transfer's factor where its threads take the compute's CPU
+        return max(1.0, by_kind[kind] * (1 - min(standin[kind], MAX_CPU_SHARE)) / (1 - min(share, MAX_CPU_SHARE)))
+
     assert r0["factor_apart"] == by_kind["reduce"]
-    moved = by_kind["reduce"] * (1 - min(standin["reduce"], MAX_CPU_SHARE)) / (1 - min(share, MAX_CPU_SHARE))
-    assert r0["factor_together"] == pytest.approx(max(1.0, moved))
+    assert r0["factor_together"] == pytest.approx(taking("reduce", share))
     assert r0["issue_factor"] == r0["factor_together" if r0["takes_cpu"] else "factor_apart"]
-    p2p_moved = (
-        by_kind["move"] * (1 - min(standin["move"], MAX_CPU_SHARE)) / (1 - min(r0["p2p_cpu_share"], MAX_CPU_SHARE))
-    )
-    assert r0["p2p_factor"] == pytest.approx(max(1.0, p2p_moved) if r0["takes_cpu"] else by_kind["move"])
+    p2p_expected = taking("move", r0["p2p_cpu_share"]) if r0["takes_cpu"] else by_kind["move"]
+    assert r0["p2p_factor"] == pytest.approx(p2p_expected)
     # a "move" is timed beside all-to-alls, what a graph on gloo sends for every move: each rank
     # sends and receives at once (broadcasts carried one direction at a time, and slowed less)
     assert r0["stand_ins_sent"]["all_to_all_single"] > 0 and r0["stand_ins_sent"]["broadcast"] == 0

@@ -178,8 +178,9 @@ def measure_contention(
 
 
 def factors_of(cache: dict[str, float], transfer: Transfer) -> list[float]:
-    """The factors ``cache`` (``measure_contention``'s memo) holds for ``transfer``'s kind."""
-    return [factor for key, factor in cache.items() if key.endswith(f"|{transfer}")]
+    """The values a memo keyed as ``measure_contention`` keys it holds for ``transfer``'s kind:
+    the factors of its ``cache``, or the stand-ins' CPU shares of its ``shares``."""
+    return [value for key, value in cache.items() if key.endswith(f"|{transfer}")]
 
 
 def _comm_nbytes(node: torch.fx.Node) -> int:

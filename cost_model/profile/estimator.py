@@ -327,10 +327,11 @@ class ProfiledEstimator(EstimatorBase):
             factor = self.measured_contention.get(transfer)
             if factor is None:
                 return cost
-            share = self.transfer_cpu_shares.get(self.signature(node) or "")
-            if self.transfers_take_compute_cpu and share is not None:
-                standin = self.standin_cpu_shares.get(transfer, 0.0)
-                factor = max(1.0, factor * (1.0 - min(standin, MAX_CPU_SHARE)) / (1.0 - min(share, MAX_CPU_SHARE)))
+            if self.transfers_take_compute_cpu:
+                share = self.transfer_cpu_shares.get(self.signature(node) or "")
+                if share is not None:
+                    standin = self.standin_cpu_shares.get(transfer, 0.0)
+                    factor = max(1.0, factor * (1.0 - min(standin, MAX_CPU_SHARE)) / (1.0 - min(share, MAX_CPU_SHARE)))
             return dataclasses.replace(cost, contention_factor=factor)
         return cost
 
@@ -578,10 +579,9 @@ class ProfiledEstimator(EstimatorBase):
                 if factor is not None:
                     pooled = statistics.median(factors_of(self._contention_cache, transfer))
                     self.measured_contention[transfer] = pooled
-                    if factors_of(self._standin_shares, transfer):
-                        self.standin_cpu_shares[transfer] = statistics.median(
-                            factors_of(self._standin_shares, transfer)
-                        )
+                    standin_shares = factors_of(self._standin_shares, transfer)
+                    if standin_shares:
+                        self.standin_cpu_shares[transfer] = statistics.median(standin_shares)
                     contention = max(contention or 1.0, pooled)
         self.disk_cache.store(key, {k: v for k, v in cache.items() if not k.startswith(CONTENTION_KEY_PREFIX)})
         return CalibrationReport(
