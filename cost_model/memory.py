@@ -22,6 +22,14 @@ Contract
   keep them live. ``freeable_inputs`` are graph
   inputs the caller hands over (a backward's saved activations, whose argument list the
   generated code clears): they are live at the start and freed after their last use.
+* Fusion (:func:`fused_pointwise`): a pointwise node whose only reader is pointwise too
+  allocates nothing: Inductor computes it inside its reader's kernel. What it reads is read,
+  in effect, by that reader, and lives until then.
+* In place (:func:`in_place_input`): a pointwise node whose input of its output's size is read
+  by nothing after it writes its output into that input's buffer, as Inductor's kernels do.
+  Without these two, the MLP block's backward with per-peer steps was predicted at a peak 3 MiB
+  above the buffers Inductor allocates, and a reordering that added 6 MiB (measured) at 1 MiB
+  less than the original order.
 
 Bytes per node come from a callback (``NodeCost.output_bytes`` in practice) so this module
 knows nothing of estimators.
@@ -91,6 +99,44 @@ def _schema_alias_arg(node: torch.fx.Node) -> torch.fx.Node | None:
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.fx.Node):
             return value[0]
     return None
+
+
+def is_pointwise(node: torch.fx.Node) -> bool:
+    """An aten op tagged pointwise that writes no input (``add``, ``exp``, ``sigmoid``...)."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.pointwise in target.tags
+        and not target._schema.is_mutable
+    )
+
+
+def fused_pointwise(order: Sequence[torch.fx.Node]) -> frozenset[torch.fx.Node]:
+    """The nodes of ``order`` Inductor computes inside their reader: pointwise, read by exactly
+    one node, itself pointwise and in ``order``. (A pointwise node of several readers counts as a
+    buffer: Inductor keeps one where the computation is not cheap to repeat.)"""
+    members = set(order)
+    fused = set()
+    for node in order:
+        if len(node.users) == 1 and is_pointwise(node):
+            (reader,) = node.users
+            if reader in members and is_pointwise(reader):
+                fused.add(node)
+    return frozenset(fused)
+
+
+def in_place_input(
+    node: torch.fx.Node, dying: Sequence[torch.fx.Node], output_bytes: Callable[[torch.fx.Node], int]
+) -> torch.fx.Node | None:
+    """The buffer among ``dying`` (roots whose last reader is ``node``, directly or through the
+    nodes fused into it) that Inductor writes ``node``'s output into: a pointwise kernel reuses
+    an input of its output's size that nothing reads after it (the first such); None when
+    ``node`` allocates."""
+    if not is_pointwise(node):
+        return None
+    size = output_bytes(node)
+    return next((r for r in dying if output_bytes(r) == size), None)
 
 
 def alias_source(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -203,6 +249,12 @@ def live_bytes_profile(
             if root in freeable:
                 used_at = end if node.op == "output" else position[node]
                 last_use[root] = max(last_use.get(root, -1), used_at)
+    fused = fused_pointwise(order)
+    for node in reversed(order):  # readers before what they read: a fused chain extends back
+        if node in fused:
+            for inp in node.all_input_nodes:
+                root = root_of(inp)
+                last_use[root] = max(last_use.get(root, -1), last_use.get(node, position[node]))
     frees_at: dict[int, list[torch.fx.Node]] = {}
     for root, pos in last_use.items():
         frees_at.setdefault(pos, []).append(root)
@@ -211,14 +263,23 @@ def live_bytes_profile(
     peak = input_bytes
     profile: list[int] = []
     after_free: list[int] = []
+
+    def frees(root: torch.fx.Node) -> bool:
+        return root in freeable or (
+            root.op not in ("placeholder", "get_attr") and root in position and root not in fused
+        )
+
     for i, node in enumerate(order):
-        if node.op not in ("placeholder", "get_attr", "output") and root_of(node) is node:
-            live += output_bytes(node)
+        dying = [r for r in frees_at.get(i, ()) if frees(r)]
+        if node.op not in ("placeholder", "get_attr", "output") and root_of(node) is node and node not in fused:
+            taken = in_place_input(node, dying, output_bytes)
+            if taken is None:
+                live += output_bytes(node)
+            else:
+                dying.remove(taken)  # its buffer becomes the output's
         profile.append(live)
         peak = max(peak, live)
-        for root in frees_at.get(i, ()):
-            if root in freeable or (root.op not in ("placeholder", "get_attr") and root in position):
-                live -= output_bytes(root)
+        live -= sum(output_bytes(r) for r in dying)
         after_free.append(live)
     held_input_bytes = input_bytes - sum(output_bytes(n) for n in freeable)
     return LiveProfile(tuple(profile), tuple(after_free), input_bytes, peak, held_input_bytes)

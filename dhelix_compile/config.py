@@ -90,9 +90,15 @@ class DHelixConfig:
         env="DHELIX_CACHE_DIR",
     )
     memory_budget_ratio: float = _option(
-        1.25,
+        1.0,
         "Reordering may raise a graph's predicted peak live bytes above its parameters and other "
-        "inputs it never frees to at most this multiple of the original order's (>= 1).",
+        "inputs it never frees (a backward frees its saved activations) to at most this multiple "
+        "of the original order's (>= 1); where the reordered graph does not fit, compute it ran "
+        "early is run later until it does, else the original order stays. 1.0 (the default): no "
+        "higher. The prediction counts Inductor's fused and in-place kernels but not a kernel "
+        "that writes several outputs at once: at 1.25 the MLP block's backward was predicted "
+        "1.10x its original order's peak and the step peaked at 1.27x the eager accumulation "
+        "loop's (BENCHMARKS.md).",
     )
     max_in_flight: int = _option(2, "At most this many collectives issued and not yet waited on (>= 1).")
     bucket_mb: float = _option(

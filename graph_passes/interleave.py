@@ -16,7 +16,8 @@ Contract
     activations before new ones are made).
     - Deterministic: a function of the graph and the estimator's numbers (every rank, same plan).
     - Records (``ctx.records["interleave"]``): predicted makespan, exposed communication and
-      peak bytes of each candidate order, segment counts, pairs, ``plan_time_s`` (segmenting
+      peak bytes of each candidate order (``predicted_peak_bytes``: the chosen one's, held above
+      the inputs the graph never frees), segment counts, pairs, ``plan_time_s`` (segmenting
       and the DP) and, with measured pairs, ``pair_measure_s``.
 
 Algorithm::
@@ -339,6 +340,7 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         paired_segments=paired["dp"],
         plan_time_s=plan_time_s,
         predicted_makespan_s=results[chosen].makespan_s,
+        predicted_peak_bytes=float(peaks[chosen]),
         **{f"predicted_makespan_{n}_s": r.makespan_s for n, r in results.items()},
         **{f"predicted_exposed_comm_{n}_s": r.exposed_comm_s for n, r in results.items()},
         **{f"predicted_peak_bytes_{n}": float(p) for n, p in peaks.items()},

@@ -6,8 +6,11 @@ Contract
     - Semantics: only the order changes; order-sensitive nodes (mutation, RNG, side effects)
       keep their relative position (``scheduling.is_order_sensitive``).
     - Memory: the new order's peak live bytes above the inputs it never frees
-      (``cost_model.memory.held_peak_bytes``) stay within ``memory_budget_ratio`` x the
-      original order's.
+      (``cost_model.memory.held_peak_bytes``; a backward frees its saved activations after
+      their last use, ``_torch_compat.backward_handed_inputs``) stay within
+      ``memory_budget_ratio`` x the original order's. Where the list scheduler's order does
+      not, ``memory_fit.sink_to_budget`` runs later what it ran early and held at the peak;
+      if that does not fit either, the original order stays.
     - Determinism: the order is a function of the graph and the estimator's numbers only, so
       every rank (same graph, same agreed costs) computes the same schedule.
     - Judged by the simulator: kept only if ``cost_model.simulate`` predicts a shorter makespan.
@@ -22,6 +25,7 @@ Reason codes (``ctx.stats["reorder"]``; details in ``ctx.notes["reorder"]``)::
     skipped: no estimator
     skipped: merged strands                       a helix graph: ``interleave`` orders it
     kept original order: no predicted gain        detail: both predicted makespans
+    nodes run later to fit the memory budget      (``memory_fit``, counted by how many moved)
     kept original order: over the memory budget   detail: both peaks and the ratio
 
 The algorithm is ``scheduling.list_schedule``; this module is its priority rule.
@@ -66,7 +70,9 @@ from cost_model.estimator import Estimator, MemoizedEstimator
 from cost_model.memory import held_peak_bytes
 from cost_model.op_kinds import is_comm, kind_of
 from cost_model.simulator import simulate
+from graph_passes._torch_compat import backward_handed_inputs
 from graph_passes.context import PassContext
+from graph_passes.memory_fit import sink_to_budget
 from graph_passes.node_order import apply_order
 from graph_passes.scheduling import Rule, SchedulerState, list_schedule
 
@@ -75,7 +81,7 @@ from graph_passes.scheduling import Rule, SchedulerState, list_schedule
 class ReorderOptions:
     """Knobs of the reorder pass (``DHelixConfig`` fields of the same names)."""
 
-    memory_budget_ratio: float = 1.25
+    memory_budget_ratio: float = 1.0
     """Peak live bytes of the new order may be at most this times the original order's."""
     max_in_flight: int = 2
     """At most this many transfers issued and not yet waited on."""
@@ -165,7 +171,7 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
                 return min(issues, key=lambda n: (urgency[n], state.position[n]))
         others = [n for n in ready if state.costs[n].kind != "wait" and not is_comm(state.costs[n].kind)]
         if others:
-            within = [n for n in others if state.live_bytes + state.alloc_bytes(n) <= budget_bytes]
+            within = [n for n in others if state.live_bytes + state.new_bytes(n) <= budget_bytes]
             if within:
                 next_issue = next_issue_position()
                 return min(within, key=lambda n: (urgency[n] != next_issue, state.position[n]))
@@ -220,9 +226,21 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     def output_bytes(node: torch.fx.Node) -> int:
         return estimator.node_cost(node).output_bytes
 
+    # a backward frees its saved activations as it goes: an order that reads them later holds them longer
+    handed = backward_handed_inputs(graph) if ctx.phase == "bwd" else []
+
+    def held_peak(order: Sequence[torch.fx.Node]) -> int:
+        return held_peak_bytes(order, output_bytes, freeable_inputs=handed)
+
     before = simulate(all_nodes, estimator)
-    order = overlap_schedule(body, estimator, options)
-    new_nodes = head + order + tail
+    peak_before = held_peak(all_nodes)
+    budget_bytes = int(options.memory_budget_ratio * peak_before)
+    new_nodes = head + overlap_schedule(body, estimator, options, freeable_inputs=handed) + tail
+    if held_peak(new_nodes) > budget_bytes:
+        fitted = sink_to_budget(new_nodes, output_bytes, budget_bytes, freeable_inputs=handed)
+        ctx.count("reorder", "nodes run later to fit the memory budget", _moved(new_nodes, fitted))
+        new_nodes = fitted
+    order = new_nodes[len(head) : len(new_nodes) - len(tail)]
     after = simulate(new_nodes, estimator)
     ctx.record(
         "reorder",
@@ -239,9 +257,13 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
             f"{ctx.graph_name}: the new order predicts {after.makespan_s:.4g} s, the original {before.makespan_s:.4g} s",
         )
         return gm
-    peak_before = held_peak_bytes(all_nodes, output_bytes)
-    peak_after = held_peak_bytes(new_nodes, output_bytes)
-    if peak_after > options.memory_budget_ratio * peak_before:
+    peak_after = held_peak(new_nodes)
+    ctx.record(
+        "reorder",
+        predicted_held_peak_before_bytes=float(peak_before),
+        predicted_held_peak_after_bytes=float(peak_after),
+    )
+    if peak_after > budget_bytes:
         ctx.explain(
             "reorder",
             "kept original order: over the memory budget",
@@ -262,3 +284,8 @@ def _peak_of_order(
     for node in body:
         state.advance(node)
     return state.peak_bytes
+
+
+def _moved(before: Sequence[torch.fx.Node], after: Sequence[torch.fx.Node]) -> int:
+    """How many nodes ``after`` places elsewhere than ``before`` does."""
+    return sum(a is not b for a, b in zip(before, after, strict=True))

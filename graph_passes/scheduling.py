@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from cost_model.estimator import Estimator
-from cost_model.memory import released_nodes, storage_root
+from cost_model.memory import fused_pointwise, in_place_input, released_nodes, storage_root
 from cost_model.op_kinds import is_comm, kind_of
 from graph_passes._torch_compat import OpOverload
 from graph_passes.annotate import issue_of
@@ -99,6 +99,7 @@ class SchedulerState:
         self._kept: set[torch.fx.Node] = set()
         freeable = set(freeable_inputs)
         released = released_nodes(nodes)
+        self._fused = fused_pointwise(nodes)  # no buffer: their reads are their reader's
         for node in [*nodes, *freeable_inputs]:
             root = self._root[node]
             if root not in freeable and (root not in self.position or root.op in ("placeholder", "get_attr")):
@@ -131,23 +132,53 @@ class SchedulerState:
     def alloc_bytes(self, node: torch.fx.Node) -> int:
         """Bytes scheduling ``node`` next allocates (0 for a view or a graph input's)."""
         root = self._root[node]
-        return self.costs[node].output_bytes if root is node and root not in self._pinned else 0
+        if root is not node or root in self._pinned or root in self._fused:
+            return 0
+        return self.costs[node].output_bytes
+
+    def _reads(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        """The roots whose uses scheduling ``node`` spends: its inputs', and, through the fused
+        nodes it reads, theirs (a fused node spends none: its reader does)."""
+        if node in self._fused:
+            return []
+        reads = []
+        pending = list(node.all_input_nodes)
+        while pending:
+            inp = pending.pop()
+            root = self._root.get(inp)
+            if root is None or root in self._pinned:
+                continue
+            reads.append(root)
+            if root in self._fused:
+                pending.extend(root.all_input_nodes)
+        return reads
+
+    def _frees(self, root: torch.fx.Node) -> int:
+        return 0 if root in self._kept or root in self._fused else self.costs[root].output_bytes
 
     def net_bytes(self, node: torch.fx.Node) -> int:
         """Live bytes scheduling ``node`` next would add: what it allocates, less the inputs it
         is the last user of."""
         added = self.alloc_bytes(node)
         uses: dict[torch.fx.Node, int] = {}
-        for inp in node.all_input_nodes:
-            inp_root = self._root.get(inp)
-            if inp_root is not None and inp_root not in self._pinned:
-                uses[inp_root] = uses.get(inp_root, 0) + 1
-        freed = sum(
-            self.costs[r].output_bytes
-            for r, n in uses.items()
-            if r not in self._kept and self._uses_left.get(r, 0) <= n
-        )
+        for root in self._reads(node):
+            uses[root] = uses.get(root, 0) + 1
+        freed = sum(self._frees(r) for r, n in uses.items() if self._uses_left.get(r, 0) <= n)
         return added - freed
+
+    def new_bytes(self, node: torch.fx.Node) -> int:
+        """Bytes scheduling ``node`` next adds before it frees anything: what it allocates, or
+        nothing where it writes into an input it reads last (``cost_model.memory.in_place_input``)."""
+        return 0 if self._in_place(node) is not None else self.alloc_bytes(node)
+
+    def _in_place(self, node: torch.fx.Node) -> torch.fx.Node | None:
+        if self.alloc_bytes(node) == 0:
+            return None
+        uses: dict[torch.fx.Node, int] = {}
+        for root in self._reads(node):
+            uses[root] = uses.get(root, 0) + 1
+        dying = [r for r, n in uses.items() if self._uses_left.get(r, 0) <= n and self._frees(r)]
+        return in_place_input(node, dying, lambda n: self.costs[n].output_bytes)
 
     def advance(self, node: torch.fx.Node) -> None:
         """Schedule ``node`` next: update clocks, transfers in flight and live bytes."""
@@ -167,19 +198,17 @@ class SchedulerState:
         else:
             self.compute_clock_s += cost.time_s
         self.order.append(node)
+        taken = self._in_place(node)  # an input whose buffer becomes the output's
         allocated = self.alloc_bytes(node)
         if allocated:
-            self.live_bytes += allocated
+            self.live_bytes += 0 if taken is not None else allocated
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             if self._uses_left.get(node, 0) == 0 and node not in self._kept:  # dead on arrival
                 self.live_bytes -= allocated
-        for inp in node.all_input_nodes:
-            inp_root = self._root.get(inp)
-            if inp_root is None or inp_root in self._pinned:
-                continue
-            self._uses_left[inp_root] -= 1
-            if self._uses_left[inp_root] == 0 and inp_root not in self._kept:
-                self.live_bytes -= self.costs[inp_root].output_bytes
+        for root in self._reads(node):
+            self._uses_left[root] -= 1
+            if self._uses_left[root] == 0 and root is not taken:
+                self.live_bytes -= self._frees(root)
 
 
 def _waits_of(issue: torch.fx.Node) -> list[torch.fx.Node]:

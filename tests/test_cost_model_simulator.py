@@ -23,6 +23,7 @@ from cost_model import (
     simulate,
     simulator,
 )
+from cost_model.memory import fused_pointwise
 from cost_model.op_kinds import is_comm, kind_of
 
 aten = torch.ops.aten
@@ -221,7 +222,7 @@ def test_peak_memory_liveness_views_and_waits() -> None:
     v.meta["val"] = _val(1000)
     bb = g.call_function(aten.relu.default, (x,))
     bb.meta["val"] = _val(2000)
-    c = g.call_function(aten.add.Tensor, (v, bb))
+    c = g.call_function(aten.cat.default, ([v, bb],))  # not pointwise: a and bb are buffers
     c.meta["val"] = _val(100)
     ar = g.call_function(c10d.all_reduce.default, (c, "sum", "0"))
     ar.meta["val"] = _val(100)
@@ -237,6 +238,32 @@ def test_peak_memory_liveness_views_and_waits() -> None:
     swapped = [x, bb, a, v, c, ar, w, order[-1]]
     assert simulate(swapped, est).peak_memory_bytes == 3500
     assert est.node_cost(v).output_bytes == 0 and est.node_cost(w).output_bytes == 0
+
+
+def test_peak_memory_counts_a_pointwise_chain_as_the_buffer_inductor_makes() -> None:
+    """neg -> exp -> add, each read once by the next: Inductor computes them in one kernel that
+    writes add's buffer; neg and exp allocate nothing, and x lives until add is computed."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = _val(400)
+    neg = g.call_function(aten.neg.default, (x,))
+    exp = g.call_function(aten.exp.default, (neg,))
+    add = g.call_function(aten.add.Tensor, (exp, x))
+    total = g.call_function(aten.cumsum.default, (add, 0))  # not pointwise: add is a buffer
+    for node in (neg, exp, add, total):
+        node.meta["val"] = _val(1000)
+    g.output(total)
+    order = list(g.nodes)
+    assert fused_pointwise(order) == {neg, exp}
+    est = AnalyticEstimator(Device("d", {torch.float32: 1e12}, 1e11, 0.0, "t"), Link("l", 1e9, 0.0, "t"), world_size=2)
+    assert peak_memory_bytes(order, lambda n: est.node_cost(n).output_bytes) == 400 + 1000 + 1000  # x, add, total
+    from graph_passes.scheduling import SchedulerState  # the list scheduler counts alike
+
+    body = [n for n in order if n.op not in ("placeholder", "output")]
+    state = SchedulerState(body, est)
+    for node in body:
+        state.advance(node)
+    assert state.peak_bytes == 1000 + 1000
 
 
 # ------------------------------------------------------------------- random DAGs
@@ -373,7 +400,7 @@ def test_an_output_handed_over_as_it_is_made_is_not_live_to_the_end() -> None:
     grad.meta["val"] = _val(1000)
     kept = g.call_function(aten.neg.default, (x,))
     kept.meta["val"] = _val(100)
-    later = g.call_function(aten.relu.default, (kept,))
+    later = g.call_function(aten.cumsum.default, (kept, 0))  # not pointwise: kept is a buffer
     later.meta["val"] = _val(2000)
     out = g.output((grad, later))
     est = AnalyticEstimator(Device("d", {torch.float32: 1e12}, 1e11, 0.0, "t"), Link("l", 1e9, 0.0, "t"), world_size=2)

@@ -14,8 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from cost_model.comm_nodes import resolve_group_rank, resolve_group_size
 from cost_model.op_kinds import P2P_OP_NAMES
-from cost_model.testing import fake_world
-from graph_passes._torch_compat import OpOverload, fake_mode_of
+from cost_model.testing import aot_partitions, fake_world
+from graph_passes._torch_compat import OpOverload, backward_handed_inputs, fake_mode_of
 from graph_passes.decompose.emit import EXCHANGE_OP_NAME, exchange_op, registered_op
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,3 +65,15 @@ def test_graph_passes_loads_no_backend_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_backwards_handed_inputs_are_its_saved_activations_and_tangents_not_the_forwards_inputs() -> None:
+    w, x = torch.randn(4, 4, requires_grad=True), torch.randn(3, 4)
+    _, bwd = aot_partitions(lambda w, x: (x @ w).relu() @ w, w, x)
+    placeholders = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+    handed = backward_handed_inputs(bwd.graph)
+    assert handed and any(n.name.startswith("tangents") for n in handed)
+    held = [n for n in placeholders if n not in handed]
+    assert held, "w is saved for the backward"
+    # what is held is what the forward was given: the parameter (and the batch where saved)
+    assert all(n.meta["val"].shape in (w.shape, x.shape) for n in held)

@@ -13,8 +13,10 @@ from torch import nn
 
 import dhelix_compile
 from dhelix_compile import _torch_compat as compat
+from dhelix_compile.config import DHelixConfig
 from dhelix_compile.helix_runtime.schedule import SCHEDULE_KINDS, merged_graph_dirs
 from dhelix_compile.helix_runtime.step import HelixError
+from dhelix_compile.helix_runtime.strands import leanest_of_the_fastest
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.moe import MoEConfig, ReferenceMoE
 
@@ -342,3 +344,21 @@ def test_bad_options_fail_at_helix() -> None:
 def test_not_a_module_is_refused() -> None:
     with pytest.raises(HelixError, match=r"torch.nn.Module"):
         dhelix_compile.helix(lambda x: x)
+
+
+def test_the_merged_candidate_compiled_is_the_leanest_of_the_fastest_within_the_budget() -> None:
+    """Of a merged graph's candidates (rewritten, plain, ...): none whose peak exceeds the budget
+    over the leanest sequential order; of the rest, the leanest of those within the minimum gain
+    of the fastest."""
+    config = DHelixConfig()  # interleave_memory_budget_ratio 1.25, decompose_min_gain_ratio 0.02
+    nan = float("nan")
+    # (planned peak, sequential peak) per candidate
+    assert leanest_of_the_fastest([1.0, 1.5], [(100.0, 100.0), (90.0, 90.0)], config) == 0  # clearly faster
+    assert leanest_of_the_fastest([1.0, 1.01], [(100.0, 100.0), (90.0, 90.0)], config) == 1  # a tie: the leaner
+    assert leanest_of_the_fastest([1.0, 1.01], [(90.0, 90.0), (90.0, 90.0)], config) == 0  # equals: the first
+    # the faster holds more than 1.25x the plain strands' sequential order: out
+    assert leanest_of_the_fastest([1.0, 1.5], [(130.0, 100.0), (95.0, 100.0)], config) == 1
+    assert leanest_of_the_fastest([1.0, 1.5], [(130.0, 110.0), (95.0, 105.0)], config) == 0  # 130 <= 1.25 x 105
+    # peaks not predicted count against no one
+    assert leanest_of_the_fastest([1.0, 1.5], [(nan, nan), (90.0, 90.0)], config) == 0
+    assert leanest_of_the_fastest([float("inf"), 1.5], [(nan, nan), (90.0, 90.0)], config) == 1

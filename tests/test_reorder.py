@@ -106,9 +106,10 @@ def test_without_collectives_or_estimator_it_skips() -> None:
 
 def _hoistable_reduce_scatter(weight_bytes: int = 0) -> tuple[torch.fx.Graph, TableEstimator]:
     """A backward slice whose reduce-scatter (1000 B) the reorder pass would hoist above the
-    weight gradient (500 B, reduced then freed), raising the peak; ``w`` is a parameter."""
+    weight gradient (500 B, reduced then freed), raising the peak; ``w`` is a parameter (named
+    as AOTAutograd names a backward's forward inputs)."""
     g = torch.fx.Graph()
-    x, w, grad = g.placeholder("x"), g.placeholder("w"), g.placeholder("grad")
+    x, w, grad = g.placeholder("x"), g.placeholder("primals_1"), g.placeholder("grad")
     dgrad = g.create_node("call_function", aten.mm.default, (grad, w), name="dgrad")
     wgrad = g.create_node("call_function", aten.mm.default, (x, grad), name="wgrad")
     total = g.create_node("call_function", aten.sum.default, (wgrad,), name="total")
@@ -116,7 +117,7 @@ def _hoistable_reduce_scatter(weight_bytes: int = 0) -> tuple[torch.fx.Graph, Ta
     wait = g.create_node("call_function", c10d.wait_tensor.default, (rs,), name="wait_rs")
     out = g.create_node("call_function", aten.add.Tensor, (wait, total), name="out")
     g.output((out,))
-    sizes = {"w": weight_bytes, "dgrad": 10, "wgrad": 500, "total": 10, "rs": 1000, "wait_rs": 0, "out": 10}
+    sizes = {"primals_1": weight_bytes, "dgrad": 10, "wgrad": 500, "total": 10, "rs": 1000, "wait_rs": 0, "out": 10}
     return g, TableEstimator(kind_times_s={"compute": 1.0, "collective": 1.0}, output_bytes=sizes)
 
 

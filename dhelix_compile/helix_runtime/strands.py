@@ -86,7 +86,9 @@ _A = TypeVar("_A")
 #: (``rewritten_strands_s``), from the strands without those passes (``plain_strands_s``) and
 #: from the strands without all-to-all chains (``unchained_strands_s``), those that were
 #: candidates; where every candidate was run on the live group, their measured times
-#: (``<label>_strands_measured_s``). The lowest (measured where measured) was compiled.
+#: (``<label>_strands_measured_s``); their predicted peaks as planned and in the sequential
+#: order (``<label>_strands_peak_bytes``, ``<label>_strands_sequential_peak_bytes``).
+#: ``leanest_of_the_fastest`` says which was compiled.
 MERGE_RECORDS = "merge"
 
 #: Passes that rewrite a strand by their own choice for the strand running alone, weighed again
@@ -241,7 +243,9 @@ def _compile_merged(
     passes off); when either holds an all-to-all chain, also from the strands planned again
     without chains (their all-to-alls decomposed on their own). The fastest merged graph is
     compiled: measured, every candidate run on the live group, where the estimator measures
-    (``cost_model="profile"``), else by the lowest predicted makespan. On the MoE layer the
+    (``cost_model="profile"``), else by the lowest predicted makespan; of candidates within the
+    rewrites' minimum gain of it, the one that holds the least memory, and none over the
+    merged graph's memory budget (``leanest_of_the_fastest``). On the MoE layer the
     chain makes the forward alone 15% faster, but the merged graph with it measured 88 ms
     against 78 without (its forward's sends wait behind the backward's compute). In a merged
     graph the other strand's compute may hide a whole collective, and per-peer steps then only
@@ -284,16 +288,23 @@ def _compile_merged(
             records[MERGE_RECORDS].update(
                 {f"{c.label}_strands_measured_s": t for c, t in zip(candidates, measured, strict=True)}
             )
-        best = min(range(len(candidates)), key=times.__getitem__)  # the first of equals
+        peaks = [_held_peaks(p) for p, _ in plans]
+        for c, (peak, sequential_peak) in zip(candidates, peaks, strict=True):
+            records[MERGE_RECORDS][f"{c.label}_strands_peak_bytes"] = peak
+            records[MERGE_RECORDS][f"{c.label}_strands_sequential_peak_bytes"] = sequential_peak
+        best = leanest_of_the_fastest(times, peaks, config)
         chosen, planned = candidates[best], plans[best][0]
         if best:
             log.info(
-                "%s: the %s strands make a shorter merged graph (%s %.4g s < %.4g s); compiling that one",
+                "%s: compiling the merged graph of the %s strands (%s %.4g s, peak %.4g MB; the rewritten "
+                "strands' %.4g s, %.4g MB)",
                 name,
                 chosen.label,
                 "measured" if measured is not None else "predicted",
                 times[best],
+                peaks[best][0] / 1e6,
                 times[0],
+                peaks[0][0] / 1e6,
             )
     merged, inputs, config = chosen.merged, chosen.inputs, chosen.config
     compiled = compile_partition(
@@ -379,6 +390,34 @@ def _measured_s(*candidates: tuple[torch.fx.GraphModule, PassContext] | None) ->
     if any(t is None for t in times):
         return None
     return tuple(t for t in times if t is not None)
+
+
+def _held_peaks(planned: tuple[torch.fx.GraphModule, PassContext] | None) -> tuple[float, float]:
+    """A planned merged graph's predicted peaks above the inputs it never frees: in the order
+    compiled, and in the sequential order (NaN: not planned)."""
+    record = planned[1].records.get("interleave", {}) if planned is not None else {}
+    return record.get("predicted_peak_bytes", math.nan), record.get("predicted_peak_bytes_sequential", math.nan)
+
+
+def leanest_of_the_fastest(times: Sequence[float], peaks: Sequence[tuple[float, float]], config: DHelixConfig) -> int:
+    """Which merged candidate to compile (``peaks``: each one's ``_held_peaks``): of those whose
+    peak is within ``interleave_memory_budget_ratio`` x the leanest sequential order's, and whose
+    time is within ``decompose_min_gain_ratio`` of the fastest of them, the leanest (the first
+    of equals). Peaks not predicted (NaN) count against no candidate.
+
+    The interleave pass budgets each candidate against its own strands' sequential order; the
+    strands' rewrites (per-peer steps) add memory of their own. And times this close are noise
+    on a shared machine, the peaks are not: on the MLP block the decomposed strands' merged
+    graph measured 118.9 ms against the plain strands' 119.0, held 34% more, and the step
+    peaked at 1.89x the eager accumulation loop's against 1.07x (BENCHMARKS.md).
+    """
+    base = min((s for _, s in peaks if not math.isnan(s)), default=math.nan)
+    budget = config.interleave_memory_budget_ratio * base
+    fits = [i for i, (p, _) in enumerate(peaks) if math.isnan(p) or math.isnan(base) or p <= budget]
+    fits = fits or list(range(len(times)))
+    fastest = min(times[i] for i in fits)
+    close = [i for i in fits if times[i] <= fastest * (1.0 + config.decompose_min_gain_ratio)]
+    return min(close, key=lambda i: (0.0 if math.isnan(peaks[i][0]) else peaks[i][0], i))
 
 
 def _plan(
