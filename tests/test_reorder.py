@@ -340,3 +340,36 @@ def test_critical_urgency_issues_the_transfer_with_the_most_work_behind_it_first
         issues = [n.name for n in order if is_comm(kind_of(n))]
         assert issues == (["cf1", "cb", "cf2"] if critical else ["cb", "cf1", "cf2"])
     assert makespans == {False: pytest.approx(5.2), True: pytest.approx(4.2)}
+
+
+def _saved_activation_read_first(phase: str) -> tuple[torch.fx.GraphModule, PassContext]:
+    """A backward slice whose saved activation ``act`` (2000 B) is read first, by ``u``: the
+    reorder would issue the reduce-scatter ahead of ``u``, so ``act`` lives beside its buffers."""
+    g = torch.fx.Graph()
+    act, w, grad = g.placeholder("act"), g.placeholder("primals_1"), g.placeholder("tangents_1")
+    u = g.create_node("call_function", aten.sum.default, (act,), name="u")
+    dgrad = g.create_node("call_function", aten.mm.default, (grad, w), name="dgrad")
+    rs = g.create_node("call_function", c10d.reduce_scatter_tensor.default, (dgrad, "sum", 2, "0"), name="rs")
+    wait = g.create_node("call_function", c10d.wait_tensor.default, (rs,), name="wait_rs")
+    out = g.create_node("call_function", aten.add.Tensor, (wait, u), name="out")
+    g.output((out,))
+    sizes = {"act": 2000, "primals_1": 0, "tangents_1": 0, "u": 10, "dgrad": 500, "rs": 500, "wait_rs": 0, "out": 10}
+    estimator = TableEstimator(kind_times_s={"compute": 1.0, "collective": 1.0}, output_bytes=sizes)
+    ctx = PassContext(graph_name="test", phase=phase, estimator=estimator)
+    ctx.pass_options["reorder"] = ReorderOptions(memory_budget_ratio=1.0)
+    return annotate_pass(torch.fx.GraphModule(torch.nn.Module(), g), ctx), ctx
+
+
+def test_a_backward_frees_its_saved_activations_so_reading_them_later_costs_memory() -> None:
+    """AOTAutograd's backward frees a saved activation after its last reader: an order that
+    reads ``act`` later holds 2000 B more at its peak, over a 1.0 budget. A forward's inputs
+    are held by their owners, so there the same order costs nothing."""
+    gm, ctx = _saved_activation_read_first("bwd")
+    before = _names(gm)
+    reorder_pass(gm, ctx)
+    assert _names(gm) == before
+    assert "reordered graphs" not in ctx.stats["reorder"], ctx.notes["reorder"]
+    gm, ctx = _saved_activation_read_first("fwd")
+    reorder_pass(gm, ctx)
+    assert _names(gm).index("rs") < _names(gm).index("u")
+    assert ctx.stats["reorder"]["reordered graphs"] == 1
