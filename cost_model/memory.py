@@ -11,9 +11,11 @@ Contract
 
       live = bytes of graph inputs (placeholders, get_attr)     -- live throughout
       for node i in order:
-          live += bytes allocated by node i                     -- output_bytes of a root
+          live += bytes allocated by node i                     -- output_bytes of a root, unless
+                                                                   fused, or written in place
           peak = max(peak, live)                                -- inputs and outputs coexist
-          free every root whose last use (over all its aliases) is node i
+          free every root whose last use (over all its aliases, and through the fused
+          nodes that read it) is node i
 
   A root used by the graph output, or by a node outside ``order``, lives to the end;
   a root nobody uses is freed right after it is allocated. Outputs at the positions the
@@ -37,6 +39,7 @@ knows nothing of estimators.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -103,13 +106,12 @@ def _schema_alias_arg(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def is_pointwise(node: torch.fx.Node) -> bool:
     """An aten op tagged pointwise that writes no input (``add``, ``exp``, ``sigmoid``...)."""
-    target = node.target
-    return (
-        node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
-        and torch.Tag.pointwise in target.tags
-        and not target._schema.is_mutable
-    )
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and _pointwise_op(node.target)
+
+
+@functools.cache
+def _pointwise_op(target: torch._ops.OpOverload) -> bool:
+    return torch.Tag.pointwise in target.tags and not target._schema.is_mutable
 
 
 def fused_pointwise(order: Sequence[torch.fx.Node]) -> frozenset[torch.fx.Node]:

@@ -171,7 +171,8 @@ def overlap_rule(options: ReorderOptions, urgency: dict[torch.fx.Node, float], b
                 return min(issues, key=lambda n: (urgency[n], state.position[n]))
         others = [n for n in ready if state.costs[n].kind != "wait" and not is_comm(state.costs[n].kind)]
         if others:
-            within = [n for n in others if state.live_bytes + state.new_bytes(n) <= budget_bytes]
+            within = [n for n in others if state.live_bytes + state.alloc_bytes(n) <= budget_bytes]
+            within = within or [n for n in others if state.live_bytes + state.new_bytes(n) <= budget_bytes]
             if within:
                 next_issue = next_issue_position()
                 return min(within, key=lambda n: (urgency[n] != next_issue, state.position[n]))

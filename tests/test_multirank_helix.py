@@ -45,7 +45,7 @@ DEFAULT_CASES = {
     2: [
         ("tp", 2, "bfloat16"),
         ("functional_sp", 2, "float32"),
-        ("moe", 5, "bfloat16"),
+        ("moe", 3, "bfloat16"),
         # F0+F1 | B0+F2 | B1+B2: two forwards and two backwards merged too (every kind of merged graph)
         ("tp_sp", 3, "float32", {"helix_schedule": "paired_ends"}),
     ],
