@@ -162,6 +162,11 @@ def is_schema_view(node: torch.fx.Node) -> bool:
     return not schema.returns[0].alias_info.is_write
 
 
+def memoized_storage_root() -> Callable[[torch.fx.Node], torch.fx.Node]:
+    """:func:`storage_root` with a memo of its own, for one sweep over an order."""
+    return functools.cache(storage_root)
+
+
 def storage_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node that allocated the storage ``node``'s output lives in."""
     seen = 0
@@ -213,12 +218,7 @@ def live_bytes_profile(
     position = {node: i for i, node in enumerate(order)}
     end = len(order)
     freeable = set(freeable_inputs)
-    roots: dict[torch.fx.Node, torch.fx.Node] = {}
-
-    def root_of(node: torch.fx.Node) -> torch.fx.Node:
-        if node not in roots:
-            roots[node] = storage_root(node)
-        return roots[node]
+    root_of = memoized_storage_root()
 
     # Graph inputs: placeholders/get_attr in the order, or read by it.
     inputs: dict[torch.fx.Node, None] = {}

@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch.fx
 
-from cost_model.memory import fused_pointwise, live_bytes_profile, storage_root
+from cost_model.memory import fused_pointwise, live_bytes_profile, memoized_storage_root
 from cost_model.op_kinds import is_comm, kind_of
 from graph_passes.scheduling import is_order_sensitive
 
@@ -56,12 +56,7 @@ def sink_to_budget(
     nothing more can move (module docstring)."""
     order = list(order)
     freeable = frozenset(freeable_inputs)
-    roots: dict[torch.fx.Node, torch.fx.Node] = {}
-
-    def root_of(node: torch.fx.Node) -> torch.fx.Node:
-        if node not in roots:
-            roots[node] = storage_root(node)
-        return roots[node]
+    root_of = memoized_storage_root()
 
     profile = live_bytes_profile(order, output_bytes, freeable_inputs=freeable)
     for _ in range(len(order)):  # each move lowers the bytes live where the order peaked
