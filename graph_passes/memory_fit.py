@@ -64,7 +64,7 @@ def sink_to_budget(
             break
         peak_at = profile.live_after_alloc_bytes.index(profile.peak_bytes)
         for group, before in _moves(order, peak_at, output_bytes, root_of, freeable)[:MAX_TRIES]:
-            moved = _moved(order, group, before)
+            moved = _moved_before(order, group, before)
             after = live_bytes_profile(moved, output_bytes, freeable_inputs=freeable)
             at = moved.index(order[peak_at])
             if after.peak_bytes <= profile.peak_bytes and after.live_after_alloc_bytes[at] < profile.peak_bytes:
@@ -80,7 +80,7 @@ def sink_to_budget(
 MAX_TRIES = 8
 
 
-def _moved(
+def _moved_before(
     order: Sequence[torch.fx.Node], group: Sequence[torch.fx.Node], before: torch.fx.Node
 ) -> list[torch.fx.Node]:
     members = set(group)

@@ -237,10 +237,11 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
     peak_before = held_peak(all_nodes)
     budget_bytes = int(options.memory_budget_ratio * peak_before)
     new_nodes = head + overlap_schedule(body, estimator, options, freeable_inputs=handed) + tail
-    if held_peak(new_nodes) > budget_bytes:
+    peak_after = held_peak(new_nodes)
+    if peak_after > budget_bytes:
         fitted = sink_to_budget(new_nodes, output_bytes, budget_bytes, freeable_inputs=handed)
         ctx.count("reorder", "nodes run later to fit the memory budget", _moved(new_nodes, fitted))
-        new_nodes = fitted
+        new_nodes, peak_after = fitted, held_peak(fitted)
     order = new_nodes[len(head) : len(new_nodes) - len(tail)]
     after = simulate(new_nodes, estimator)
     ctx.record(
@@ -258,7 +259,6 @@ def reorder_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
             f"{ctx.graph_name}: the new order predicts {after.makespan_s:.4g} s, the original {before.makespan_s:.4g} s",
         )
         return gm
-    peak_after = held_peak(new_nodes)
     ctx.record(
         "reorder",
         predicted_held_peak_before_bytes=float(peak_before),

@@ -156,15 +156,17 @@ class SchedulerState:
     def _frees(self, root: torch.fx.Node) -> int:
         return 0 if root in self._kept or root in self._fused else self.costs[root].output_bytes
 
-    def net_bytes(self, node: torch.fx.Node) -> int:
-        """Live bytes scheduling ``node`` next would add: what it allocates, less the inputs it
-        is the last user of."""
-        added = self.alloc_bytes(node)
+    def _dying(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        """The buffers scheduling ``node`` next frees: the roots it reads for the last time."""
         uses: dict[torch.fx.Node, int] = {}
         for root in self._reads(node):
             uses[root] = uses.get(root, 0) + 1
-        freed = sum(self._frees(r) for r, n in uses.items() if self._uses_left.get(r, 0) <= n)
-        return added - freed
+        return [r for r, n in uses.items() if self._uses_left.get(r, 0) <= n and self._frees(r)]
+
+    def net_bytes(self, node: torch.fx.Node) -> int:
+        """Live bytes scheduling ``node`` next would add: what it allocates, less the inputs it
+        is the last user of."""
+        return self.alloc_bytes(node) - sum(self._frees(r) for r in self._dying(node))
 
     def new_bytes(self, node: torch.fx.Node) -> int:
         """Bytes scheduling ``node`` next adds before it frees anything: what it allocates, or
@@ -174,11 +176,7 @@ class SchedulerState:
     def _in_place(self, node: torch.fx.Node) -> torch.fx.Node | None:
         if self.alloc_bytes(node) == 0:
             return None
-        uses: dict[torch.fx.Node, int] = {}
-        for root in self._reads(node):
-            uses[root] = uses.get(root, 0) + 1
-        dying = [r for r, n in uses.items() if self._uses_left.get(r, 0) <= n and self._frees(r)]
-        return in_place_input(node, dying, lambda n: self.costs[n].output_bytes)
+        return in_place_input(node, self._dying(node), lambda n: self.costs[n].output_bytes)
 
     def advance(self, node: torch.fx.Node) -> None:
         """Schedule ``node`` next: update clocks, transfers in flight and live bytes."""
