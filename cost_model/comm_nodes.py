@@ -42,9 +42,12 @@ _COMM_TABLE: dict[object, tuple[str, str]] = {
     c10d.reduce_scatter_tensor_coalesced: ("reduce_scatter", "in"),
     c10d.all_to_all_single: ("all_to_all", "in"),
     c10d.broadcast: ("broadcast", "in"),
-    c10d.isend: ("send", "in"),
-    c10d.irecv: ("recv", "out"),
-    c10d.batch_p2p_ops: ("send", "in"),
+    # functional point-to-point ops: torch 2.13 has them, 2.11 not
+    **{
+        getattr(c10d, name): read
+        for name, read in (("isend", ("send", "in")), ("irecv", ("recv", "out")), ("batch_p2p_ops", ("send", "in")))
+        if hasattr(c10d, name)
+    },
 }
 
 
@@ -160,7 +163,7 @@ def describe_comm(node: torch.fx.Node, default_group_size: int | None) -> CommCa
     args = bound_args(node)
     group_name = args.get("group_name")
 
-    if packet is c10d.batch_p2p_ops:
+    if packet is getattr(c10d, "batch_p2p_ops", None):
         sent: SizeExpr = 0
         received: SizeExpr = 0
         for kind, tensor in zip(args["op_list"], args["tensors"], strict=True):

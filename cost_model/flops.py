@@ -15,6 +15,8 @@ FLOPs (multiply and add count as two):
 * a few ops it lacks: ``linear`` (``2 * numel(out) * k``), the CPU flash-attention
   kernels ``_scaled_dot_product_flash_attention_for_cpu[_backward]`` and the
   pre-dispatch ``scaled_dot_product_attention`` (same formulas as the registry's SDPA);
+* an SDPA kernel whose formula refuses fewer key/value heads than query heads (grouped-query
+  attention on torch 2.11): the same formula with those heads broadcast to the query's;
 * gathers (embedding, index_select, gather, index) and allocations: 0;
 * everything else (elementwise, reductions, copies): one FLOP per element of the largest
   tensor read or written.
@@ -246,6 +248,49 @@ def _formula_flops(node: torch.fx.Node, hints: dict[sympy.Symbol, int] | None) -
 
 _FORMULA_ERRORS = (TypeError, AssertionError, ValueError, IndexError, AttributeError)
 
+#: SDPA kernels by where their query, key and value start in the args (the backward ones take
+#: the output's gradient first), for :func:`_grouped_query_sdpa_flops`.
+_SDPA_QKV_AT: dict[object, int] = {
+    **dict.fromkeys(
+        (
+            aten.scaled_dot_product_attention,
+            aten._scaled_dot_product_flash_attention,
+            aten._scaled_dot_product_efficient_attention,
+            aten._scaled_dot_product_cudnn_attention,
+            aten._scaled_dot_product_flash_attention_for_cpu,
+        ),
+        0,
+    ),
+    **dict.fromkeys(
+        (
+            aten._scaled_dot_product_flash_attention_backward,
+            aten._scaled_dot_product_efficient_attention_backward,
+            aten._scaled_dot_product_cudnn_attention_backward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        ),
+        1,
+    ),
+}
+
+
+def _grouped_query_sdpa_flops(node: torch.fx.Node) -> SizeExpr | None:
+    """An SDPA kernel's FLOPs with the key's and value's heads broadcast to the query's.
+
+    Grouped-query attention hands the kernel fewer key/value heads than query heads (Llama 3's
+    8 against 32), and torch 2.11's formulas assert equal heads: their failure would price the
+    attention as an elementwise op (an H200 measured it 12-20x slower than that). None for other ops.
+    """
+    at = _SDPA_QKV_AT.get(_packet(node.target))
+    if at is None:
+        return None
+    hints = size_hints([node, *node.all_input_nodes])
+    shapes = [tuple(evaluate_int(size, hints) for size in _shape_of(_val(a))) for a in node.args[: at + 3]]
+    query = shapes[at]
+    key, value = ((*shape[:-3], query[-3], *shape[-2:]) for shape in shapes[at + 1 : at + 3])
+    if at == 0:
+        return flop_counter.sdpa_flop_count(query, key, value)
+    return flop_counter.sdpa_backward_flop_count(shapes[0], query, key, value)
+
 
 def op_flops(node: torch.fx.Node) -> SizeExpr:
     """FLOPs of one compute node (see module docstring). Non-compute nodes: 0.
@@ -262,7 +307,7 @@ def op_flops(node: torch.fx.Node) -> SizeExpr:
         try:
             flops = _formula_flops(node, size_hints([node, *node.all_input_nodes]))
         except _FORMULA_ERRORS:
-            flops = None
+            flops = _grouped_query_sdpa_flops(node)
     if flops is not None:
         return flops
     packet = _packet(node.target)

@@ -44,12 +44,15 @@ COLLECTIVE_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     c10d.broadcast,
 )
 
+
+def present_c10d_ops(*names: str) -> tuple[torch._ops.OpOverloadPacket, ...]:
+    """The ``_c10d_functional`` ops of ``names`` this torch defines (torch 2.11 has no functional
+    point-to-point ops; a graph of it cannot hold them)."""
+    return tuple(getattr(c10d, name) for name in names if hasattr(c10d, name))
+
+
 #: Point-to-point issue ops; they are waited on with ``wait_tensor`` too.
-P2P_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
-    c10d.isend,
-    c10d.irecv,
-    c10d.batch_p2p_ops,
-)
+P2P_OPS: tuple[torch._ops.OpOverloadPacket, ...] = present_c10d_ops("isend", "irecv", "batch_p2p_ops")
 
 #: P2P issue ops defined outside torch, by schema name (``dhelix::exchange``: a send and a
 #: receive in one op, defined in ``dhelix_compile.ops.exchange``; named here so that the cost

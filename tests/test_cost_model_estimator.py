@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sympy
@@ -291,6 +292,41 @@ def test_symbolic_formula_that_compares_sizes_is_evaluated_at_hints() -> None:
     gm = trace_aten(gqa, torch.randn(2, 8, 16, 8), kv, kv, dynamic=True)
     node = next(n for n in gm.graph.nodes if n.target == aten._scaled_dot_product_efficient_attention.default)
     assert op_flops(node) == 2 * (2 * 2 * 8 * 16 * 16 * 8)
+
+
+def test_grouped_query_attention_keeps_its_flops_where_torch_asserts_equal_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's SDPA formulas assert as many key heads as query heads; a grouped-query
+    kernel still costs its matmuls, with the key and value heads broadcast (not an elementwise op)."""
+    from torch.utils import flop_counter
+
+    q = torch.randn(2, 8, 16, 8, requires_grad=True)
+    kv = torch.randn(2, 2, 16, 8, requires_grad=True)
+
+    def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return (o, *torch.autograd.grad(o.sum(), [q, k]))
+
+    gm = trace_aten(gqa, q, kv, kv)
+    attention = [n for n in gm.graph.nodes if "attention" in str(n.target)]
+    expected = {str(n.target): op_flops(n) for n in attention}
+    assert len(expected) == 2 and all(v > 0 for v in expected.values())
+    sdpa, sdpa_backward = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
+
+    def equal_heads(count: Any) -> Any:
+        def formula(*shapes: Any) -> Any:
+            heads = {shape[1] for shape in shapes}
+            assert len(heads) == 1, "as torch 2.11 asserts"
+            return count(*shapes)
+
+        return formula
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", equal_heads(sdpa))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", equal_heads(sdpa_backward))
+    b, h, s, d = 2, 8, 16, 8
+    assert {str(n.target): op_flops(n) for n in attention} == expected
+    assert sorted(expected.values()) == [2 * (2 * b * h * s * s * d), 5 * (2 * b * h * s * s * d)]
 
 
 def test_inplace_and_schema_views_allocate_nothing() -> None:

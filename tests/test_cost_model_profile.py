@@ -682,3 +682,17 @@ def test_the_contention_stand_in_is_as_large_as_an_exchanges_payload() -> None:
     x.meta["val"] = torch.empty(256, 512)
     exchange = graph.call_function(P2P_EXCHANGE, (x, 1, 1, 0, "group"))
     assert _comm_nbytes(exchange) == 256 * 512 * 4
+
+
+def test_an_expanded_input_is_made_real_with_its_shared_elements() -> None:
+    """An expanded value (0 strides: elements shared) cannot be filled in place; it is filled as
+    the storage its strides reach, then viewed (the rotary tables of a Hugging Face Llama are)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cost_model.profile.running import materialize
+
+    with FakeTensorMode():
+        val = torch.empty(1, 16).expand(4, 16)
+    real = materialize(val, {})
+    assert (real.shape, real.stride()) == ((4, 16), (0, 1))
+    assert torch.equal(real[0], real[3]) and real.abs().sum() > 0

@@ -219,12 +219,14 @@ def materialize(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> torch.Tens
     """A real tensor with ``val``'s (hinted) shape, strides, dtype and device."""
     shape = hinted_shape(val, hints)
     stride = hinted_stride(val, hints)
-    t = torch.empty_strided(shape, stride, dtype=val.dtype, device=val.device)
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        t.normal_()
+    # the storage the strides reach (an expanded value's 0 strides share elements): filled, then viewed
+    extent = 1 + sum((size - 1) * st for size, st in zip(shape, stride)) if all(shape) else 0
+    base = torch.empty(extent, dtype=val.dtype, device=val.device)
+    if base.dtype.is_floating_point or base.dtype.is_complex:
+        base.normal_()
     else:
-        t.zero_()  # zeros are valid indices, masks and divisors-free integers
-    return t
+        base.zero_()  # zeros are valid indices, masks and divisors-free integers
+    return base.as_strided(shape, stride)
 
 
 def real_value(node: torch.fx.Node, hints: dict[sympy.Symbol, int]) -> Any:
