@@ -14,7 +14,7 @@ Three checks, each reported on its own (one failing does not hide the others), i
                 compute node's analytic estimate on the device's table entry against its
                 measured time (CUDA events, the op alone on random inputs), and the layer
                 compiled by Inductor against the sum of the estimates.
-``codegen``     ``helix`` with its defaults on a bench workload (``--workloads``): Inductor's code
+``codegen``     ``helix`` with its defaults (or ``--options``) on a bench workload (``--workloads``): Inductor's code
                 for the merged graph (compiled, run, the Triton kernels counted) and its losses
                 and gradients against the eager loop's; beside it, Inductor and
                 ``torch.compile(backend="dhelix")`` loops, first step (compile) and step times.
@@ -32,12 +32,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -387,16 +388,24 @@ def _max_rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
+def _worst(values: Iterable[float]) -> float:
+    """The largest of ``values``, NaN if any is (``max`` keeps or drops a NaN by its position)."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
 def _max_grads_diff(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None]) -> float:
     diffs = [0.0]
     for name, w in want.items():
         g = got.get(name)
         if g is not None and w is not None:
             diffs.append(_max_rel_diff(g, w))
-    return max(diffs)
+    return _worst(diffs)
 
 
-def check_codegen(name: str, device: torch.device, microbatches: int, steps: int, dump_root: Path) -> Report:
+def check_codegen(
+    name: str, device: torch.device, microbatches: int, steps: int, dump_root: Path, options: dict[str, Any]
+) -> Report:
     """helix with defaults against the eager loop, beside Inductor and dhelix loops (module docstring),
     on the live default group of 2 ranks (every rank calls it)."""
     from torch._inductor.utils import run_and_get_code
@@ -430,20 +439,28 @@ def check_codegen(name: str, device: torch.device, microbatches: int, steps: int
         "microbatches": microbatches,
         "group": torch.distributed.get_backend(),
         "device": str(device),
+        "options": options,
     }
 
     helix_model = make()
     dump = dump_root / f"{name}_helix"
-    step = dhelix_compile.helix(helix_model, loss_fn, dump_dir=str(dump), fallback="error")
+    step = dhelix_compile.helix(helix_model, loss_fn, **{"dump_dir": str(dump), "fallback": "error", **options})
     t0 = time.perf_counter()
     helix_losses, codes = run_and_get_code(step, mbs)
     _sync(device)
     first_s = time.perf_counter() - t0
     got = local_grads(helix_model)
-    loss_diff = max(abs(float(g) - float(w)) for g, w in zip(helix_losses, eager_losses))
+    loss_diff = _worst(abs(float(g) - float(w)) for g, w in zip(helix_losses, eager_losses))
     grad_diff = _max_grads_diff(got, want)
     helix_times = time_steps_s(lambda: step(mbs), device, steps)
     summaries = {p.name: json.loads((p / "summary.json").read_text()) for p in merged_graph_dirs(dump / "rank0")}
+    # every graph's rewritten sites ("all_gather_matmul: per_peer": 4); merged graphs join graphs
+    # their strands decomposed already
+    decomposed: dict[str, int] = {}
+    for path in sorted((dump / "rank0").glob("*/summary.json")):
+        for code, n in json.loads(path.read_text())["stats"].get("decompose", {}).items():
+            if ": per_peer" in code or ": chunked" in code:
+                decomposed[f"{path.parent.name} {code}"] = n
     kernels = sum(code.count("@triton.jit") for code in codes)
     cpp = sum(code.count("cpp_fused") for code in codes)
     report["helix"] = {
@@ -463,12 +480,13 @@ def check_codegen(name: str, device: torch.device, microbatches: int, steps: int
             }
             for k, v in summaries.items()
         },
+        "decomposed_sites": decomposed,
         "schedule": getattr(step, "schedule_kind", None),
     }
 
     for variant, compile_fn in (
         ("inductor", lambda m: torch.compile(m)),
-        ("dhelix", lambda m: torch.compile(m, backend="dhelix")),
+        ("dhelix", lambda m: torch.compile(m, backend="dhelix", options=dict(options))),
     ):
         torch._dynamo.reset()
         model = make()
@@ -500,11 +518,11 @@ def print_codegen(report: Report) -> None:
     h = report["helix"]
     print(
         f"\n== codegen: {report['workload']}, {report['microbatches']} micro-batches, "
-        f"{report['group']} 2-rank group on {report['device']} =="
+        f"{report['group']} 2-rank group on {report['device']}, options {report['options'] or 'none'} =="
     )
     print(
-        f"  helix defaults: {h['generated_modules']} modules, {h['triton_kernels']} Triton kernels "
-        f"({h['cpp_kernels']} C++); merged graphs {h['merged_graphs']}"
+        f"  helix: {h['generated_modules']} modules, {h['triton_kernels']} Triton kernels "
+        f"({h['cpp_kernels']} C++); merged graphs {h['merged_graphs']}; decomposed sites {h['decomposed_sites']}"
     )
     print(
         f"  helix vs eager loop: losses max abs diff {h['max_loss_abs_diff']:.2e}, "
@@ -516,28 +534,37 @@ def print_codegen(report: Report) -> None:
     for variant in ("eager", "inductor", "dhelix", "helix"):
         r = report[variant]
         first = f"{r['first_step_s']:12.1f}" if "first_step_s" in r else f"{'':>12s}"
-        loss_vs = max(abs(a - b) for a, b in zip(r["losses"], h["losses"]))
+        loss_vs = _worst(abs(a - b) for a, b in zip(r["losses"], h["losses"]))
         print(
             f"  {variant:10s} {first} {r['step_s'] * 1e3:9.2f} {loss_vs:18.2e} {r['max_grad_rel_diff_vs_helix']:18.2e}"
         )
 
 
 def codegen_on_rank(
-    rank: int, world_size: int, name: str, device: str, microbatches: int, steps: int, dump_root: str
+    rank: int,
+    world_size: int,
+    name: str,
+    device: str,
+    microbatches: int,
+    steps: int,
+    dump_root: str,
+    options: dict[str, Any],
 ) -> Report:
     """:func:`check_codegen` on one of the ranks ``run_on_ranks`` starts (every rank on ``device``)."""
     on = torch.device(device)
     if on.type == "cuda":
         torch.cuda.set_device(on)
-    return check_codegen(name, on, microbatches, steps, Path(dump_root))
+    return check_codegen(name, on, microbatches, steps, Path(dump_root), options)
 
 
-def codegen_on_gloo_ranks(name: str, device: torch.device, microbatches: int, steps: int, dump_root: Path) -> Report:
+def codegen_on_gloo_ranks(
+    name: str, device: torch.device, microbatches: int, steps: int, dump_root: Path, options: dict[str, Any]
+) -> Report:
     """:func:`check_codegen` on 2 gloo ranks sharing ``device``: rank 0's report."""
     from dhelix_compile.bench import gpu  # by reference, not as __main__: the ranks unpickle it
     from dhelix_compile.testing.multirank import run_on_ranks
 
-    args = (name, str(device), microbatches, steps, str(dump_root))
+    args = (name, str(device), microbatches, steps, str(dump_root), options)
     return run_on_ranks(gpu.codegen_on_rank, 2, *args, timeout_s=300)[0]
 
 
@@ -566,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=["gloo", "fake"],
         help="codegen's process group: 2 gloo ranks on the one device, or the fake one (module docstring)",
     )
+    parser.add_argument(
+        "--options", default="{}", help="JSON options for the helix and dhelix variants (their defaults if none)"
+    )
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="skip checks that start after this")
     args = parser.parse_args(argv)
 
@@ -589,9 +619,10 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append(("ops", lambda: check_ops(args, device, getattr(torch, args.dtype))))
     if "codegen" in checks and args.group == "fake":
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    options = json.loads(args.options)
     for name in args.workloads.split(",") if "codegen" in checks else []:
         on_ranks = check_codegen if args.group == "fake" else codegen_on_gloo_ranks
-        codegen = functools.partial(on_ranks, name, device, args.microbatches, args.steps, out / "dumps")
+        codegen = functools.partial(on_ranks, name, device, args.microbatches, args.steps, out / "dumps", options)
         jobs.append((f"codegen_{name}_{args.group}", codegen))
     if "contention" in checks:
         jobs.append(("contention", lambda: check_contention(device)))
