@@ -3,13 +3,13 @@ are benchmarks, in BENCHMARKS.md, not tests)."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import pytest
 import torch
 
-from dhelix_compile.bench import gpu
+from dhelix_compile.bench.gpu.contention import check_contention
+from dhelix_compile.bench.gpu.layer_ops import LayerShape, check_ops
 
 pytest.importorskip("transformers")
 
@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 def test_the_ops_check_prices_and_times_every_compute_node_of_a_grouped_query_layer() -> None:
     """Every compute node of the layer's forward and backward has an estimate and a time; the
     grouped-query attention (2 key heads for 4 query heads) is priced by its matmuls."""
-    args = argparse.Namespace(hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, seq=16)
-    report = gpu.check_ops(args, torch.device("cpu"), torch.float32)
+    shape = LayerShape(hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, seq=16)
+    report = check_ops(shape, torch.device("cpu"), torch.float32)
     rows: list[dict[str, Any]] = report["rows"]
     assert {r["phase"] for r in rows} == {"fwd", "bwd"}
     assert not [r for r in rows if "error" in r]
@@ -32,4 +32,4 @@ def test_the_ops_check_prices_and_times_every_compute_node_of_a_grouped_query_la
 
 
 def test_contention_needs_a_gpu() -> None:
-    assert gpu.check_contention(torch.device("cpu")) == {"skipped": "needs a CUDA device"}
+    assert check_contention(torch.device("cpu")) == {"skipped": "needs a CUDA device"}
