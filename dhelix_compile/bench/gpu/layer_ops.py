@@ -57,6 +57,32 @@ def _llama_layer(shape: LayerShape, device: torch.device, dtype: torch.dtype) ->
     return forward
 
 
+def _capture_joint(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> dict[str, torch.fx.GraphModule]:
+    """The forward and backward graphs AOTAutograd partitions ``fn`` into (nodes carry fake values).
+
+    Through Dynamo, which lifts the layer's parameters into graph inputs: ``cost_model.testing.
+    aot_partitions`` traces a function of its arguments only, and a closure's parameters stay real."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def grab(name: str) -> Callable[..., Any]:
+        def compiler(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        return aot_module_simplified(gm, inputs, fw_compiler=grab("fwd"), bw_compiler=grab("bwd"))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    compiled(x).float().sum().backward()
+    return graphs
+
+
 def _op_class(node: torch.fx.Node, flops: float) -> str:
     name = str(node.target)
     if "attention" in name:
@@ -70,14 +96,12 @@ def check_ops(shape: LayerShape, device: torch.device, dtype: torch.dtype) -> Re
     """Every compute node's estimate against its measured time (module docstring)."""
     from cost_model import AnalyticEstimator
     from cost_model.profile.running import real_args, run_node
-    from cost_model.testing import aot_partitions
     from dhelix_compile.config import DHelixConfig
     from dhelix_compile.estimation import resolve_device
 
     layer = _llama_layer(shape, device, dtype)
     x = torch.randn(1, shape.seq, shape.hidden, device=device, dtype=dtype, requires_grad=True)
-    fwd, bwd = aot_partitions(layer, x)
-    graphs = {"fwd": fwd, "bwd": bwd}
+    graphs = _capture_joint(layer, x)
     table = resolve_device(DHelixConfig(), [x])
     estimator = AnalyticEstimator(table, "nvlink4", world_size=2)
     rows = []
