@@ -37,6 +37,11 @@ def _workload(
 
         data = [{k: v.to(device) for k, v in mb.items()} for mb in hf_llama.hf_llama_batches(size, microbatches, gen)]
         return make_hf, hf_llama.hf_llama_loss, data
+    if name not in workloads.MODEL_SIZES:
+        known = ", ".join([*workloads.HF_LLAMA_SIZES, *workloads.MODEL_SIZES])
+        raise ValueError(
+            f"the codegen check runs Hugging Face Llama (TP) or the reference transformer (TP+SP): {known}"
+        )
     config, seq, batch = workloads.model_config(name)
 
     def make_ref() -> Any:
