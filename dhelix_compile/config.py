@@ -165,7 +165,8 @@ class DHelixConfig:
     decompose_min_gain_ratio: float = _option(
         0.02,
         "decompose='auto' rewrites a site only if its time (measured where the candidates run, else "
-        "predicted) drops by at least this fraction ([0, 1)).",
+        "predicted) drops by at least this fraction ([0, 1)); of the variants within this fraction "
+        "of the fastest, the one with the fewest pieces is chosen.",
     )
     helix_schedule: HelixSchedule = _option(
         "forward_backward",

@@ -225,6 +225,9 @@ class _MeasuresByExchanges(TableEstimator):
         ({0: 9.0, 1: 3.0, 2: 1.0, 4: 2.0}, "per_peer_2"),  # the measurements pick, against the prediction
         ({0: 1.0, 1: 3.0, 2: 2.0, 4: 2.5}, None),  # auto keeps the original it measured fastest
         ({0: 9.0, 1: 3.0, 2: None, 4: 2.5}, "per_peer"),  # one candidate not measured: by prediction
+        # within min_gain_ratio (2%) of the fastest, the fewest pieces: noise does not flip the plan
+        ({0: 9.0, 1: 3.0, 2: 2.03, 4: 2.0}, "per_peer_2"),
+        ({0: 9.0, 1: 3.0, 2: 2.1, 4: 2.0}, "per_peer_4"),
     ],
 )
 def test_measured_candidates_decide_where_every_one_was_measured(measured, chosen) -> None:

@@ -64,7 +64,8 @@ class DecomposeOptions:
     are run and the measurements decide (``selection``). The backend's default is 0
     (``DHelixConfig.decompose_pieces``); this dataclass keeps 1, what the pass does unmeasured."""
     min_gain_ratio: float = 0.02
-    """``"auto"`` rewrites a site only if the predicted time drops by at least this fraction."""
+    """``"auto"`` rewrites a site only if its time drops by at least this fraction; of variants
+    within this fraction of the fastest, the one with the fewest pieces is chosen."""
     patterns: tuple[str, ...] = DEFAULT_PATTERNS
     """Which patterns may be rewritten. ``A2A_CHAIN`` (an MoE layer's dispatch, experts and
     combine as one pipeline, ``all_to_all_chain``) is tried before the single sites and priced

@@ -27,7 +27,8 @@ cost more than the per-op model sees (``cost_model.profile.segments``).
 Choice (by measured times where every candidate has one, else by predicted times)::
 
     no estimator (forced modes only)   chunked: the largest k; per_peer: the first (fewest pieces)
-    forced mode                        the variant with the least time (first of equals)
+    forced mode                        of the variants within min_gain_ratio of the least time, the
+                                       first (fewest pieces: per-peer before chunked, fewer before more)
     auto                               that variant only if its time < original's x (1 - min_gain_ratio)
 
 A chain (``chain.ChainSite``, ``all_to_all_chain.AllToAllChainSite``) competes with its two
@@ -162,7 +163,10 @@ class Selection:
         )
         time_of = (lambda v: v.measured_s) if measured else (lambda v: v.predicted_s)
         original = original_measured_s if measured else original_s
-        best = min(variants, key=time_of)  # stable: first of equals
+        fastest = time_of(min(variants, key=time_of))
+        # of the candidates within min_gain_ratio of the fastest, the first: the fewest pieces (the
+        # variants come in that order), so that the measurements' noise does not flip the plan
+        best = next(v for v in variants if time_of(v) <= fastest * (1.0 + self.options.min_gain_ratio))
         if not auto or time_of(best) < original * (1.0 - self.options.min_gain_ratio):
             return best
         return None
