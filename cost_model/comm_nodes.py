@@ -21,11 +21,18 @@ import torch
 import torch.fx
 
 from cost_model.flops import output_tensors
-from cost_model.op_kinds import P2P_OP_NAMES
+from cost_model.op_kinds import P2P_OP_NAMES, present_c10d_ops
 from cost_model.symbolic import SizeExpr, nbytes_expr, tensors_in
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+
+#: The functional point-to-point ops by name, read as the table below reads its ops
+_P2P_READS: dict[str, tuple[str, str]] = {
+    "isend": ("send", "in"),
+    "irecv": ("recv", "out"),
+    "batch_p2p_ops": ("send", "in"),
+}
 
 #: Functional op -> collective name in cost_model.collectives, and whether ``S`` is the
 #: size of the input ("in") or of the output ("out").
@@ -43,12 +50,11 @@ _COMM_TABLE: dict[object, tuple[str, str]] = {
     c10d.all_to_all_single: ("all_to_all", "in"),
     c10d.broadcast: ("broadcast", "in"),
     # functional point-to-point ops: torch 2.13 has them, 2.11 not
-    **{
-        getattr(c10d, name): read
-        for name, read in (("isend", ("send", "in")), ("irecv", ("recv", "out")), ("batch_p2p_ops", ("send", "in")))
-        if hasattr(c10d, name)
-    },
+    **{op: read for name, read in _P2P_READS.items() for op in present_c10d_ops(name)},
 }
+
+#: ``_c10d_functional.batch_p2p_ops`` where this torch has it, looked up once
+_BATCH_P2P_OPS = present_c10d_ops("batch_p2p_ops")
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,7 @@ def describe_comm(node: torch.fx.Node, default_group_size: int | None) -> CommCa
     args = bound_args(node)
     group_name = args.get("group_name")
 
-    if packet is getattr(c10d, "batch_p2p_ops", None):
+    if packet in _BATCH_P2P_OPS:
         sent: SizeExpr = 0
         received: SizeExpr = 0
         for kind, tensor in zip(args["op_list"], args["tensors"], strict=True):

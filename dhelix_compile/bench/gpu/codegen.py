@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dhelix_compile.bench.gpu.timing import sync, time_steps_s
+from cost_model.profile.running import median_run_s, synchronize
 
 Report = dict[str, Any]
 
@@ -120,12 +119,12 @@ def check_codegen(
     step = dhelix_compile.helix(helix_model, loss_fn, **{"dump_dir": str(dump), "fallback": "error", **options})
     t0 = time.perf_counter()
     helix_losses, codes = run_and_get_code(step, mbs)
-    sync(device)
+    synchronize(device)
     first_s = time.perf_counter() - t0
     got = local_grads(helix_model)
     loss_diff = _worst(abs(float(g) - float(w)) for g, w in zip(helix_losses, eager_losses))
     grad_diff = _max_grads_diff(got, want)
-    helix_times = time_steps_s(lambda: step(mbs), device, steps)
+    helix_step_s = median_run_s(lambda: step(mbs), 0, steps, device)
     summaries = {p.name: json.loads((p / "summary.json").read_text()) for p in merged_graph_dirs(dump / "rank0")}
     # every graph's rewritten sites ("all_gather_matmul: per_peer": 4); merged graphs join graphs
     # their strands decomposed already
@@ -138,7 +137,7 @@ def check_codegen(
     cpp = sum(code.count("cpp_fused") for code in codes)
     report["helix"] = {
         "first_step_s": first_s,
-        "step_s": statistics.median(helix_times),
+        "step_s": helix_step_s,
         "max_loss_abs_diff": loss_diff,
         "max_grad_rel_diff": grad_diff,
         "losses": [float(v) for v in helix_losses],
@@ -167,18 +166,18 @@ def check_codegen(
         run = loop(compiled)
         t0 = time.perf_counter()
         losses = run()
-        sync(device)
+        synchronize(device)
         first = time.perf_counter() - t0
         grads = local_grads(model)
         report[variant] = {
             "first_step_s": first,
-            "step_s": statistics.median(time_steps_s(run, device, steps)),
+            "step_s": median_run_s(run, 0, steps, device),
             "losses": [float(v) for v in losses],
             "max_grad_rel_diff_vs_helix": _max_grads_diff(grads, got),
         }
-    eager_times = time_steps_s(loop(eager), device, steps)
+    eager_step_s = median_run_s(loop(eager), 0, steps, device)
     report["eager"] = {
-        "step_s": statistics.median(eager_times),
+        "step_s": eager_step_s,
         "losses": [float(v) for v in eager_losses],
         "max_grad_rel_diff_vs_helix": grad_diff,
     }

@@ -8,21 +8,9 @@ from typing import Any
 
 import torch
 
-from dhelix_compile.bench.gpu.timing import time_each_s
+from dhelix_compile.bench.gpu.timing import cuda_window_s, time_each_s
 
 Report = dict[str, Any]
-
-
-def _window_s(main: Callable[[], object], reps: int, device: torch.device) -> float:
-    """Mean time of ``main`` over ``reps`` back-to-back calls, timed with events on the current stream."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)  # the window starts with work queued behind it, not from an idle stream
-    start.record()
-    for _ in range(reps):
-        main()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 def alone_and_beside_s(
@@ -37,16 +25,16 @@ def alone_and_beside_s(
     measured in alternation (trial by trial), so that the clocks, which fall under a long
     full-power load, are the same for both."""
     stream = torch.cuda.Stream(device)
-    main_s = _window_s(main, reps, device)
+    main_s = cuda_window_s(main, reps, lead_in=True)
     queued = max(2, int(2 * main_s * reps / side_s) + 2)  # outlasts the timed window
     alone, beside = [], []
     for _ in range(trials):
-        alone.append(_window_s(main, reps, device))
+        alone.append(cuda_window_s(main, reps, lead_in=True))
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(queued):
                 side()
-        beside.append(_window_s(main, reps, device))
+        beside.append(cuda_window_s(main, reps, lead_in=True))
         torch.cuda.synchronize(device)
     return statistics.median(alone), statistics.median(beside)
 
