@@ -2,8 +2,8 @@
 same schedules run eagerly (losses of the last stage, every parameter gradient, two steps), and
 bad input gets a HelixError that names the problem.
 
-The reference transformer (and a Hugging Face Llama) is cut into stage chunks
-(``dhelix_compile.testing.pipeline``): one
+The reference transformer (and a Hugging Face Llama) is cut into stage chunks, or stage modules
+are torch's own classes (``dhelix_compile.testing.pipeline``): one
 stage per rank for Schedule1F1B, two per rank for ScheduleInterleaved1F1B (looped) and
 ScheduleDualPipeV (folded, its OVERLAP_F_B steps merged).
 """
@@ -45,6 +45,27 @@ def test_every_supported_schedule_equals_its_eager_run_on_two_ranks() -> None:
         timeout_s=300,
     )
     _assert_no_problems(results)
+
+
+def test_stages_of_torchs_own_module_classes_equal_their_eager_run(tmp_path: Path) -> None:
+    """Stage modules that are an ``nn.Sequential`` or a bare ``nn.Linear``, whose forwards are in
+    Dynamo's skipfiles (``testing.pipeline.torch_module_chunks``): every supported schedule equals
+    its eager run, and each rank merges F of one such stage with B of another into one graph."""
+    results = run_on_ranks(
+        check_pipelines,
+        2,
+        ["1f1b", "interleaved_1f1b", "dualpipev"],
+        4,
+        model="torch_modules",
+        codegen="eager",
+        fallback="error",
+        dump_dir=str(tmp_path),
+        timeout_s=300,
+    )
+    _assert_no_problems(results)
+    for rank in range(2):
+        merged = sorted(p.name for p in (tmp_path / f"rank{rank}").glob("*_with_*_merged"))
+        assert merged, f"rank {rank}: no merged graph of two stages"
 
 
 def test_eager_one_f_one_b_order_equals_torchs_1f1b_run() -> None:

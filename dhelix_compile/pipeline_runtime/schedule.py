@@ -9,9 +9,12 @@
 
 What runs
     Every stage module is compiled by dhelix (``module.compile(...)``: the module object stays
-    the one the stage holds, and later calls to it run compiled too). The schedule's compute
-    steps run on torch's own runtime (``_PipelineScheduleRuntime``: its sends, receives,
-    gradient scaling and loss bookkeeping), with three steps replaced:
+    the one the stage holds, and later calls to it run compiled too). A stage module whose
+    forward is torch's own (an ``nn.Sequential`` of blocks, a bare ``nn.Linear``) also gets an
+    instance attribute ``forward`` that calls that forward from a frame of dhelix's: Dynamo
+    skips the frames of torch's files, and would compile none under it (``own_code``). The
+    schedule's compute steps run on torch's own runtime (``_PipelineScheduleRuntime``: its
+    sends, receives, gradient scaling and loss bookkeeping), with three steps replaced:
 
     ==============  ===========================================================================
     forward         the stage's compiled forward F
@@ -64,6 +67,7 @@ from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.data_parallelism import gradient_sync_on_last
 from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
+from dhelix_compile.own_code import in_own_frame
 from dhelix_compile.pipeline_runtime.boundaries import install_boundaries
 from dhelix_compile.pipeline_runtime.pairing import (
     Compute,
@@ -154,6 +158,22 @@ def _check_stage_module(module: torch.nn.Module, stage_index: int) -> None:
             )
 
 
+def _compile_stage_module(module: torch.nn.Module, backend: Callable[..., Any]) -> None:
+    """``module.compile`` with dhelix's backend. A forward written in torch (``nn.Sequential``,
+    ``nn.Linear``, a subclass that keeps theirs) is in Dynamo's skipfiles, and ``Module.compile``
+    would find no frame to compile under it (``own_code``): the module gets an instance
+    attribute ``forward`` that calls its own from a frame of dhelix's (``in_own_frame``)."""
+    forward = module.forward
+    if _written_in_torch(forward):
+        module.forward = in_own_frame(forward, f"{type(module).__name__}_forward")
+    module.compile(backend=backend, fullgraph=True, dynamic=False)
+
+
+def _written_in_torch(fn: Callable[..., Any]) -> bool:
+    package = (getattr(fn, "__module__", None) or "").partition(".")[0]
+    return package == "torch"
+
+
 class _HelixStages:
     """The stage modules compiled with one set of strands, and the schedule's compute steps."""
 
@@ -161,7 +181,7 @@ class _HelixStages:
         self.strands = Strands(config, runtime, merge_across_graphs=True)
         self.steps = compat.PipelineSteps(runtime)
         for stage in stages:
-            stage.submod.compile(backend=self.strands.backend, fullgraph=True, dynamic=False)
+            _compile_stage_module(stage.submod, self.strands.backend)
         self.steps.install(self.forward, self.backward, self.overlap)
         self.last_backwards = last_backwards
         self.modules = {stage.stage_index: stage.submod for stage in stages}

@@ -24,6 +24,11 @@ Contract
   reference is the plain chunks' eager run with gradients averaged over DP (full tensors
   compared); torch's own schedule over the wrapped chunks is checked too unless
   ``with_torch_schedule=False``.
+* ``model="torch_modules"`` (``torch_module_chunks(n)``): stage modules that are torch's own
+  classes, whose forwards Dynamo's skipfiles hold: the first an ``nn.Sequential`` of an
+  embedding, a flatten (one row per token), a ReLU and a linear layer, the last an ``nn.Sequential`` of a linear layer, a tanh
+  and the head, the ones between bare ``nn.Linear``s (one stage: the first and last in one
+  ``nn.Sequential``).
 """
 
 from __future__ import annotations
@@ -42,7 +47,15 @@ from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 ScheduleKind = Literal["1f1b", "interleaved_1f1b", "dualpipev"]
 DataParallelMode = Literal["shard", "replicate"]
 
-__all__ = ["ScheduleKind", "TransformerChunk", "build_schedule", "check_pipeline", "chunks", "stage_layout"]
+__all__ = [
+    "ScheduleKind",
+    "TransformerChunk",
+    "build_schedule",
+    "check_pipeline",
+    "chunks",
+    "stage_layout",
+    "torch_module_chunks",
+]
 
 
 class TransformerChunk(nn.Module):
@@ -122,11 +135,39 @@ def _parallelize_tp(chunk: nn.Module, mesh: Any) -> None:
         parallelize_module(layer, mesh, block)
 
 
-PipelineModel = Literal["reference", "hf_llama"]
+PipelineModel = Literal["reference", "hf_llama", "torch_modules"]
+
+
+#: The vocabulary of ``torch_module_chunks``' embedding and head.
+TORCH_MODULES_VOCAB = 64
+
+
+def torch_module_chunks(
+    n: int, *, vocab_size: int = TORCH_MODULES_VOCAB, dim: int = 32, seed: int = 0
+) -> list[nn.Module]:
+    """``n`` stage modules of torch's own classes (see the module docstring), seeded."""
+    if n < 1:
+        raise ValueError(f"cannot make {n} stage modules")
+    pieces: list[nn.Module] = []
+    for k in range(n):
+        # tokens flattened to one row each: a linear layer's 3-D output is a view, which torch's
+        # DualPipeV (its split backward detaches stage outputs in place) refuses
+        layers: list[nn.Module] = [nn.Embedding(vocab_size, dim), nn.Flatten(0, 1), nn.ReLU()] if k == 0 else []
+        layers.append(nn.Linear(dim, dim))
+        if k == n - 1:
+            layers += [nn.Tanh(), nn.Linear(dim, vocab_size)]
+        pieces.append(nn.Sequential(*layers) if len(layers) > 1 else layers[0])
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in nn.ModuleList(pieces).parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+    return pieces
 
 
 def _model_chunks(model: PipelineModel, n_layers: int, seq_len: int) -> tuple[Callable[[int], list[nn.Module]], int]:
     """``(make_chunks, vocab_size)``: ``make_chunks(n)`` cuts a fresh seeded model into ``n`` stage chunks."""
+    if model == "torch_modules":
+        return torch_module_chunks, TORCH_MODULES_VOCAB
     if model == "hf_llama":
         from dhelix_compile.testing.hf_llama import HF_LLAMA_SIZES, build_hf_llama, hf_llama_chunks
 
