@@ -137,4 +137,6 @@ def test_bad_input_gets_clear_errors() -> None:
     assert "already sharded by FSDP2" in errors["FSDP2 inside"]
     assert "DistributedDataParallel" in errors["DDP"]
     assert "already wrapped by data_parallel" in errors["wrapped twice"]
+    for case in ("compiled by torch.compile", "compiled in place"):
+        assert "already compiled" in errors[case] and "uncompiled module first" in errors[case], errors[case]
     assert "is the mesh of the tensor-parallel parameters" in errors["the TP mesh as DP mesh"]

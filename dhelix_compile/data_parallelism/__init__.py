@@ -58,9 +58,12 @@ and their gradients keep the model's dtype.
 
 Refused with :class:`DataParallelError`: a mesh that is not a 1-D mesh of this process group
 holding this rank, an unknown mode, a model already wrapped (FSDP2, DDP, or ``data_parallel``),
-parameters on another device type than the mesh, tensor-parallel parameters on several meshes or
-on a mesh that is not the other dim of the DP mesh's root mesh, and placements other than
-``Shard``/``Replicate``.
+a model already compiled (``torch.compile(model)`` or ``model.compile()``: wrap first, then
+compile; a compiled caller such as ``helix`` traces the module inside ``torch.compile``'s
+``OptimizedModule``, not the wrapper, and a ``param_dtype`` input cast registered on the wrapper
+would not run), parameters on another device type than the mesh, tensor-parallel parameters on
+several meshes or on a mesh that is not the other dim of the DP mesh's root mesh, and placements
+other than ``Shard``/``Replicate``.
 """
 
 from __future__ import annotations
@@ -192,6 +195,12 @@ def gradient_sync_on_last(model: nn.Module) -> Iterator[Callable[[bool], None]]:
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise DataParallelError(f"data_parallel(model, ...) needs a torch.nn.Module, got {type(model).__name__}")
+    if compat.compiled_module(model):
+        raise DataParallelError(
+            "data_parallel: the model is already compiled (torch.compile(model) or model.compile()); call "
+            "data_parallel on the uncompiled module first, then compile what it returns (torch.compile, or "
+            "pass it to helix or helix_pipeline)"
+        )
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise DataParallelError(
             "data_parallel: the model is already wrapped by DistributedDataParallel; pass the module itself"

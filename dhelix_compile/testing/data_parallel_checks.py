@@ -265,6 +265,11 @@ def data_parallel_errors(rank: int, world_size: int) -> dict[str, str]:
     def wrapped_twice() -> None:
         data_parallel(data_parallel(linear(), mesh), mesh)
 
+    def compiled_in_place() -> None:
+        model = linear()
+        model.compile()
+        data_parallel(model, mesh)
+
     cases: dict[str, Callable[[], Any]] = {
         "not a mesh": lambda: data_parallel(linear(), [0, 1]),  # type: ignore[arg-type]
         "2-D mesh": lambda: data_parallel(linear(), mesh_2d),
@@ -276,6 +281,8 @@ def data_parallel_errors(rank: int, world_size: int) -> dict[str, str]:
         "FSDP2 inside": lambda: data_parallel(nn.Sequential(fully_shard(linear(), mesh=mesh)), mesh),  # type: ignore[call-overload]
         "DDP": lambda: data_parallel(nn.parallel.DistributedDataParallel(linear()), mesh),
         "wrapped twice": wrapped_twice,
+        "compiled by torch.compile": lambda: data_parallel(torch.compile(linear()), mesh),  # type: ignore[arg-type]
+        "compiled in place": compiled_in_place,
         "the TP mesh as DP mesh": lambda: data_parallel(tensor_parallel(), mesh_2d["tp"]),
     }
     messages = {}
