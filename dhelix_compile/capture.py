@@ -217,19 +217,30 @@ def _pass_context(
     return ctx
 
 
-_WARNED_THREADS: set[str] = set()
+_THREAD_REASONS: set[str] = set()
 
 
 def _gloo_threads_ahead() -> ThreadPriority:
-    """Gloo's threads ahead of the compute (``comm_threads``); why not, logged once per reason."""
+    """Gloo's threads ahead of the compute (``comm_threads``); why not, logged as a warning the
+    first time in a process and at INFO for each new reason after it."""
     result = prioritize_gloo_threads(local_ranks(), torch.get_num_threads())
     if result.moved:
-        log.info("%d gloo threads moved to real-time priority (gloo_thread_priority='realtime')", result.moved)
-    if result.reason is not None and result.reason not in _WARNED_THREADS:
-        _WARNED_THREADS.add(result.reason)
-        log.warning(
-            "gloo's threads stay at normal priority (%s): a transfer in flight waits for the scheduler "
-            "while this rank computes, and hides less; gloo_thread_priority='normal' silences this",
+        refused = f"; the kernel refused {result.refused_share:.1%}" if result.refused_share else ""
+        log.info(
+            "%d gloo threads moved to real-time priority (SCHED_DEADLINE, %.1f%% of each ms%s; "
+            "gloo_thread_priority='realtime')",
+            result.moved,
+            result.share * 100,
+            refused,
+        )
+    if result.reason is not None and result.reason not in _THREAD_REASONS:
+        level = logging.INFO if _THREAD_REASONS else logging.WARNING
+        _THREAD_REASONS.add(result.reason)
+        log.log(
+            level,
+            "gloo's threads stay at normal priority: %s. A transfer in flight then waits for the "
+            "scheduler while this rank computes, and hides less under it (slower steps, the same "
+            "results); later compiles try again; gloo_thread_priority='normal' silences this",
             result.reason,
         )
     return result

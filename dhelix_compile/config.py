@@ -231,10 +231,11 @@ class DHelixConfig:
         "priority a transfer in flight waits for the scheduler each time it needs its threads while "
         "every core computes (a 512 KiB all-to-all: 0.6 ms alone, 3-4 ms under matmuls), and under "
         "a fixed real-time priority gloo's spin-waits could stall a step for seconds "
-        "(dhelix_compile.comm_threads, BENCHMARKS.md). Needs CAP_SYS_NICE (root has it); without it "
-        "a warning says so and nothing changes, as when the machine's ranks times their torch "
-        "threads exceed its cores. 'normal' leaves the threads alone. NCCL has no such threads: "
-        "nothing changes there.",
+        "(dhelix_compile.comm_threads, BENCHMARKS.md). Needs CAP_SYS_NICE (root has it) and "
+        "deadline bandwidth the kernel admits (where other processes hold it, halved shares are "
+        "tried, none below 5%); without them one warning says so and the threads stay at normal "
+        "priority, as when the machine's ranks times their torch threads exceed its cores. "
+        "'normal' leaves the threads alone. NCCL has no such threads: nothing changes there.",
         env="DHELIX_GLOO_THREAD_PRIORITY",
     )
     consistency_timeout_s: float = _option(

@@ -226,7 +226,9 @@ def _gloo_threads(args: argparse.Namespace) -> str:
     if result.reason is not None:
         print(f"dhelix bench: gloo's threads stay at normal priority: {result.reason}", file=sys.stderr)
         return f"normal priority ({result.reason})"
-    budget = f", {result.share:.0%} of each ms" if result.share else ""
+    budget = f", {result.share * 100:g}% of each ms" if result.share else ""
+    if result.refused_share:  # other processes hold deadline bandwidth: the kernel admitted less
+        budget += f", {result.refused_share * 100:g}% refused"
     return f"real-time priority (SCHED_DEADLINE{budget}; --gloo-priority realtime)"
 
 
