@@ -321,6 +321,15 @@ def default_store() -> torch.distributed.Store:
     return _get_default_store()
 
 
+def dim_group_order(ranks: Sequence[int]) -> tuple[int, ...]:
+    """The order of the ranks in the process group a ``DeviceMesh`` makes for one line of a mesh dim
+    (``ranks``, as the mesh lists them): their group ranks, which torch's collectives place tiles
+    by. torch 2.13 sorts them (``new_group`` and ``split_group`` sort ``ranks``; a dim as large as
+    the world uses the default group, ranks 0..N-1); ``dhelix_compile.mesh_positions`` checks it
+    against the groups a rank has, and ``reshard`` refuses a torch that orders them otherwise."""
+    return tuple(sorted(int(r) for r in ranks))
+
+
 def group_ranks(group_name: str) -> list[int]:
     """Global ranks of the process group a functional collective names (``group_name`` arg)."""
     import torch.distributed as dist

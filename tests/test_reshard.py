@@ -11,6 +11,7 @@ import pytest
 from dhelix_compile.testing.multirank import run_on_ranks
 from dhelix_compile.testing.reshard_checks import (
     LAYOUT_PAIRS,
+    PERMUTED_LAYOUT_PAIRS,
     check_compiled,
     check_dtypes_and_errors,
     check_every_layout_pair,
@@ -18,16 +19,33 @@ from dhelix_compile.testing.reshard_checks import (
 )
 
 
+def _mesh_ndim(ranks: list[object]) -> int:
+    return 2 if isinstance(ranks[0], list) else 1
+
+
 def test_every_placement_pair_equals_the_full_tensor_cut_for_the_destination() -> None:
     results = run_on_ranks(check_every_layout_pair, 4, timeout_s=300)
     for pair in LAYOUT_PAIRS:
         src, dst = LAYOUT_PAIRS[pair]
-        expected = len(placement_pairs(2 if isinstance(src[0], list) else 1, 2 if isinstance(dst[0], list) else 1))
+        expected = len(placement_pairs(_mesh_ndim(src), _mesh_ndim(dst)))
         for rank, by_pair in enumerate(results):
             result = by_pair[pair]
             assert result["cases"] == expected
             assert result["failures"] == [], f"{pair}, rank {rank}"
             assert result["new_groups_on_repeat"] == 0, "a repeated reshard created process groups"
+
+
+def test_meshes_listing_their_ranks_out_of_order_get_the_tiles_torch_places() -> None:
+    """A mesh whose ranks along a dim are not ascending: torch's collectives place tiles by each
+    dim group's sorted ranks, not by ``get_coordinate()``; every tile equals ``distribute_tensor``'s
+    on the destination and every gradient its on the source (reversed, 4 -> a reversed 2x2,
+    disjoint and overlapping permuted meshes; every placement pair of each)."""
+    results = run_on_ranks(check_every_layout_pair, 4, tuple(PERMUTED_LAYOUT_PAIRS), timeout_s=400)
+    for pair, (src, dst) in PERMUTED_LAYOUT_PAIRS.items():
+        for rank, by_pair in enumerate(results):
+            result = by_pair[pair]
+            assert result["cases"] == len(placement_pairs(_mesh_ndim(src), _mesh_ndim(dst)))
+            assert result["failures"] == [], f"{pair}, rank {rank}"
 
 
 def test_dtypes_move_and_bad_calls_get_clear_errors() -> None:
@@ -39,6 +57,13 @@ def test_dtypes_move_and_bad_calls_get_clear_errors() -> None:
         assert "does not fit a 2-D tensor" in errors["shard_dim"]
         assert "cannot produce Partial" in errors["partial_dest"]
         assert "ranks disagree on a reshard" in errors["disagree"]  # every rank, none left waiting
+        assert (
+            "one Placement per dim" in errors["placement_not_list"]
+            and "pass [Shard(dim=0)]" in errors["placement_not_list"]
+        )
+        assert "distribute_tensor and full_tensor() disagree there" in errors["inconsistent_mesh"]
+        assert "[[0, 3], [2, 1]]" in errors["inconsistent_mesh"]
+        assert "places uneven shards inconsistently" in errors["uneven_on_permuted_mesh"]
         if "device_type" in errors:
             assert "one device type" in errors["device_type"]
         if rank == 0:

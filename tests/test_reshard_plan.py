@@ -7,11 +7,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dhelix_compile.resharding.plan import Box, MeshLayout, plan_reshard
+from dhelix_compile.mesh_positions import layout_mismatch
+from dhelix_compile.resharding.plan import Box, MeshLayout, MeshOrderError, plan_reshard
 
 
 def test_box_intersection_and_index() -> None:
@@ -82,7 +83,27 @@ def layouts(draw: st.DrawFn, ndim: int, world: int) -> MeshLayout:
 def cases(draw: st.DrawFn) -> tuple[tuple[int, ...], MeshLayout, MeshLayout]:
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
-    return shape, draw(layouts(ndim, 6)), draw(layouts(ndim, 6))
+    source, dest = draw(layouts(ndim, 6)), draw(layouts(ndim, 6))
+    for layout in (source, dest):  # layouts torch holds as one tensor (the others: test below)
+        assume(layout_mismatch(shape, layout.mesh_shape, layout.ranks, layout.placements) is None)
+    return shape, source, dest
+
+
+def test_a_layout_torch_does_not_hold_is_refused_by_the_plan() -> None:
+    """Uneven shards on a mesh listing its ranks out of order, and a 2-D mesh whose dim-1 groups
+    cut across the sharded dim 0's positions (``mesh_positions``)."""
+    even = MeshLayout((2,), (2, 3), (Replicate(),))
+    with pytest.raises(MeshOrderError, match="uneven shards"):
+        plan_reshard((5,), MeshLayout((4,), (3, 2, 1, 0), (Shard(0),)), even, 4)
+    with pytest.raises(MeshOrderError, match="share a dim-1 process group"):
+        plan_reshard((4,), MeshLayout((2, 2), (2, 1, 3, 0), (Shard(0), Replicate())), even, 4)
+    plan = plan_reshard((4,), MeshLayout((2, 2), (2, 1, 3, 0), (Replicate(), Shard(0))), even, 4)
+    assert plan.source_tiles == {
+        2: Box((2,), (2,)),
+        1: Box((0,), (2,)),
+        3: Box((2,), (2,)),
+        0: Box((0,), (2,)),
+    }  # as torch
 
 
 def _torch_tiles(shape: tuple[int, ...], layout: MeshLayout) -> dict[int, torch.Tensor]:

@@ -9,6 +9,14 @@ overlap, 1-D or 2-D, with any mix of ``Shard(d)`` and ``Replicate()`` on either 
 shards and any dtype. ``Partial()`` on the source is reduced on the way: a reduce-scatter on the
 source mesh first (so each replica then sends a different reduced slice), then the move.
 
+Meshes may list their ranks in any order: each rank gets the tile torch's collectives put there
+(``dhelix_compile.mesh_positions``), and a layout torch itself does not hold as one tensor there
+(uneven shards on a dim listed out of order; a 2-D mesh whose groups cut across a sharded dim's
+positions) is refused with a ``ReshardError`` before anything is sent. Within one mesh, torch's
+own ``redistribute`` runs the move only where the mesh lists its ranks in its groups' order
+(elsewhere it keeps the chunk at ``get_coordinate()``); otherwise the move is planned as between
+two meshes.
+
 On a rank outside ``mesh_b`` the result is torch's own placeholder for a rank outside a DTensor's
 mesh: a DTensor on ``mesh_b`` whose local tensor is empty. It takes part in the backward like any
 other result: every rank of the union calls ``backward`` through its result (a loss over an
@@ -32,9 +40,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dhelix_compile import _torch_compat as compat
+from dhelix_compile.mesh_positions import group_order_mismatch, in_listed_order, layout_mismatch, mesh_ranks
 from dhelix_compile.resharding.groups import broadcast_groups, forget_old_world, world_cache
 from dhelix_compile.resharding.move import Issued, RankSteps, move, rank_steps
-from dhelix_compile.resharding.plan import MeshLayout, ReshardPlan, plan_reshard
+from dhelix_compile.resharding.plan import MeshLayout, MeshOrderError, ReshardPlan, plan_reshard
 
 __all__ = ["ReshardError", "ReshardWork", "layout_of", "plan_move", "planned_layouts", "reshard", "reshard_plan"]
 
@@ -75,6 +84,11 @@ def reshard(
     """
     if not isinstance(x, DTensor):
         raise ReshardError(f"reshard moves a DTensor between device meshes; got {type(x).__name__}")
+    if isinstance(placements, Placement) or not isinstance(placements, Sequence):
+        raise ReshardError(
+            f"placements must be a list with one Placement per dim of the destination mesh; got {placements!r}"
+            + (f" (pass [{placements!r}])" if isinstance(placements, Placement) else "")
+        )
     prepared = _prepare(
         tuple(x.shape), x.dtype, x.device_mesh, tuple(x.placements), device_mesh, tuple(placements), balanced
     )
@@ -149,13 +163,17 @@ def _prepare_new(
     balanced: bool,
 ) -> _Prepared:
     _check(shape, source_mesh, source_placements, mesh, placements)
-    if source_mesh == mesh:
-        return _Prepared(_normalized(placements, len(shape)))
+    for layout in (layout_of(source_mesh, source_placements), layout_of(mesh, placements)):
+        mismatch = layout_mismatch(shape, layout.mesh_shape, layout.ranks, _normalized(layout.placements, len(shape)))
+        if mismatch is not None:  # torch does not hold it as one tensor: refused before anything is sent
+            raise ReshardError(f"reshard cannot move {_describe(layout)}: {mismatch}")
+    if source_mesh == mesh and in_listed_order(tuple(mesh.mesh.shape), mesh_ranks(mesh)):
+        return _Prepared(_normalized(placements, len(shape)))  # torch's own redistribute (module docstring)
     source, dest = _layouts(shape, source_mesh, source_placements, mesh, placements)
     plan = _plan(shape, source, dest, dtype.itemsize, balanced)
     back = _plan(shape, dest, source, dtype.itemsize, balanced)
     rank = dist.get_rank()
-    _agree(plan, balanced, rank)
+    _agree(plan, balanced, rank, [group_order_mismatch(m) for m in (source_mesh, mesh)])
     differentiable = dtype.is_floating_point or dtype.is_complex
     for requires_grad in (False, True) if differentiable else (False,):
         key = (dtype, mesh.device_type, requires_grad)
@@ -171,12 +189,17 @@ _AGREED: set[tuple[object, ...]] = world_cache(set())
 _CALLS_PER_UNION: dict[tuple[int, ...], int] = world_cache({})
 
 
-def _agree(plan: ReshardPlan, balanced: bool, rank: int) -> None:
+def _agree(plan: ReshardPlan, balanced: bool, rank: int, mismatches: Sequence[str | None] = ()) -> None:
     """The first time a plan is made, every rank of the two meshes checks that the others asked
     for the same move (through the c10d store): ranks that disagree would create different
-    groups and wait in each other's rendezvous until the process group's timeout."""
+    groups and wait in each other's rendezvous until the process group's timeout. A rank whose
+    mesh groups hold their ranks in another order than the plan assumes (``mismatches``, from
+    ``mesh_positions.group_order_mismatch``) describes that instead, so every rank fails at once."""
+    problem = "; ".join(m for m in mismatches if m is not None)
     key = (plan.global_shape, plan.source, plan.dest, plan.itemsize, balanced)
     if key in _AGREED or not compat.real_process_group_initialized():
+        if problem:
+            raise ReshardError(f"reshard cannot place tiles as torch does: {problem}")
         return
     union = tuple(sorted({*plan.source.ranks, *plan.dest.ranks}))
     count = _CALLS_PER_UNION.get(union, 0)
@@ -186,7 +209,9 @@ def _agree(plan: ReshardPlan, balanced: bool, rank: int) -> None:
     )
     prefix = f"dhelix/reshard/{'_'.join(map(str, union))}/{count}"
     store = compat.default_store()
-    store.set(f"{prefix}/{rank}", mine)
+    store.set(f"{prefix}/{rank}", f"{mine}; {problem}" if problem else mine)
+    if problem:
+        raise ReshardError(f"reshard cannot place tiles as torch does: {problem}")
     for other in union:
         if other == rank:
             continue
@@ -230,7 +255,7 @@ def _layouts(
 def planned_layouts(shape: tuple[int, ...], source: MeshLayout, dest: MeshLayout) -> tuple[MeshLayout, MeshLayout]:
     """The two layouts a move plans with: the source's ``Partial()`` reduced, shard dims non-negative."""
     ndim = len(shape)
-    reduced = _reduced_placements(shape, _normalized(source.placements, ndim))
+    reduced = _reduced_placements(shape, source.mesh_shape, source.ranks, _normalized(source.placements, ndim))
     return (
         MeshLayout(source.mesh_shape, source.ranks, reduced),
         MeshLayout(dest.mesh_shape, dest.ranks, _normalized(dest.placements, ndim)),
@@ -248,13 +273,16 @@ def plan_move(
 
 
 def layout_of(mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:
-    """The plan's view of a mesh and placements: its shape and the global rank at each coordinate."""
-    return MeshLayout(tuple(mesh.mesh.shape), _ranks(mesh), tuple(placements))
+    """The plan's view of a mesh and placements: its shape and its ranks as it lists them."""
+    return MeshLayout(tuple(mesh.mesh.shape), mesh_ranks(mesh), tuple(placements))
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(shape: tuple[int, ...], source: MeshLayout, dest: MeshLayout, itemsize: int, balanced: bool) -> ReshardPlan:
-    return plan_reshard(shape, source, dest, itemsize, balanced=balanced)
+    try:
+        return plan_reshard(shape, source, dest, itemsize, balanced=balanced)
+    except MeshOrderError as e:  # a mesh torch itself cannot hold this tensor on: refused before any send
+        raise ReshardError(f"reshard cannot move {_describe(source)} -> {_describe(dest)}: {e}") from None
 
 
 def _check(
@@ -286,7 +314,7 @@ def _check(
         if not isinstance(p, (Shard, Replicate, Partial)) or _is_strided(p):
             raise ReshardError(f"source placement {p} is not supported: Shard(d), Replicate() or Partial()")
     rank = dist.get_rank()
-    members = set(_ranks(source_mesh)) | set(_ranks(mesh))
+    members = set(mesh_ranks(source_mesh)) | set(mesh_ranks(mesh))
     if rank not in members:
         raise ReshardError(
             f"rank {rank} is in neither mesh ({source_mesh} -> {mesh}): call reshard on the ranks of the two meshes only"
@@ -297,21 +325,25 @@ def _is_strided(p: Placement) -> bool:
     return type(p).__name__ == "_StridedShard"
 
 
-def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
-    return tuple(int(r) for r in mesh.mesh.flatten().tolist())
-
-
-def _reduced_placements(shape: tuple[int, ...], placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+def _reduced_placements(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], ranks: tuple[int, ...], placements: tuple[Placement, ...]
+) -> tuple[Placement, ...]:
     """``placements`` with every ``Partial()`` reduced on the source mesh: reduce-scattered along a
-    tensor dim no other mesh dim shards (the largest), else all-reduced."""
+    tensor dim no other mesh dim shards (the largest whose shards torch places consistently on the
+    mesh, ``mesh_positions.layout_mismatch``), else all-reduced."""
     sharded = {p.dim for p in placements if isinstance(p, Shard)}
     free = sorted((d for d in range(len(shape)) if d not in sharded), key=lambda d: -shape[d])
-    reduced: list[Placement] = []
-    for p in placements:
+    reduced = list(placements)
+    for i, p in enumerate(placements):
         if isinstance(p, Partial):
-            reduced.append(Shard(free.pop(0)) if free else Replicate())
-        else:
-            reduced.append(p)
+            fits = [
+                d
+                for d in free
+                if layout_mismatch(shape, mesh_shape, ranks, (*reduced[:i], Shard(d), *reduced[i + 1 :])) is None
+            ]
+            reduced[i] = Shard(fits[0]) if fits else Replicate()
+            if fits:
+                free.remove(fits[0])
     return tuple(reduced)
 
 

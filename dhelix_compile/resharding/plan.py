@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["Box", "MeshLayout", "Piece", "ReshardPlan", "plan_reshard"]
+from dhelix_compile.mesh_positions import collective_positions, layout_mismatch
+
+__all__ = ["Box", "MeshLayout", "MeshOrderError", "Piece", "ReshardPlan", "plan_reshard"]
+
+
+class MeshOrderError(ValueError):
+    """A layout torch does not hold as one tensor on its mesh (``mesh_positions.layout_mismatch``)."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,10 @@ class Box:
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """Where one tensor's tiles live: a mesh (its shape, and the global rank at every coordinate,
-    row-major) and one placement per mesh dimension."""
+    """Where one tensor's tiles live: a mesh (its shape, and its global ranks as the mesh lists
+    them, row-major) and one placement per mesh dimension. A rank's tile is the one at its *tile
+    position*, where torch's collectives put it (``dhelix_compile.mesh_positions``), which is its
+    listed coordinate only where every dim lists its ranks in ascending order."""
 
     mesh_shape: tuple[int, ...]
     ranks: tuple[int, ...]
@@ -92,19 +100,25 @@ class MeshLayout:
                 raise ValueError(f"placement {p} is not supported: Shard(d), Replicate() or Partial()")
 
     def coordinates(self) -> Iterator[tuple[int, tuple[int, ...]]]:
-        """``(global rank, mesh coordinate)`` for every rank of the mesh, in mesh order."""
-        coords = itertools.product(*(range(n) for n in self.mesh_shape))
-        return zip(self.ranks, coords, strict=True)
+        """``(global rank, tile position)`` for every rank of the mesh, in listed order."""
+        return iter(collective_positions(self.mesh_shape, self.ranks).items())
 
     def tiles(self, global_shape: Sequence[int]) -> dict[int, Box]:
-        """Every rank's box of a tensor of ``global_shape``."""
+        """Every rank's box of a tensor of ``global_shape``; ``MeshOrderError`` where torch would
+        not read the layout as one tensor (``mesh_positions.layout_mismatch``). A tensor with no
+        elements has empty tiles shaped as torch's DTensor describes them (at each rank's listed
+        coordinate): nothing moves, so nothing can land on the wrong rank."""
         from dhelix_compile import _torch_compat as compat
 
         for p in self.placements:
             if isinstance(p, Shard) and not 0 <= p.dim < len(global_shape):
                 raise ValueError(f"placement {p} does not fit a {len(global_shape)}-D tensor")
+        mismatch = layout_mismatch(global_shape, self.mesh_shape, self.ranks, self.placements)
+        if mismatch is not None:
+            raise MeshOrderError(mismatch)
+        listed = zip(self.ranks, itertools.product(*(range(n) for n in self.mesh_shape)), strict=True)
         tiles = {}
-        for rank, coord in self.coordinates():
+        for rank, coord in listed if math.prod(global_shape) == 0 else self.coordinates():
             shape, offset = compat.local_shape_and_offset(global_shape, self.mesh_shape, coord, self.placements)
             tiles[rank] = Box(tuple(offset), tuple(shape))
         return tiles

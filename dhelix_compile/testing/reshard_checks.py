@@ -11,6 +11,7 @@ A ``Partial()`` source holds integer-valued parts: with ``F`` in eighths, they s
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,9 +25,13 @@ from dhelix_compile.resharding import ReshardWork, reshard
 from dhelix_compile.resharding.groups import created_group_count
 
 __all__ = [
+    "INCONSISTENT_MESH",
     "LAYOUT_PAIRS",
+    "PERMUTED_LAYOUT_PAIRS",
+    "FuzzCase",
     "check_dtypes_and_errors",
     "check_every_layout_pair",
+    "check_fuzzed_cases",
     "check_layout_pair",
     "check_reshard_errors",
     "placement_pairs",
@@ -38,6 +43,27 @@ LAYOUT_PAIRS: dict[str, tuple[list[Any], list[Any]]] = {
     "2x2_to_4": ([[0, 1], [2, 3]], [0, 1, 2, 3]),
     "overlapping": ([0, 1, 2], [1, 2, 3]),
 }
+
+#: Meshes that list their ranks out of ascending order along a dim, where torch's collectives place
+#: tiles by each dim group's sorted ranks, not by ``get_coordinate()`` (``dhelix_compile.mesh_positions``):
+#: the same ranks reversed, 4 -> a 2x2 listed backwards, disjoint and overlapping permuted meshes.
+#: Shapes that every mesh of the pair shards evenly: torch itself places uneven shards on such a
+#: mesh inconsistently, and ``reshard`` refuses them (``check_reshard_errors``, the fuzz test).
+PERMUTED_LAYOUT_PAIRS: dict[str, tuple[list[Any], list[Any]]] = {
+    "reversed": ([0, 1, 2, 3], [3, 2, 1, 0]),
+    "4_to_2x2_reversed": ([2, 0, 3, 1], [[3, 2], [1, 0]]),
+    "disjoint_permuted": ([1, 0], [3, 2]),
+    "overlapping_permuted": ([2, 0, 1], [3, 1]),
+}
+_PERMUTED_SHAPES: dict[str, tuple[int, ...]] = {
+    "reversed": (4, 8),
+    "4_to_2x2_reversed": (4, 8),
+    "disjoint_permuted": (4, 6),
+    "overlapping_permuted": (6, 12),
+}
+
+#: A mesh on which torch's collectives put two ranks at one tile position: refused.
+INCONSISTENT_MESH: list[Any] = [[0, 3], [2, 1]]
 
 _SOURCE_1D: list[Placement] = [Shard(0), Shard(1), Replicate(), Partial()]
 _DEST_1D: list[Placement] = [Shard(0), Shard(1), Replicate()]
@@ -63,16 +89,14 @@ def _tile(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement])
 def _source(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], seed: int) -> torch.Tensor:
     """This rank's local part of ``full`` in ``placements``: integer-valued parts for ``Partial()``."""
     tile = _tile(full, mesh, placements)
-    if tile is None:
-        return torch.empty(0, dtype=full.dtype)
-    coord = mesh.get_coordinate()
-    assert coord is not None
+    if tile is None:  # as many dims as the tensor: from_local reads Shard(-1) by the local tensor's
+        return full.new_empty((0,) * full.dim())
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Partial):
             k = mesh.size(mesh_dim)
             noise = _tile(_integers(full.shape, seed + 7, full.dtype), mesh, placements)
             assert noise is not None
-            tile = tile - (k - 1) * noise if coord[mesh_dim] == 0 else noise
+            tile = tile - (k - 1) * noise if mesh.get_local_rank(mesh_dim) == 0 else noise
     return tile
 
 
@@ -85,10 +109,12 @@ def _mesh(ranks: list[Any]) -> DeviceMesh:
     return DeviceMesh("cpu", torch.tensor(ranks))
 
 
-def check_layout_pair(rank: int, world_size: int, pair: str, shape: tuple[int, ...] = (5, 7)) -> dict[str, Any]:
-    """Every placement pair of ``LAYOUT_PAIRS[pair]``, forward and backward, then a second pass
-    over them that must create no process group; returns the failures (empty when all equal)."""
-    src_ranks, dst_ranks = LAYOUT_PAIRS[pair]
+def check_layout_pair(rank: int, world_size: int, pair: str) -> dict[str, Any]:
+    """Every placement pair of ``LAYOUT_PAIRS[pair]`` (or ``PERMUTED_LAYOUT_PAIRS[pair]``), forward
+    and backward, then a second pass over them that must create no process group; returns the
+    failures (empty when all equal)."""
+    src_ranks, dst_ranks = {**LAYOUT_PAIRS, **PERMUTED_LAYOUT_PAIRS}[pair]
+    shape = _PERMUTED_SHAPES.get(pair, (5, 7))
     mesh_a, mesh_b = _mesh(src_ranks), _mesh(dst_ranks)
     failures: list[str] = []
     pairs = placement_pairs(mesh_a.ndim, mesh_b.ndim)
@@ -166,6 +192,11 @@ def check_reshard_errors(rank: int, world_size: int) -> dict[str, str]:
         "shard_dim": lambda: reshard(x, mesh_b, [Shard(2)]),
         "partial_dest": lambda: reshard(x, mesh_b, [Partial()]),
         "disagree": lambda: reshard(x, mesh_b, [Shard(1)] if rank == 3 else [Shard(0)]),
+        "placement_not_list": lambda: reshard(x, mesh_b, Shard(0)),  # type: ignore[arg-type]
+        "inconsistent_mesh": lambda: reshard(x, _mesh(INCONSISTENT_MESH), [Shard(0), Shard(1)]),
+        "uneven_on_permuted_mesh": lambda: reshard(
+            distribute_tensor(torch.zeros(5, 3), mesh_a, [Shard(0)]), _mesh([3, 2, 1, 0]), [Shard(0)]
+        ),
     }
     mesh_c = _mesh([1])  # every rank builds every mesh (DeviceMesh makes its groups with all ranks)
     if rank == 0:  # in neither [1] nor [2, 3]
@@ -186,9 +217,12 @@ def check_reshard_errors(rank: int, world_size: int) -> dict[str, str]:
     return messages
 
 
-def check_every_layout_pair(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
-    """``check_layout_pair`` for every entry of ``LAYOUT_PAIRS``, in one launch of the ranks."""
-    return {pair: check_layout_pair(rank, world_size, pair) for pair in LAYOUT_PAIRS}
+def check_every_layout_pair(
+    rank: int, world_size: int, pairs: Sequence[str] = tuple(LAYOUT_PAIRS)
+) -> dict[str, dict[str, Any]]:
+    """``check_layout_pair`` for every pair named (by default every entry of ``LAYOUT_PAIRS``), in
+    one launch of the ranks."""
+    return {pair: check_layout_pair(rank, world_size, pair) for pair in pairs}
 
 
 def check_dtypes_and_errors(rank: int, world_size: int) -> tuple[list[str], dict[str, str]]:
@@ -259,3 +293,115 @@ def check_compiled(rank: int, world_size: int, codegen: str = "inductor") -> dic
                 failures.append(f"{pair} {name}: gradients differ")
     broadcasts = sum(code.count("_c10d_functional.broadcast.default") for code in aot_graphs)
     return {"failures": failures, "aot_graphs": len(aot_graphs), "broadcasts": broadcasts}
+
+
+#: One fuzzed case: (source mesh, destination mesh) as nested rank lists, source and destination
+#: placements, the global shape, the dtype's name and a seed.
+FuzzCase = tuple[list[Any], list[Any], tuple[Placement, ...], tuple[Placement, ...], tuple[int, ...], str, int]
+
+
+def check_fuzzed_cases(rank: int, world_size: int, cases: Sequence[FuzzCase]) -> list[str]:
+    """Each case against torch as the oracle, on every rank of the world; returns the failures.
+
+    torch decides what is right: where its own ``distribute_tensor`` then ``full_tensor()`` returns
+    the tensor on both layouts (agreed over the world), ``reshard`` must give every destination rank
+    ``distribute_tensor``'s tile, ``full_tensor()`` the tensor, and (floating dtypes) every source
+    rank the gradient ``distribute_tensor`` lays out on the source. Where torch loses the tensor on
+    either layout (uneven shards on a mesh listing its ranks out of order, two ranks at one tile
+    position), ``reshard`` must raise ``ReshardError`` on every rank of the two meshes.
+    """
+    from dhelix_compile.resharding import ReshardError
+
+    meshes: dict[str, DeviceMesh] = {}
+
+    def mesh_of(ranks: list[Any]) -> DeviceMesh:  # every rank makes every mesh, in one order
+        return meshes.setdefault(str(ranks), _mesh(ranks))
+
+    failures: list[str] = []
+    for i, (src_ranks, dst_ranks, src, dst, shape, dtype_name, seed) in enumerate(cases):
+        dtype = getattr(torch, dtype_name)
+        mesh_a, mesh_b = mesh_of(src_ranks), mesh_of(dst_ranks)
+        full = (_integers(shape, seed, torch.float32) / 8 + _integers(shape, seed + 3, torch.float32)).to(dtype)
+        torch_holds_it = _torch_round_trips(shape, mesh_a, src) & _torch_round_trips(shape, mesh_b, dst)
+        name = f"case {i}: {src_ranks} {list(src)} -> {dst_ranks} {list(dst)}, {list(shape)} {dtype_name}"
+        union = {int(r) for r in (*mesh_a.mesh.flatten().tolist(), *mesh_b.mesh.flatten().tolist())}
+        if rank not in union:
+            continue
+        try:
+            failures += _fuzzed_case(rank, full, mesh_a, mesh_b, src, dst, seed, name, torch_holds_it)
+        except ReshardError as e:
+            if torch_holds_it:
+                failures.append(f"rank {rank} {name}: refused a layout torch holds: {e}")
+    dist.barrier()
+    return failures
+
+
+def _torch_round_trips(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> bool:
+    """Whether torch holds a tensor of ``shape`` in ``placements`` on ``mesh`` as one tensor:
+    ``distribute_tensor(full).full_tensor()`` is ``full`` on every rank of the mesh, and where a
+    dim is ``Partial()``, parts that sum to ``full`` (``_source``) reduced by torch's own
+    ``redistribute`` to ``Replicate()`` are ``full`` too. Agreed over the world (a collective: every
+    rank calls it). ``full`` holds distinct non-zero values (torch pads shards with zeros), so
+    that no misplaced tile goes unseen."""
+    full = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).reshape(tuple(shape))
+    ok = torch.ones(1, dtype=torch.int64)
+    if mesh.get_coordinate() is not None:
+        plain = [Replicate() if isinstance(p, Partial) else p for p in placements]
+        try:
+            ok[0] = int(torch.equal(distribute_tensor(full, mesh, plain).full_tensor(), full))
+            if any(isinstance(p, Partial) for p in placements):
+                parts = DTensor.from_local(
+                    _source(full, mesh, placements, 0),
+                    mesh,
+                    placements,
+                    run_check=False,
+                    shape=full.shape,
+                    stride=full.stride(),
+                )
+                ok[0] &= int(torch.equal(parts.redistribute(mesh, plain).full_tensor(), full))
+        except RuntimeError:  # torch's collectives refuse the layout (mismatched sizes): it does not hold it
+            ok[0] = 0
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _fuzzed_case(
+    rank: int,
+    full: torch.Tensor,
+    mesh_a: DeviceMesh,
+    mesh_b: DeviceMesh,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    seed: int,
+    name: str,
+    torch_holds_it: bool,
+) -> list[str]:
+    differentiable = full.dtype.is_floating_point
+    local = _source(full, mesh_a, src, seed)
+    if differentiable:
+        local.requires_grad_()
+    x = DTensor.from_local(local, mesh_a, src, run_check=False, shape=full.shape, stride=full.stride())
+    y = reshard(x, mesh_b, dst)
+    assert isinstance(y, DTensor)
+    if not torch_holds_it:
+        return [f"rank {rank} {name}: returned a tensor where torch loses it (a ReshardError was due)"]
+    failures = []
+    want = _tile(full, mesh_b, dst)
+    weight = torch.randn(full.shape, generator=torch.Generator().manual_seed(seed + 1)).to(full.dtype)
+    if want is not None:
+        got = y.to_local()
+        if got.shape != want.shape or not torch.equal(got, want):
+            failures.append(f"rank {rank} {name}: tile differs from distribute_tensor's")
+        if not torch.equal(y.full_tensor(), full):
+            failures.append(f"rank {rank} {name}: full_tensor() differs")
+    if not differentiable:
+        return failures
+    w = _tile(weight, mesh_b, dst)
+    if w is None:
+        y.backward(torch.zeros_like(y))
+    else:
+        (y.to_local() * w).sum().backward()
+    want_grad = _tile(weight, mesh_a, src)
+    if want_grad is not None and (local.grad is None or not torch.equal(local.grad, want_grad)):
+        failures.append(f"rank {rank} {name}: gradient differs")
+    return failures
