@@ -6,6 +6,7 @@ here asserts a wall-clock time: on a loaded machine that would fail for the wron
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from typing import Any
@@ -72,6 +73,13 @@ def _rank1_aborts(rank: int, world_size: int) -> int:
     if rank == 1:
         _abort_in_named_helper()
     return rank
+
+
+def _rank1_reports_then_does_not_exit(rank: int, world_size: int) -> None:
+    dist.barrier()
+    if rank == 1:
+        atexit.register(time.sleep, 3600)  # what a thread or a teardown that never ends does
+    raise ValueError(f"boom from rank {rank}")
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -173,6 +181,19 @@ def test_crash_unpicklable_result_and_stuck_rank_are_reported() -> None:
     assert "_crash_unpicklable_and_stuck" in by_rank[3].stack
     _assert_reaped(err.pids)
     assert _zombie_children() == []
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_rank_that_reports_and_does_not_exit_is_flagged() -> None:
+    with pytest.raises(MultiRankError) as info:
+        run_on_ranks(_rank1_reports_then_does_not_exit, 2, timeout_s=90, grace_s=3.0)
+    failures = {f.rank: f for f in info.value.failures}
+    assert failures[1].kind == "exception" and failures[1].left_running
+    assert failures[0].kind == "exception" and not failures[0].left_running
+    assert "ValueError: boom from rank 1" in str(info.value)
+    assert "rank 1 reported this but did not exit; killed" in str(info.value)
+    _assert_reaped(info.value.pids)
 
 
 @pytest.mark.multirank

@@ -19,6 +19,8 @@ Contract
 * Any failure raises ``MultiRankError`` naming every rank that did not return and why: an
   exception (with the remote traceback), a crash (with the exit code), or "did not finish"
   (with the Python stacks of all its threads, dumped by ``faulthandler`` just before the kill).
+  A rank that raised and then did not exit is reported with its exception, ``left_running``
+  and its stacks.
   ``first_failure`` is the rank that failed first by the workers' own clocks: when one rank
   raises, gloo typically makes its peers raise "Connection closed by peer" moments later, and
   the first failure is the cause. ``MultiRankTimeout`` (a subclass) is raised when no rank failed
@@ -87,9 +89,14 @@ class RankFailure:
     """``time.time()`` when it failed (worker clock for exceptions, parent clock for crashes)."""
     stack: str = ""
     """Python stacks of all threads of a rank that was still running, dumped before the kill."""
+    left_running: bool = False
+    """The process was still running when the harness killed it: always for ``not_finished``;
+    for ``exception``, it reported and then did not exit (a thread or its teardown held it)."""
 
     def format(self) -> str:
         text = f"--- rank {self.rank}: {self.kind}: {self.detail.rstrip()}"
+        if self.left_running and self.kind == "exception":
+            text += f"\n    rank {self.rank} reported this but did not exit; killed"
         if self.stack:
             text += f"\n    stacks of rank {self.rank} when it was stopped:\n{self.stack.rstrip()}"
         return text
@@ -219,10 +226,12 @@ class _Outcome:
 
     def _collect(self, rank: int) -> None:
         path = self.workdir / f"rank{rank}.result"
+        left_running = rank in self.launched.unfinished
         if path.exists():
             status, payload, at = pickle.loads(path.read_bytes())
             if status != "ok":
-                self.failures[rank] = RankFailure(rank, "exception", payload, at)
+                stack = self._stacks(rank) if left_running else ""
+                self.failures[rank] = RankFailure(rank, "exception", payload, at, stack, left_running)
                 return
             try:
                 self.values[rank] = pickle.loads(payload)
@@ -230,13 +239,13 @@ class _Outcome:
                 detail = "its result could not be unpickled here:\n" + traceback.format_exc()
                 self.failures[rank] = RankFailure(rank, "exception", detail, at)
             return
-        if rank in self.launched.unfinished:
+        if left_running:
             reason = (
                 f"still running at timeout_s={self.timeout_s:g}; killed"
                 if self.launched.timed_out
                 else f"still running {self.grace_s:g}s after another rank failed; killed"
             )
-            self.failures[rank] = RankFailure(rank, "not_finished", reason, stack=self._stacks(rank))
+            self.failures[rank] = RankFailure(rank, "not_finished", reason, stack=self._stacks(rank), left_running=True)
             return
         stderr = self.launched.stderr[rank][-_STDERR_TAIL_CHARS:].rstrip()
         detail = f"process exited with code {self.launched.returncodes[rank]} without a result"
