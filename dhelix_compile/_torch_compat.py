@@ -446,6 +446,34 @@ def group_backend(group_name: str) -> str | None:
         return None
 
 
+def group_timeout_s(group: Any) -> float | None:
+    """How long a transfer on the live process group ``group`` waits for a peer, in seconds: its
+    backend's timeout (``None`` for a backend that exposes none, such as the fake one)."""
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if timeout is not None:
+            return float(timeout.total_seconds())
+    return None
+
+
+def default_group_timeout_s() -> float | None:
+    """:func:`group_timeout_s` of the default process group: ``init_process_group``'s ``timeout``."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return group_timeout_s(_get_default_group())
+
+
+def set_group_timeout(group: Any, timeout_s: float) -> None:
+    """Give the live process group ``group`` (gloo or NCCL) the timeout ``timeout_s`` (every later
+    transfer on it has it: torch keeps one per group)."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=timeout_s), group)
+
+
 def group_name(group: Any) -> GroupName:
     """The name functional collectives take for the live process group ``group``."""
     return _as_group_name(group.group_name)
@@ -562,13 +590,15 @@ class PipelineSteps:
     ``install`` registers ``forward(action, ctx)``, ``backward(action, ctx)`` and
     ``overlap(action, ctx)`` as the schedule's custom functions, and records the
     ``return_outputs`` / ``loss_kwargs`` of each ``step`` (the custom functions' context
-    does not carry them).
+    does not carry them). ``receive_timeout_s``: how long a step waits for a stage's input or
+    output gradient (``None``: each receive's own timeout).
     """
 
-    def __init__(self, schedule: Any) -> None:
+    def __init__(self, schedule: Any, receive_timeout_s: float | None = None) -> None:
         self.schedule = schedule
         self.return_outputs = True
         self.loss_kwargs: dict[str, Any] | None = None
+        self.receive_timeout_s = receive_timeout_s
 
     def install(
         self, forward: Callable[..., None], backward: Callable[..., None], overlap: Callable[..., None]
@@ -596,9 +626,17 @@ class PipelineSteps:
     def _stages(self) -> dict[int, Any]:
         return {stage.stage_index: stage for stage in self.schedule._stages}
 
+    def _wait_received(self, works: list[Any]) -> None:
+        if self.receive_timeout_s is None:
+            _pipelining_schedules()._wait_batch_p2p(works)
+            return
+        from datetime import timedelta
+
+        for work in works:
+            work.wait(timedelta(seconds=self.receive_timeout_s))
+
     def forward(self, action: Any, ctx: Any) -> None:
         """Wait for the stage's input, run its forward, compute the loss on the last stage."""
-        schedules = _pipelining_schedules()
         stages = self._stages()
         index, mb = action.stage_index, action.microbatch_index
         stage = stages[index]
@@ -607,7 +645,7 @@ class PipelineSteps:
             works = self.schedule.fwd_recv_ops.pop((index, mb), None)
             if works is None:
                 raise RuntimeError(f"helix_pipeline: {action} runs before its input was received")
-            schedules._wait_batch_p2p(works)
+            self._wait_received(works)
         output = stage.forward_one_chunk(
             mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=self.return_outputs
         )
@@ -617,7 +655,6 @@ class PipelineSteps:
 
     def backward(self, action: Any) -> Callable[[], None]:
         """Wait for the stage's output gradient; return the backward itself, to run anywhere."""
-        schedules = _pipelining_schedules()
         stages = self._stages()
         index, mb = action.stage_index, action.microbatch_index
         stage = stages[index]
@@ -626,7 +663,7 @@ class PipelineSteps:
             works = self.schedule.bwd_recv_ops.pop((index, mb), None)
             if works is None:
                 raise RuntimeError(f"helix_pipeline: {action} runs before its output gradient was received")
-            schedules._wait_batch_p2p(works)
+            self._wait_received(works)
         loss = self.schedule._maybe_get_loss(stage, mb)
         self.schedule.backward_counter[index] += 1
         last_backward = self.schedule.backward_counter[index] == self.schedule._n_microbatches
@@ -845,8 +882,12 @@ def new_member_group(ranks: Sequence[int], name: str) -> Any:
     calling process already has (``_hash_ranks_to_str``). Members that joined different groups
     before compute different names, rendezvous under different store keys and wait forever
     (seen with two groups ``(0, 2, 3)`` then ``(1, 2, 3)``: ranks 2 and 3 count one group more
-    than rank 1). The caller gives a name every member computes the same.
+    than rank 1). The caller gives a name every member computes the same. The group times out
+    as the default group does: ``new_group``'s own default is torch's (30 minutes on gloo),
+    whatever ``init_process_group``'s ``timeout`` (``group_timeouts``).
     """
+    from datetime import timedelta
+
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -855,9 +896,14 @@ def new_member_group(ranks: Sequence[int], name: str) -> Any:
     def agreed_name(*_: Any, **__: Any) -> Any:
         return _as_group_name(name)
 
+    timeout_s = default_group_timeout_s()
     c10d._process_group_name = agreed_name
     try:
-        return dist.new_group(list(ranks), use_local_synchronization=True)
+        return dist.new_group(
+            list(ranks),
+            timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
+            use_local_synchronization=True,
+        )
     finally:
         c10d._process_group_name = hashed_name
 

@@ -7,7 +7,8 @@ Data flow for one Dynamo graph::
                           ├─► backward graph  ─► compile_partition(phase="bwd")   (at first backward)
                           └─► inference graph ─► compile_partition(phase="inference")  (no grad)
 
-    compile_partition:  gloo's threads ahead of the compute (graphs with collectives; comm_threads)
+    compile_partition:  its groups' timeouts bounded, gloo's threads ahead of the compute (graphs
+                        with collectives; group_timeouts, comm_threads)
                         ─► estimator (graphs with collectives) ─► copy ─► graph_passes.run_pipeline
                         ─► rank-consistency check ─► dumps (with dump_dir) ─► codegen.generate
                         ─► with profile_steps: the first N calls profiled (dhelix_compile.observe.measured)
@@ -42,6 +43,7 @@ from dhelix_compile.comm_threads import ThreadPriority, local_ranks, prioritize_
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator, resolve_cost_model
+from dhelix_compile.group_timeouts import bound_graph_timeouts
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
 from graph_passes.gloo_collectives import PASS_NAME as GLOO_COLLECTIVES
@@ -187,7 +189,10 @@ def _pass_context(
     dumper: GraphDumper | None,
 ) -> PassContext:
     """What the passes get for ``gm``: its estimator (measured first, when profiled) and options."""
-    threads = _gloo_threads_ahead() if config.gloo_thread_priority == "realtime" and has_communication(gm) else None
+    communicates = has_communication(gm)
+    if communicates:  # before anything is measured on them
+        bound_graph_timeouts(gm, config.group_timeout_s)
+    threads = _gloo_threads_ahead() if config.gloo_thread_priority == "realtime" and communicates else None
     start = time.perf_counter()  # after the threads moved: the profile measures what the steps will run
     estimator = _estimator(config, gm, example_inputs, name)
     ctx = PassContext(

@@ -243,6 +243,19 @@ class DHelixConfig:
         "How long a rank waits for the others' collective sequences at compile time before "
         "failing with an error that names the missing ranks (> 0).",
     )
+    group_timeout_s: float | None = _option(
+        None,
+        "How long a transfer dhelix runs (its compiled graphs' collectives, helix_pipeline's sends "
+        "and receives) waits for a peer that does not answer before it fails, in seconds (> 0): each "
+        "process group they run on gets it, as torch keeps one timeout per group (its other "
+        "transfers get it too). It bounds a step only where a peer's death is not seen: its machine "
+        "lost, a network partition, a process stopped or hung. A rank that dies on a machine that "
+        "stays up fails its peers' transfers at once (README, 'A rank that dies'). None (the "
+        "default): the default process group's timeout (init_process_group(timeout=...); torch's "
+        "default is 30 minutes on gloo), for every such group whose own is longer: torch 2.13 makes "
+        "a DeviceMesh's subgroups and new_group's groups with its default whatever that timeout "
+        "(dhelix_compile.group_timeouts).",
+    )
     profile_steps: int = _option(
         0,
         "With dump_dir: after one warm-up call, profile N calls of every compiled graph with "
@@ -294,6 +307,8 @@ class DHelixConfig:
         _check_number("bucket_mb", self.bucket_mb, float, minimum=0)
         _check_number("max_issue_distance", self.max_issue_distance, int, minimum=1)
         _check_number("consistency_timeout_s", self.consistency_timeout_s, float, minimum=1e-3)
+        if self.group_timeout_s is not None:
+            _check_number("group_timeout_s", self.group_timeout_s, float, minimum=1e-3)
         _check_number("decompose_max_chunks", self.decompose_max_chunks, int, minimum=1)
         _check_number("decompose_pieces", self.decompose_pieces, int, minimum=0)
         if self.decompose_pieces > 16:

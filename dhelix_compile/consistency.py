@@ -72,6 +72,17 @@ def _group_name_of(node: torch.fx.Node) -> str | None:
     return None
 
 
+def collective_groups(gm: torch.fx.GraphModule) -> list[str]:
+    """The names of the process groups ``gm``'s collectives and exchanges run on, in first use order."""
+    groups: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if kind_of(node) == "collective" or node.target is P2P_EXCHANGE:
+            group = _group_name_of(node)
+            if group is not None:
+                groups.setdefault(group)
+    return list(groups)
+
+
 def collective_signatures(gm: torch.fx.GraphModule, *, named: bool = False) -> dict[str, list[str]]:
     """Per group name, the collectives of ``gm`` on it, in order, as comparable strings
     (``named``: each with its node's name)."""

@@ -66,6 +66,7 @@ from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.data_parallelism import gradient_sync_on_last
+from dhelix_compile.group_timeouts import bound_group_timeouts, receive_timeout_s
 from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
 from dhelix_compile.own_code import in_own_frame
 from dhelix_compile.pipeline_runtime.boundaries import install_boundaries
@@ -109,6 +110,7 @@ def helix_pipeline(schedule: Any, *, order: PipelineOrder = "schedule", **option
     stages = compat.schedule_stages(schedule)
     for stage in stages:
         _check_stage_module(stage.submod, stage.stage_index)
+    bound_group_timeouts(map(compat.stage_group, stages), config.group_timeout_s)  # its sends and receives
     install_boundaries(stages)
     runtime = schedule if compat.is_runtime_schedule(schedule) else compat.single_stage_runtime(schedule)
     steps = helix_order(schedule, eager_1f1b=order == "eager_1f1b")
@@ -179,7 +181,7 @@ class _HelixStages:
 
     def __init__(self, runtime: Any, stages: list[Any], config: DHelixConfig, last_backwards: dict[int, int]) -> None:
         self.strands = Strands(config, runtime, merge_across_graphs=True)
-        self.steps = compat.PipelineSteps(runtime)
+        self.steps = compat.PipelineSteps(runtime, receive_timeout_s(map(compat.stage_group, stages)))
         for stage in stages:
             _compile_stage_module(stage.submod, self.strands.backend)
         self.steps.install(self.forward, self.backward, self.overlap)
