@@ -169,6 +169,35 @@ def test_stage_boundaries_that_change_layout_equal_eager_on_pp2_x_tp2() -> None:
         assert results == [[]] * 4, results
 
 
+def test_stage_meshes_listed_out_of_order_equal_eager() -> None:
+    """Stage 1 on ``[3, 2]`` (the mesh ``[[0, 1], [3, 2]]``): rank 2 holds tile 0 of a ``Shard``,
+    as torch's collectives place it, while torch's sends pair rank 0 with rank 3 (pipeline group
+    ``{0, 3}``); the boundary's plan sends each tile to the rank that holds it, in the same
+    layout on both sides too. ``Shard(1)`` (5 rows over 2 ranks) on stage 1 is uneven on a dim
+    listed out of order, a layout torch itself does not hold: refused when ``helix_pipeline`` is
+    called, naming the mesh. Then stage 0 on ``[1, 0]`` hands over ``Replicate()`` where it
+    declares ``Shard(2)``: the boundary cuts rank 0 tile 0 (torch's ``redistribute`` would cut
+    it at its ``get_coordinate()``, 1). Losses and full gradients equal eager. Every pair with
+    DHELIX_TEST_FULL=1."""
+    # first a case whose stage 0 communicates (stage 1's compile waits for the CPU measurement rank 0
+    # makes when it compiles a graph with a collective: estimation.agreed_cpu_device), the refused
+    # ones last (a compile after a refused helix_pipeline call in the process can fail in AOTAutograd's
+    # partitioner: "Node tangents_2 was invalid, but is output", on an ascending mesh too)
+    pairs = sorted(itertools.product(BOUNDARY_PLACEMENTS, repeat=2), key=lambda pair: pair[1] == "S1")
+    cases = pairs if FULL else [("S1", "R"), ("S2", "S2"), ("R", "S1")]
+    options = {"codegen": "eager", "fallback": "error", "timeout_s": 400}
+    results = run_on_ranks(check_boundary_cases, 4, cases, mesh_ranks=[[0, 1], [3, 2]], **options)
+    for problems in results:
+        refused = [p for p in problems if p.split(": ")[0].endswith("->S1")]
+        assert problems == refused, problems
+        assert len(refused) == sum(inp == "S1" for _, inp in cases), problems
+        assert all("refused" in p and "on the mesh [3, 2]" in p and "uneven shards" in p for p in refused), refused
+    results = run_on_ranks(
+        check_boundary_cases, 4, [("S2", "R")], mesh_ranks=[[1, 0], [3, 2]], replicated_first=True, **options
+    )
+    assert results == [[]] * 4, results
+
+
 def test_bad_input_gets_a_helix_error_that_names_the_problem() -> None:
     (said,) = run_on_ranks(helix_pipeline_errors, 1, timeout_s=200)
     assert said["gpipe"].startswith("HelixError") and "ScheduleGPipe" in said["gpipe"]

@@ -19,9 +19,14 @@ def _on(ranks: tuple[int, ...], *placements: Placement, shape: tuple[int, ...] =
 
 
 def _pipeline(
-    out: Placement, inp: Placement, *, grads: bool = True, grad_in: Placement | None = None
+    out: Placement,
+    inp: Placement,
+    *,
+    grads: bool = True,
+    grad_in: Placement | None = None,
+    b: tuple[int, ...] = (2, 3),
 ) -> dict[int, StageDeclarations]:
-    a, b = (0, 1), (2, 3)
+    a = (0, 1)
     return {
         0: {
             "inputs": (None,),
@@ -74,3 +79,19 @@ def test_bad_declarations_get_errors_that_name_the_boundary() -> None:
     declared[1]["inputs"] = (_on((2, 3), Shard(2)), _on((2, 3), Shard(2)))
     with pytest.raises(HelixError, match="stage 0 declares 1 outputs and stage 1 2 inputs"):
         plan_boundaries(declared)
+
+
+def test_a_stage_mesh_listed_out_of_order_gets_the_tiles_torchs_collectives_put_on_its_ranks() -> None:
+    """Stage 1 on ``[3, 2]``: torch's collectives put tile 0 of a ``Shard`` on rank 2 (the first
+    of its sorted group), though ``get_coordinate()`` lists rank 3 first; torch's own sends pair
+    rank 0 with rank 3 (the pipeline group ``{0, 3}``) and would hand rank 3 tile 0. The plan
+    sends rank 2 the first columns, forward and back. Uneven shards on that mesh are a layout
+    torch itself does not hold (``mesh_positions.layout_mismatch``): refused, naming the mesh."""
+    forward, backward = plan_boundaries(_pipeline(Shard(2), Shard(2), b=(3, 2)))
+    for rank, columns in ((2, 0), (3, 3)):
+        assert forward.plan.dest_tiles[rank].offset == (0, 0, columns)
+        assert forward.plan.dest_tiles[rank].shape == (2, 5, 3)
+        assert backward.plan.source_tiles[rank] == forward.plan.dest_tiles[rank]
+    assert {(p.sender, p.receivers) for p in forward.plan.pieces} == {(0, (2,)), (1, (3,))}
+    with pytest.raises(HelixError, match=r"stage 0's output 0 to stage 1: .*on the mesh \[3, 2\].*uneven shards"):
+        plan_boundaries(_pipeline(Replicate(), Shard(1), b=(3, 2)))  # 5 rows over 2 ranks

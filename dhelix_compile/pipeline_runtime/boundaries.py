@@ -21,6 +21,15 @@ point-to-point sends in torch's own ``SEND_F`` / ``RECV_F`` steps
 rank (the middle of a V-schedule) share a mesh: their boundary is a ``redistribute`` on it.
 Tensors declared as plain tensors, and pipelines without static metadata, keep torch's sends.
 
+A stage mesh may list its ranks in any order (stage 1 on ``[3, 2]``): the plan gives each rank
+the tile torch's collectives put there (``mesh_positions``: rank 2 holds tile 0), not the one at
+its ``get_coordinate()``, which torch's own pairing of pipeline ranks would send it. There a
+tensor handed over in other placements than declared is gathered whole and this rank's tile cut
+out by the plan, not redistributed by torch: torch 2.13's ``Replicate() -> Shard()`` keeps the
+chunk at ``get_coordinate()``. Layouts torch itself does not hold as one tensor on such a mesh
+(uneven shards on a dim listed out of order) are refused with a ``HelixError`` naming the mesh
+when ``helix_pipeline`` is called.
+
 Every rank learns the other stages' declarations once, when ``helix_pipeline`` is called (an
 ``all_gather_object`` on the pipeline's process group), and plans every boundary it takes part
 in; the process group of a boundary's two meshes is created once, by its members.
@@ -29,19 +38,23 @@ in; the process group of a boundary's two meshes is created once, by its members
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate
 
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.helix_runtime.strands import HelixError
+from dhelix_compile.mesh_positions import collective_positions, mesh_ranks
 from dhelix_compile.resharding import layout_of, plan_move
 from dhelix_compile.resharding.groups import member_group
-from dhelix_compile.resharding.plan import MeshLayout, ReshardPlan
+from dhelix_compile.resharding.plan import Box, MeshLayout, ReshardPlan
 from dhelix_compile.resharding.point_to_point import Receive, check_disjoint, send_ops
 
 __all__ = ["Declared", "Transfer", "install_boundaries", "plan_boundaries"]
@@ -227,16 +240,34 @@ def _group_of(t: Transfer, groups: dict[tuple[int, ...], dist.ProcessGroup]) -> 
 def _as_source(t: Transfer, tensor: Any, device: Any) -> torch.Tensor:
     """This rank's tile of ``tensor`` in the plan's source layout (a missing gradient is zeros;
     any other placements, a ``Partial()`` among them, redistributed on the source mesh)."""
+    tile = t.plan.source_tiles[dist.get_rank()]
     if tensor is None:
-        return torch.zeros(t.plan.source_tiles[dist.get_rank()].shape, dtype=t.source.dtype, device=device)
+        return torch.zeros(tile.shape, dtype=t.source.dtype, device=device)
     if not isinstance(tensor, DTensor):
         raise HelixError(
             f"stage {t.from_stage}'s {'input gradient' if t.backward else 'output'} {t.index} is a "
             f"{type(tensor).__name__}; it was declared as a DTensor ({t.source.describe()})"
         )
-    if tuple(tensor.placements) != t.plan.source.placements:
-        tensor = tensor.redistribute(tensor.device_mesh, t.plan.source.placements)
-    return tensor.to_local().detach()
+    if tuple(tensor.placements) == t.plan.source.placements:
+        return tensor.to_local().detach()
+    mesh = tensor.device_mesh
+    if not _listed_out_of_order(mesh):
+        return tensor.redistribute(mesh, t.plan.source.placements).to_local().detach()
+    # torch 2.13's Replicate() -> Shard(d) keeps the chunk at the rank's get_coordinate(), not at
+    # its place in the dim's group, where the plan (and torch's own all-gathers) read its tile
+    # (on [1, 0], distribute_tensor(t, [Replicate()]).redistribute([Shard(0)]).full_tensor() swaps
+    # the halves): gathered whole instead, and this rank's tile cut out
+    whole = tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local().detach()
+    return whole[tile.within(Box((0,) * whole.ndim, tuple(whole.shape)))]
+
+
+def _listed_out_of_order(mesh: DeviceMesh) -> bool:
+    """Whether a rank of ``mesh`` is at another tile position than its listed coordinate
+    (``mesh_positions``); the same answer on every rank."""
+    ranks = mesh_ranks(mesh)
+    positions = collective_positions(tuple(mesh.mesh.shape), ranks)
+    listed = itertools.product(*(range(n) for n in mesh.mesh.shape))
+    return any(positions[rank] != coordinate for rank, coordinate in zip(ranks, listed, strict=True))
 
 
 def _sender(t: Transfer, rank: int, groups: dict[tuple[int, ...], dist.ProcessGroup], device: Any) -> compat.SendOps:

@@ -1,15 +1,27 @@
 """Rank functions for pipelines whose stage boundary changes layout, for ``run_on_ranks`` (4 ranks).
 
-A two-stage model on a ``(pp=2, tp=2)`` mesh: stage 0 on ranks [0, 1], stage 1 on ranks [2, 3],
-each stage's tensors DTensors on its own ``tp`` mesh::
+A two-stage model on a ``(pp=2, tp=2)`` mesh: stage 0 on ranks [0, 1], stage 1 on ranks [2, 3]
+(or as ``mesh_ranks`` lists them: ``[[0, 1], [3, 2]]`` puts stage 1 on ``[3, 2]``, where rank 3
+holds tile 1 of a ``Shard`` as torch's collectives place it, though it is listed first), each
+stage's tensors DTensors on its own ``tp`` mesh::
 
     stage 0:  h = tanh(x @ W0)       W0 column-sharded; h handed over in ``placements_out``
     stage 1:  y = (h @ W1)            h taken in ``placements_in``; y gathered; loss = mse(y, target)
 
+``replicated_first``: stage 0's ``W0`` and ``h`` are replicated and ``h`` handed over as it is,
+whatever stage 0 declares (the boundary redistributes it). On a mesh listed out of order stage 1
+holds ``W1`` as ``Shard(0)`` where it takes ``Shard(2)``: torch 2.13's own ``Shard(2) @
+Replicate()`` cuts ``W1``'s rows at each rank's ``get_coordinate()`` there, not where its
+collectives put ``h``'s tiles, and computes a wrong product (on ``[1, 0]``,
+``(distribute_tensor(h, [Shard(2)]) @ distribute_tensor(w, [Replicate()])).full_tensor()`` is not
+``h @ w``).
+
 Every stage declares its tensors (torch's static metadata: ``input_args``, ``output_args``,
 ``input_grads``, ``output_grads``), and the two sides of the boundary declare different layouts
 where the case says so. The result is compared with the same model run eagerly on full tensors on
-every rank: the losses (last stage) and each weight's full gradient.
+every rank: the losses (last stage) and each weight's full gradient (torch's ``full_tensor()``).
+A boundary ``helix_pipeline`` refuses (a ``HelixError`` when it is called) is reported as
+``"<case>: refused: <message>"``.
 """
 
 from __future__ import annotations
@@ -33,26 +45,39 @@ BOUNDARY_PLACEMENTS: dict[str, Placement] = {"S1": Shard(1), "S2": Shard(2), "R"
 
 
 class _First(nn.Module):
-    def __init__(self, w0: torch.Tensor, mesh: DeviceMesh, placements_out: Sequence[Placement]) -> None:
+    """``h = tanh(x @ W0)``, ``W0`` column-sharded, handed over in ``placements_out``;
+    ``replicated``: ``W0`` and ``h`` replicated, ``h`` handed over as it is (``Replicate()``,
+    whatever the stage declares: the boundary redistributes it)."""
+
+    def __init__(
+        self, w0: torch.Tensor, mesh: DeviceMesh, placements_out: Sequence[Placement], replicated: bool = False
+    ) -> None:
         super().__init__()
-        self.w = nn.Parameter(distribute_tensor(w0, mesh, [Shard(1)]))
-        self.mesh, self.placements_out = mesh, tuple(placements_out)
+        self.w = nn.Parameter(distribute_tensor(w0, mesh, [Replicate() if replicated else Shard(1)]))
+        self.mesh, self.placements_out, self.replicated = mesh, tuple(placements_out), replicated
 
     def forward(self, x: torch.Tensor) -> DTensor:
         h = torch.tanh(DTensor.from_local(x, self.mesh, [Replicate()], run_check=False) @ self.w)
         assert isinstance(h, DTensor)
-        return h.redistribute(self.mesh, self.placements_out)
+        return h if self.replicated else h.redistribute(self.mesh, self.placements_out)
 
 
 class _Last(nn.Module):
-    def __init__(self, w1: torch.Tensor, mesh: DeviceMesh) -> None:
+    """``y = h @ W1`` on DTensors, ``W1`` in ``w_placements`` (``Replicate()`` unless told)."""
+
+    def __init__(self, w1: torch.Tensor, mesh: DeviceMesh, w_placements: Sequence[Placement] = (Replicate(),)) -> None:
         super().__init__()
-        self.w = nn.Parameter(distribute_tensor(w1, mesh, [Replicate()]))
+        self.w = nn.Parameter(distribute_tensor(w1, mesh, list(w_placements)))
 
     def forward(self, h: DTensor) -> torch.Tensor:
         y = h @ self.w
         assert isinstance(y, DTensor)
         return y.full_tensor()
+
+
+def _listed_out_of_order(mesh: DeviceMesh) -> bool:
+    listed = [int(r) for r in mesh.mesh.flatten().tolist()]
+    return listed != sorted(listed)
 
 
 def _mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -89,11 +114,18 @@ def _eager(
 
 
 def _run_case(
-    rank: int, mesh: DeviceMesh, out_name: str, in_name: str, steps: int, helix_options: dict[str, Any] | None
+    rank: int,
+    mesh: DeviceMesh,
+    out_name: str,
+    in_name: str,
+    steps: int,
+    helix_options: dict[str, Any] | None,
+    replicated_first: bool = False,
 ) -> list[str]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from dhelix_compile import helix_pipeline
+    from dhelix_compile.helix_runtime.strands import HelixError
 
     w0, w1, batches = _data(steps)
     tp, stage_index = mesh["tp"], mesh["pp"].get_local_rank()
@@ -102,7 +134,7 @@ def _run_case(
     module: nn.Module
     declared: dict[str, Any]
     if stage_index == 0:
-        module = _First(w0, tp, placements_out)
+        module = _First(w0, tp, placements_out, replicated=replicated_first)
         declared = {
             "input_args": torch.zeros(shape),
             "input_grads": (None,),
@@ -110,7 +142,9 @@ def _run_case(
             "output_grads": _declared(shape, tp, placements_out),
         }
     else:
-        module = _Last(w1, tp)
+        # on a mesh listed out of order, torch's Shard(2) @ Replicate() is wrong (module docstring)
+        row_sharded = _listed_out_of_order(tp) and in_name == "S2"
+        module = _Last(w1, tp, [Shard(0)] if row_sharded else [Replicate()])
         declared = {
             "input_args": _declared(shape, tp, placements_in).requires_grad_(),
             "input_grads": _declared(shape, tp, placements_in),
@@ -120,7 +154,10 @@ def _run_case(
     stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group(), **declared)
     schedule = Schedule1F1B(stage, _N_MICROBATCHES, loss_fn=_mse)
     if helix_options is not None:
-        schedule = helix_pipeline(schedule, **helix_options)
+        try:
+            schedule = helix_pipeline(schedule, **helix_options)
+        except HelixError as exc:  # every rank plans every boundary alike: all refuse
+            return [f"{out_name}->{in_name}: refused: {exc}"]
     losses: list[torch.Tensor] = []
     for x, target in batches:
         module.zero_grad(set_to_none=True)
@@ -153,17 +190,25 @@ def check_boundary_cases(
     cases: Sequence[tuple[str, str]],
     steps: int = 2,
     torch_only: bool = False,
+    mesh_ranks: Sequence[Sequence[int]] | None = None,
+    replicated_first: bool = False,
     **helix_options: Any,
 ) -> list[str]:
     """Run every ``(placements_out, placements_in)`` case (names of :data:`BOUNDARY_PLACEMENTS`)
-    through ``helix_pipeline`` (``torch_only``: torch's schedule as is); returns what differs
-    from eager (empty when all agree)."""
+    through ``helix_pipeline`` (``torch_only``: torch's schedule as is) on the ``(pp, tp)`` mesh
+    listing ``mesh_ranks`` (ascending if not given); ``replicated_first``: stage 0 computes and
+    hands over its output replicated, declared in ``placements_out`` all the same. Returns what
+    differs from eager (empty when all agree)."""
     if world_size != 4:
         raise ValueError(f"check_boundary_cases runs on 4 ranks (pp=2 x tp=2); got {world_size}")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    if mesh_ranks is None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    else:
+        mesh = DeviceMesh("cpu", [list(row) for row in mesh_ranks], mesh_dim_names=("pp", "tp"))
     problems = []
     for out_name, in_name in cases:
         torch._dynamo.reset()  # every case compiles the same forwards again, for other layouts
-        problems.extend(_run_case(rank, mesh, out_name, in_name, steps, None if torch_only else helix_options))
+        helix = None if torch_only else helix_options
+        problems.extend(_run_case(rank, mesh, out_name, in_name, steps, helix, replicated_first))
         dist.barrier()
     return problems
