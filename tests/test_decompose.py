@@ -651,15 +651,27 @@ def test_auto_runs_the_candidates_on_the_live_group_and_the_ranks_agree(tmp_path
     assert per_rank[1] == measured  # agreed: every rank chose from the same numbers
 
 
-def _tp_sp(rank: int, world_size: int, mode: str, codegen: str, kind: str = "tp_sp", **options) -> dict[str, int]:
+def _tp_sp(
+    rank: int,
+    world_size: int,
+    mode: str,
+    codegen: str,
+    kind: str = "tp_sp",
+    tp_mesh: tuple | None = None,
+    oracle: str = "reference",
+    **options,
+) -> dict[str, int]:
+    """The ``kind`` model compiled with ``decompose=mode`` against the single-process reference,
+    or (``oracle="eager"``) against itself run eagerly on the same mesh; the decompose stats."""
     import dhelix_compile
-    from dhelix_compile.testing.checks import check_against_reference
+    from dhelix_compile.testing.checks import CheckConfig, check_against_eager, check_against_reference
 
     with tempfile.TemporaryDirectory() as dump_dir:
         backend = dhelix_compile.backend(
             codegen=codegen, fallback="error", dump_dir=dump_dir, decompose=mode, decompose_max_chunks=2, **options
         )
-        check_against_reference(rank, world_size, kind, backend)
+        check = check_against_eager if oracle == "eager" else check_against_reference
+        check(rank, world_size, kind, backend, CheckConfig(tp_mesh=tp_mesh))
         return _decompose_stats(dump_dir, rank)
 
 
@@ -687,6 +699,31 @@ def test_tp_reference_model_with_decomposed_all_reduces(mode: str) -> None:
     for stats in run_on_ranks(_tp_sp, 2, mode, "eager", "tp", timeout_s=540):
         done = sum(v for k, v in stats.items() if k.startswith("matmul_all_reduce: ") and _rewrite(k) is not None)
         assert done >= 4, stats  # attention and MLP outputs of both layers, at least
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("world_size", "kind", "tp_mesh"),
+    [
+        (2, "tp", (1, 0)),
+        pytest.param(4, "tp_sp", ((3, 2), (1, 0)), marks=pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1")),
+    ],
+)
+def test_per_peer_peers_are_group_ranks_on_a_mesh_listed_out_of_order(world_size: int, kind: str, tp_mesh) -> None:
+    """A peer is a rank of the collective's process group (``resolve_group_rank``), never a mesh
+    coordinate: on ``[1, 0]`` rank 0 is at ``get_coordinate()`` 1 but first in the group, where
+    torch's collectives put its tile. The compiled model, every site per peer, equals the same
+    model run eagerly on the same mesh (output, loss, local parameters and gradients): torch's
+    eager DTensor TP is the oracle there, not the single-process reference, which torch 2.13
+    itself does not reproduce on such a mesh (its ``Replicate() -> Shard()`` cuts at
+    ``get_coordinate()``). With DHELIX_TEST_FULL=1, TP+SP over the ``tp`` dim of
+    ``[[3, 2], [1, 0]]``: groups ``{2, 3}`` and ``{0, 1}``, where rank 3's group rank (1) is
+    neither its global rank nor its coordinate (0)."""
+    for stats in run_on_ranks(_tp_sp, world_size, "per_peer", "eager", kind, tp_mesh, "eager", timeout_s=540):
+        patterns = ("matmul_all_reduce",) if kind == "tp" else ("all_gather_matmul", "matmul_reduce_scatter")
+        for pattern in patterns:
+            assert per_peer_sites(stats, pattern) >= 4, stats
 
 
 @pytest.mark.multirank

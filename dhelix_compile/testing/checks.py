@@ -9,7 +9,9 @@ every rank of an initialised default process group (e.g. under ``run_on_ranks``)
 2. builds the ``kind`` parallel model from the reference's weights, runs this rank's part of
    the inputs, loss, backward; sums partial gradients of replicated parameters; asserts that
    its output, every local parameter and every local gradient equal the corresponding slice of
-   the reference's (``sharding.assert_matches_reference``; MoE also checks the input gradient);
+   the reference's (``sharding.assert_matches_reference``; MoE also checks the input gradient),
+   the slice at the rank's place in its TP group, where torch's collectives put its tile
+   (``CheckConfig.tp_mesh`` may list the mesh's ranks in any order);
 3. if ``backend`` is given, repeats 2 with a fresh parallel model under
    ``torch.compile(model, backend=backend)`` (after ``torch._dynamo.reset()``), asserting the
    same, and records how many graphs dynamo produced and how many graph breaks it hit.
@@ -17,6 +19,10 @@ every rank of an initialised default process group (e.g. under ``run_on_ranks``)
 It returns a picklable ``dict`` report (losses, timings, graph counts) and raises
 ``AssertionError`` on a mismatch. Every rank issues the same collectives in the same order,
 mismatch or not (mismatches are collected and raised at the end).
+
+``check_against_eager(rank, world_size, kind, backend, config)`` compares the compiled parallel model
+with the same model run eagerly on the same mesh instead: torch's own DTensor results as the oracle
+(on a mesh listed out of order they are not the reference's).
 
 ``check_all`` runs several kinds in one process (spawning ranks costs seconds) and returns, per
 kind, the report or the formatted exception, so one failing kind does not hide the others.
@@ -42,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.moe import ExpertParallelMoE, MoEConfig, ReferenceMoE
 from dhelix_compile.testing.sequence_parallel import FunctionalSPTransformer, shard_sequence
-from dhelix_compile.testing.sharding import assert_matches_reference, sync_replicated_grads
+from dhelix_compile.testing.sharding import assert_matches_reference, local_grad, local_value, sync_replicated_grads
 from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
 
 __all__ = [
@@ -51,6 +57,7 @@ __all__ = [
     "ModelKind",
     "ParallelCase",
     "build_case",
+    "check_against_eager",
     "check_against_reference",
     "check_all",
 ]
@@ -75,6 +82,10 @@ class CheckConfig:
     """Tokens per rank (dispatch group) for the MoE layer."""
     data_seed: int = 1234
     """Seed of the inputs, targets and probes (the same on every rank)."""
+    tp_mesh: tuple[Any, ...] | None = None
+    """The tensor-parallel mesh of kinds tp and tp_sp, its ranks as ``DeviceMesh`` lists them:
+    ``(1, 0)``, or ``((3, 2), (1, 0))`` for a ``(dp, tp)`` mesh whose ``tp`` dim carries the model
+    (each row a replica on the same inputs); ``None``: ``range(world_size)``."""
     atol: float = 1e-5
     rtol: float = 1e-4
 
@@ -93,6 +104,12 @@ class ParallelCase:
     """Maps a reference-shaped tensor (output, input grad) to this rank's part of it."""
     replicated: list[str]
     """Plain replicated parameters whose gradients are partial (summed before comparing)."""
+    position: int
+    """Which of the ``shards`` parameter shards this rank holds: for a DTensor model, its place in
+    the TP group (``mesh.get_local_rank()``), where torch's collectives put its tile; on a mesh
+    listed out of order that is not its ``get_coordinate()``."""
+    shards: int
+    """How many ranks the parameters are sharded over."""
 
 
 def _transformer_case(kind: ModelKind, rank: int, world_size: int, config: CheckConfig) -> ParallelCase:
@@ -118,8 +135,10 @@ def _transformer_case(kind: ModelKind, rank: int, world_size: int, config: Check
             local_loss=lambda logits: lm_loss(logits, local_targets, normalizer=n_tokens),
             local_slice=lambda t: shard_sequence(t, rank, world_size),
             replicated=sp_model.replicated_parameter_names(),
+            position=rank,
+            shards=world_size,
         )
-    mesh = DeviceMesh("cpu", list(range(world_size)))
+    mesh = _tp_mesh(world_size, config.tp_mesh)
     parallelize = parallelize_tp if kind == "tp" else parallelize_tp_sp
     parallel = parallelize(Transformer(config.model), mesh)
     return ParallelCase(
@@ -131,7 +150,18 @@ def _transformer_case(kind: ModelKind, rank: int, world_size: int, config: Check
         local_loss=full_loss,
         local_slice=lambda t: t,
         replicated=[],
+        position=mesh.get_local_rank(),
+        shards=mesh.size(),
     )
+
+
+def _tp_mesh(world_size: int, listed: tuple[Any, ...] | None) -> DeviceMesh:
+    """The 1-D tensor-parallel mesh ``CheckConfig.tp_mesh`` describes (a 2-D one's ``tp`` dim)."""
+    if listed is None:
+        return DeviceMesh("cpu", list(range(world_size)))
+    if all(isinstance(r, int) for r in listed):
+        return DeviceMesh("cpu", list(listed))
+    return DeviceMesh("cpu", [list(row) for row in listed], mesh_dim_names=("dp", "tp"))["tp"]
 
 
 def _moe_case(rank: int, world_size: int, config: CheckConfig) -> ParallelCase:
@@ -150,6 +180,8 @@ def _moe_case(rank: int, world_size: int, config: CheckConfig) -> ParallelCase:
         local_loss=lambda out: (out * probe[rank]).sum(),
         local_slice=lambda t: t[rank],
         replicated=parallel.replicated_parameter_names(),
+        position=rank,
+        shards=world_size,
     )
 
 
@@ -197,7 +229,9 @@ def _run_parallel(
             want = case.local_slice(ref_in.grad)
             problems.append(_close(f"{label} input {i} grad", local_in.grad, want, config))
     try:
-        assert_matches_reference(case.parallel, case.reference, rank, world_size, atol=config.atol, rtol=config.rtol)
+        assert_matches_reference(
+            case.parallel, case.reference, case.position, case.shards, atol=config.atol, rtol=config.rtol
+        )
     except AssertionError as err:
         problems.append(f"{label} parameters: {err}")
     found = [p for p in problems if p]
@@ -236,6 +270,52 @@ def check_against_reference(
         report["compiled"]["graph_breaks"] = _graph_breaks() - breaks_before
         report["compiled"]["collectives"] = counter.collectives
     return report
+
+
+def check_against_eager(
+    rank: int,
+    world_size: int,
+    kind: ModelKind,
+    backend: str | Callable[..., Any],
+    config: CheckConfig = CheckConfig(),
+) -> dict[str, Any]:
+    """The parallel model compiled with ``backend`` against the same model run eagerly on the same
+    mesh (torch's DTensor results as the oracle, not the single-process reference): output, loss,
+    every local parameter and gradient. On a mesh listed out of order torch 2.13's eager results
+    differ from the reference (its ``Replicate() -> Shard()`` keeps the chunk at the rank's
+    ``get_coordinate()``, its collectives place tiles by group rank); a compiled graph must
+    reproduce them. Returns ``{"loss", "eager_vs_reference"}`` (the eager output's largest
+    difference from the reference's slice, for the record); raises ``AssertionError``."""
+    case = build_case(kind, rank, world_size, config)
+    reference_out = case.reference(*case.reference_inputs).detach()
+    runs = []
+    for compiled in (False, True):
+        if compiled:
+            torch._dynamo.reset()
+            case = build_case(kind, rank, world_size, config)
+        module = torch.compile(case.parallel, backend=backend) if compiled else case.parallel
+        out = module(*case.local_inputs)
+        loss = case.local_loss(out)
+        loss.backward()
+        sync_replicated_grads(case.parallel, case.replicated)
+        state = {name: (local_value(p), local_grad(p)) for name, p in case.parallel.named_parameters()}
+        runs.append((out.detach(), loss.detach(), state))
+    (want_out, want_loss, want), (out, loss, got) = runs
+    problems = [
+        _close("output", out, want_out, config),
+        _close("loss", loss, want_loss, config),
+        *(
+            _close(f"{name}.{what}", g, w, config) if g is not None and w is not None else f"{name}.{what}: missing"
+            for name in want
+            for what, g, w in zip(("value", "grad"), got[name], want[name], strict=True)
+            if g is not None or w is not None
+        ),
+    ]
+    found = [p for p in problems if p]
+    if found:
+        raise AssertionError(f"rank {rank}/{world_size}: compiled vs eager: " + "; ".join(found))
+    eager_diff = (want_out - case.local_slice(reference_out)).abs().max().item()
+    return {"loss": loss.item(), "eager_vs_reference": eager_diff}
 
 
 def check_all(
