@@ -1,7 +1,9 @@
 """gloo_collectives: on a gloo group, an all-gather becomes one all-to-all of its repeated shard
 and a sum reduce-scatter one all-to-all of its input summed after the wait, at the positions the
-passes gave the issue and the wait; values stay (2 and 4 gloo ranks; bitwise on 2), the profiler's
-``run_node`` sends them the same way, and a graph on another group is left alone."""
+passes gave the issue and the wait; values stay (2 and 4 gloo ranks; bitwise on 2; on a mesh that
+lists its ranks out of order too, where each rank's tile is at its group rank, as torch's DTensor
+places it), the profiler's ``run_node`` sends them the same way, and a graph on another group is
+left alone."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from cost_model.testing import fake_world, trace_aten
 from dhelix_compile import _torch_compat as compat
@@ -116,10 +121,53 @@ def _on_ranks(rank: int, world_size: int) -> float:
     return float((gm(x, w) - want).abs().max())
 
 
+def _mesh_listed_out_of_order(world_size: int) -> tuple[DeviceMesh, list[Placement], list[Placement]]:
+    """``[1, 0]`` (its group: the default one), or ``[[3, 2], [1, 0]]`` and its dim-1 groups
+    ``{2, 3}`` and ``{0, 1}`` (group ranks neither the global ranks nor the coordinates); the
+    placements of a tensor whose dim 0 that dim shards, and of its partial sums."""
+    if world_size == 2:
+        return DeviceMesh("cpu", [1, 0]), [Shard(0)], [Partial()]
+    return DeviceMesh("cpu", [[3, 2], [1, 0]]), [Replicate(), Shard(0)], [Replicate(), Partial()]
+
+
+def _gathers_on_a_mesh_listed_out_of_order(rank: int, world_size: int) -> tuple[float, float]:
+    """The rewritten all-gather on the sharded dim's group against torch's ``full_tensor()`` of a
+    ``distribute_tensor`` on a mesh listed out of order (tile ``i`` on the group's ``i``-th rank);
+    and the all-gather of the ranks' partial sums scattered by torch (``Partial() -> Shard(0)``)
+    against the rewritten reduce-scatter. Every rank's tile there is not the one at its
+    ``get_coordinate()``, so gathering or scattering in the mesh's listed order would differ."""
+    mesh, sharded, partial = _mesh_listed_out_of_order(world_size)
+    dim = mesh.ndim - 1
+    group, n = mesh.get_group(dim), mesh.size(dim)
+    full = torch.arange(2.0 * n * 3).reshape(2 * n, 3)
+    tiles = distribute_tensor(full, mesh, sharded)
+    assert not torch.equal(tiles.to_local(), full.chunk(n)[mesh.get_coordinate()[dim]])  # type: ignore[index]
+    gm = trace_aten(lambda x: funcol.all_gather_single(x, 0, group) * 1.0, tiles.to_local())  # type: ignore[arg-type]
+    _rewritten(gm, gloo_groups(gm))
+    assert _ops(gm).count("a2a") == 1 and "ag" not in _ops(gm)
+    gathered = float((gm(tiles.to_local()) - tiles.full_tensor()).abs().max())
+
+    sums = torch.randn(2 * n, 3, generator=torch.Generator().manual_seed(rank))
+    want = DTensor.from_local(sums, mesh, partial, run_check=False).redistribute(mesh, sharded).to_local()
+    gm = trace_aten(lambda x: funcol.reduce_scatter_tensor(x, "sum", 0, group) * 1.0, sums)  # type: ignore[arg-type]
+    _rewritten(gm, gloo_groups(gm))
+    assert _ops(gm, sums=True).count("a2a") == 1 and "rs" not in _ops(gm)
+    scattered = float((gm(sums) - want).abs().max())
+    return gathered, scattered
+
+
+def _on_ranks_and_a_mesh_listed_out_of_order(rank: int, world_size: int) -> tuple[float, float, float]:
+    return _on_ranks(rank, world_size), *_gathers_on_a_mesh_listed_out_of_order(rank, world_size)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gloo_all_to_all_gathers_equal_the_all_gather_on_gloo_ranks(world_size: int) -> None:
-    for diff in run_on_ranks(_on_ranks, world_size, timeout_s=240):
+    """And on a mesh listed out of order: the all-to-all receives in group-rank order, as torch's
+    all-gather and reduce-scatter place tiles (``DTensor`` as the oracle)."""
+    for diff, gathered, scattered in run_on_ranks(_on_ranks_and_a_mesh_listed_out_of_order, world_size, timeout_s=240):
         assert diff == 0.0
+        assert gathered == 0.0
+        assert scattered == 0.0 if world_size == 2 else scattered < 1e-6  # 2 ranks: one addition either way
 
 
 def test_the_all_to_all_keeps_the_price_the_plan_gave_the_all_gather() -> None:
