@@ -30,6 +30,47 @@ def test_transfers_are_the_activations_and_gradients_that_cross_ranks(kind: str,
     assert all(t.shape == (2, 32, 64) for t in pipeline.transfers)  # tiny: batch 2, seq 32, dim 64
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved_1f1b", "dualpipev"])
+def test_transfers_pair_the_ranks_torchs_schedule_runs_the_stages_on(kind: str, pp: int) -> None:
+    """The replay's ranks are the pipeline group's ranks that torch's schedule maps each stage to
+    (``stage_index_to_group_rank``, read from the schedule itself on each rank of a fake world);
+    the bench's group is the default one, where a group rank is the global rank that
+    ``dist.isend`` takes."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    from cost_model.testing import fake_world
+    from dhelix_compile.testing.pipeline import build_schedule, stage_layout
+
+    owners = []
+    for rank in range(pp):
+        with fake_world(pp, rank):
+            stages = [
+                PipelineStage(
+                    nn.Linear(2, 2),
+                    i,
+                    pp * len(stage_layout(kind, pp, rank)),
+                    torch.device("cpu"),
+                    input_args=torch.zeros(1, 2),
+                    output_args=torch.zeros(1, 2),
+                )
+                for i in stage_layout(kind, pp, rank)
+            ]
+            build_schedule(kind, stages, 2 * pp, lambda y, _: y.sum())
+            owners.append(dict(stages[0].stage_index_to_group_rank))
+    assert owners == [owners[0]] * pp
+    owner = owners[0]
+    crossing = [
+        pair
+        for stage in range(len(owner) - 1)
+        if owner[stage] != owner[stage + 1]
+        for pair in ((owner[stage], owner[stage + 1]), (owner[stage + 1], owner[stage]))
+    ]
+    pipeline = build_pipeline(kind, "tiny", 0, pp, microbatches=1, gen=torch.Generator().manual_seed(0))
+    assert [(t.src, t.dst) for t in pipeline.transfers] == crossing
+
+
 def test_replay_keeps_only_this_ranks_transfers() -> None:
     transfers = [Transfer(0, 1, (2,)), Transfer(2, 3, (2,)), Transfer(3, 0, (4,))]
     replay = P2PReplay(transfers, rank=0)
