@@ -17,8 +17,10 @@ import pytest
 from dhelix_compile.testing.data_parallel_checks import (
     check_checkpoint,
     check_data_parallel_cases,
+    check_uneven_tensor_parallel,
     data_parallel_errors,
     graph_collectives,
+    permuted_mesh_errors,
 )
 from dhelix_compile.testing.multirank import run_on_ranks
 
@@ -65,6 +67,49 @@ def test_dp2_x_tp2_matches_fsdp2_on_the_2d_mesh(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["shard", "replicate"])
 def test_dp2_x_tp2_helix(mode: str) -> None:
     _run(4, [{"mode": mode, "runner": "helix", "tp": 2}])
+
+
+def test_meshes_that_list_their_ranks_out_of_order_match_ddp_and_fsdp2() -> None:
+    """A rank's shard is the one torch's collectives (and FSDP2) put at its place in the DP
+    group, not at its ``get_coordinate()``: on ``[1, 0]`` rank 0 is at coordinate 1 but holds
+    shard 0. Each stored parameter's ``full_tensor()`` is the unwrapped one, and training equals
+    DDP's and FSDP2's on the same mesh. On ``[[3, 2], [1, 0]]`` both dims are listed down."""
+    _run(2, [{"mode": mode, "runner": "eager", "mesh_ranks": [1, 0]} for mode in ("shard", "replicate")])
+    _run(4, [{"mode": "shard", "runner": "eager", "tp": 2, "mesh_ranks": [[3, 2], [1, 0]]}])
+
+
+@full_only
+def test_meshes_listed_out_of_order_through_the_compiled_paths() -> None:
+    """Compiled, the gathers and reductions are functional collectives on the DP group (all-to-alls
+    on gloo: the ``gloo_collectives`` pass); the shards stay where torch puts them."""
+    _run(2, [{"mode": "shard", "runner": runner, "mesh_ranks": [1, 0]} for runner in ("dhelix", "helix")])
+    _run(4, [{"mode": "shard", "runner": "helix", "tp": 2, "mesh_ranks": [[3, 2], [1, 0]]}])
+
+
+def test_uneven_tensor_parallel_shards_are_stored_alike_on_every_rank() -> None:
+    """TP splits a ``[5, 4]`` weight into ``[3, 4]`` and ``[2, 4]`` tiles: the DP shard dim is one
+    both tiles split evenly (dim 1), the same on every rank (each rank chose from its own tile's
+    shape before: dim 1 beside dim 0), and the ``[5]`` bias stays replicated over DP; losses and
+    gradients equal the unwrapped model's on every DP batch."""
+    placed = {
+        mode: run_on_ranks(check_uneven_tensor_parallel, 4, mode, timeout_s=180) for mode in ("shard", "replicate")
+    }
+    for per_rank in placed.values():  # each rank checked that the others store what it stores
+        assert per_rank == [per_rank[0]] * 4
+    shard, replicate = placed["shard"][0], placed["replicate"][0]
+    assert shard["0.weight"] == "(Shard(dim=1), Shard(dim=0))" and shard["0.bias"] == "(Replicate(), Shard(dim=0))"
+    assert replicate["0.weight"] == "(Replicate(), Shard(dim=0))"
+
+
+def test_layouts_torch_does_not_hold_on_a_mesh_listed_out_of_order_are_refused() -> None:
+    """``mesh_positions.layout_mismatch``: torch's own ``full_tensor()`` would not return the
+    parameter. The same mesh in ``replicate`` mode holds (no DP shard for the groups to cross)."""
+    errors = run_on_ranks(permuted_mesh_errors, 4, timeout_s=180)[0]
+    across = errors["groups across DP positions"]
+    assert across.startswith("data_parallel cannot store parameter 0.weight"), across
+    assert "on the mesh [[2, 1], [3, 0]]" in across and "share a dim-1 process group" in across, across
+    uneven = errors["uneven TP shards"]
+    assert "on the mesh [[1, 0], [3, 2]]" in uneven and "uneven shards" in uneven, uneven
 
 
 @full_only
@@ -140,3 +185,5 @@ def test_bad_input_gets_clear_errors() -> None:
     for case in ("compiled by torch.compile", "compiled in place"):
         assert "already compiled" in errors[case] and "uncompiled module first" in errors[case], errors[case]
     assert "is the mesh of the tensor-parallel parameters" in errors["the TP mesh as DP mesh"]
+    listed_down = errors["uneven TP shards on a mesh listed out of order"]
+    assert "parameter 0.weight" in listed_down and "on the mesh [[1, 0]]" in listed_down, listed_down

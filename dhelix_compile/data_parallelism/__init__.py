@@ -62,8 +62,20 @@ a model already compiled (``torch.compile(model)`` or ``model.compile()``: wrap 
 compile; a compiled caller such as ``helix`` traces the module inside ``torch.compile``'s
 ``OptimizedModule``, not the wrapper, and a ``param_dtype`` input cast registered on the wrapper
 would not run), parameters on another device type than the mesh, tensor-parallel parameters on
-several meshes or on a mesh that is not the other dim of the DP mesh's root mesh, and placements
-other than ``Shard``/``Replicate``.
+several meshes or on a mesh that is not the other dim of the DP mesh's root mesh, placements
+other than ``Shard``/``Replicate``, and a parameter layout torch does not hold as one tensor
+(``mesh_positions.layout_mismatch``; on a mesh that lists its ranks out of order: uneven
+tensor-parallel shards, or a 2-D mesh whose TP groups hold ranks at different DP positions, such
+as ``[[2, 1], [3, 0]]`` in ``mode="shard"``), where torch's own ``full_tensor()`` would not return
+the parameter.
+
+Meshes that list their ranks in any order (``DeviceMesh("cpu", [1, 0])``): a rank stores the
+shard at its position in the DP group (``dp_mesh.get_local_rank()``), where torch's collectives
+(and FSDP2) put it, not the one at its ``get_coordinate()``. torch 2.13 itself is not consistent
+there: ``torch.distributed.checkpoint`` writes each shard at its ``get_coordinate()`` offset (a
+checkpoint loads back into the same layout, but permuted into an unwrapped model; FSDP2's too),
+and DTensor's ``Replicate() -> Shard()`` (in ``redistribute`` and in its ops' sharding) cuts the
+chunk at ``get_coordinate()``.
 """
 
 from __future__ import annotations
@@ -83,6 +95,7 @@ from torch.utils._pytree import tree_map
 
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.data_parallelism.layout import GradientSync, Mode, ParamLayout, store
+from dhelix_compile.mesh_positions import layout_mismatch, mesh_ranks
 
 __all__ = ["DataParallelError", "DataParallelInfo", "data_parallel", "gradient_sync_on_last"]
 
@@ -156,12 +169,14 @@ def data_parallel(
 
     sync = GradientSync()
     stored: dict[int, tuple[nn.Parameter, ParamLayout]] = {}  # by the original's id: a tied parameter stays one
-    layouts: dict[nn.Module, dict[str, ParamLayout]] = {}
-    for _, module, name, param in owners:
+    for qualified, _, _, param in owners:  # every layout checked before the model changes
         if id(param) not in stored:
             stored[id(param)] = store(
                 param, dp_mesh, mesh, mode, param_dtype, reduce_dtype, sync, regather=reshard_after_forward
             )
+            _check_layout(qualified, *stored[id(param)], mesh)
+    layouts: dict[nn.Module, dict[str, ParamLayout]] = {}
+    for _, module, name, param in owners:
         module._parameters[name], layouts.setdefault(module, {})[name] = stored[id(param)]
     for module, by_name in layouts.items():
         _compute_parameters_on_read(module, by_name)
@@ -281,6 +296,23 @@ def _parameter_mesh(dp_mesh: DeviceMesh, owners: list[tuple[str, nn.Module, str,
             f"data_parallel: the DP mesh {dp_mesh} and the TP mesh {tp_mesh} of {qualified} are not two dims of "
             f"one mesh (build both from one init_device_mesh(..., mesh_dim_names=('dp', 'tp'))): {exc}"
         ) from None
+
+
+def _check_layout(qualified: str, param: nn.Parameter, layout: ParamLayout, mesh: DeviceMesh) -> None:
+    """Refuse a stored parameter whose layout torch does not hold as one tensor on ``mesh``
+    (``mesh_positions.layout_mismatch``: a mesh listing its ranks out of order, with uneven
+    tensor-parallel shards or groups across a sharded dim's positions). Its DP shard of a dim TP
+    shards too (``_StridedShard``) is checked as the ``Shard`` it is for the groups' positions."""
+    assert isinstance(param, DTensor), "data_parallel stores every parameter as a DTensor"
+    placements = tuple(param.placements)
+    dp = Replicate() if layout.dim is None else Shard(layout.dim)
+    ranks, shape = mesh_ranks(mesh), tuple(mesh.mesh.shape)
+    for checked in dict.fromkeys([(dp, *placements[1:]), placements]):
+        mismatch = layout_mismatch(tuple(param.shape), shape, ranks, checked)
+        if mismatch is not None:
+            raise DataParallelError(
+                f"data_parallel cannot store parameter {qualified} as {list(placements)} (the DP dim first): {mismatch}"
+            )
 
 
 # ---------------------------------------------------------------------------- modules

@@ -6,7 +6,12 @@ or, for ``mode="shard"``, ``Shard(d)`` on the first dim ``d`` of the local tile 
 split evenly (dim 0 for nearly every weight). Equal shards keep every rank's graph the same (the
 shapes too), which the rank-consistency check and profiled costs rely on; FSDP2 pads dim 0
 instead. A parameter with no such dim (a 0-dim one, or odd sizes everywhere) is stored
-replicated, and ``shard_dim`` says so. On the TP dim it keeps the parameter's own placement
+replicated, and ``shard_dim`` says so. For a tensor-parallel parameter ``d`` splits evenly in
+*every* TP tile (unevenly sharded by TP, a ``[5, 4]`` weight has ``[3, 4]`` and ``[2, 4]`` tiles:
+dim 1), so every rank stores it in the same placements. A rank's DP shard is the one at its
+position in the DP group (``dp_mesh.get_local_rank()``), where torch's collectives put tiles,
+not at its ``get_coordinate()`` (they differ on a mesh that lists its ranks out of order:
+``dhelix_compile.mesh_positions``). On the TP dim it keeps the parameter's own placement
 (``Replicate()`` for a plain parameter of a TP model). A DP shard of a dim that TP shards too is a
 block of the TP tile, as FSDP2 lays it out (``_StridedShard``), so the forward gathers the TP
 tile with one all-gather over the DP ranks.
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 
 Mode = Literal["shard", "replicate"]
 
-__all__ = ["GradientSync", "Mode", "ParamLayout", "TensorParallelSpec", "shard_dim", "store"]
+__all__ = ["GradientSync", "Mode", "ParamLayout", "TensorParallelSpec", "shard_dim", "store", "tensor_parallel_tiles"]
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,22 @@ class ParamLayout:
         return DTensor.from_local(full, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
 
 
-def shard_dim(shape: Sequence[int], ranks: int) -> int | None:
-    """The first dim of ``shape`` that ``ranks`` ranks split into equal non-empty shards, if any."""
-    return next((d for d, n in enumerate(shape) if n >= ranks and n % ranks == 0), None)
+def shard_dim(shapes: Sequence[Sequence[int]], ranks: int) -> int | None:
+    """The first dim that ``ranks`` ranks split into equal non-empty shards in every one of
+    ``shapes`` (one tensor's tiles, all of one rank count), if any."""
+    ndim = {len(shape) for shape in shapes}
+    if len(ndim) != 1:
+        raise ValueError(f"shard_dim needs tiles of one tensor, got shapes {[list(s) for s in shapes]}")
+    return next(
+        (d for d in range(ndim.pop()) if all(s[d] >= ranks and s[d] % ranks == 0 for s in shapes)),
+        None,
+    )
+
+
+def tensor_parallel_tiles(tp: TensorParallelSpec) -> list[tuple[int, ...]]:
+    """The shape of every TP rank's tile of a tensor-parallel parameter (torch's DTensor shapes)."""
+    n = tp.mesh.size()
+    return [compat.local_shape_and_offset(tp.shape, (n,), (i,), tp.placements)[0] for i in range(n)]
 
 
 def store(
@@ -134,7 +152,7 @@ def store(
     tp_placements: tuple[Placement, ...] = tp.placements if tp else (Replicate(),) * (mesh.ndim - 1)
     shape, stride = (tp.shape, tp.stride) if tp else (tile.shape, tuple(tile.stride()))
     ranks = dp_mesh.size()
-    dim = shard_dim(tile.shape, ranks) if mode == "shard" else None
+    dim = shard_dim(tensor_parallel_tiles(tp) if tp else [tile.shape], ranks) if mode == "shard" else None
     if dim is not None:
         local = tile.chunk(ranks, dim)[dp_mesh.get_local_rank()].clone()
         dp_placement: Placement = Shard(dim)

@@ -5,7 +5,8 @@ Contract
 ``check_data_parallel(rank, world_size, mode, runner, tp=1, model="reference", ...)`` runs on every
 rank of an initialised default process group (``run_on_ranks``) and
 
-1. builds the mesh: ``(dp,)`` or ``(dp, tp)`` named ``("dp", "tp")``, ``dp = world_size // tp``;
+1. builds the mesh: ``(dp,)`` or ``(dp, tp)`` named ``("dp", "tp")``, ``dp = world_size // tp``,
+   its ranks ascending or as ``mesh_ranks`` lists them (``[1, 0]``, ``[[3, 2], [1, 0]]``);
 2. builds the model twice (same seeded weights), tensor-parallel over ``mesh["tp"]`` when
    ``tp > 1``, with this DP rank's micro-batches (the TP ranks of one DP rank share them);
 3. baseline: PyTorch eager, ``DistributedDataParallel`` for ``mode="replicate"`` without TP or
@@ -16,8 +17,14 @@ rank of an initialised default process group (``run_on_ranks``) and
    both loops reduce replicated gradients once per step (DDP's ``no_sync`` /
    ``set_requires_gradient_sync`` on every micro-batch but the last), as ``helix`` does itself;
 5. compares losses, full gradients (``full_tensor``) and, after one ``AdamW`` step on each, full
-   parameters; checks that names and order are the unwrapped model's, and that each parameter and
-   its gradient are DTensors of one layout on the DP mesh (2-D with TP).
+   parameters; checks that names and order are the unwrapped model's, that each parameter and
+   its gradient are DTensors of one layout on the DP mesh (2-D with TP), and, before training,
+   that each stored parameter is the one torch reads: its ``full_tensor()`` (torch's all-gathers,
+   which put tile ``i`` on the group's ``i``-th rank) equals the unwrapped parameter, and its
+   local shape is the DTensor's own (``compute_local_shape_and_global_offset``).
+
+``check_uneven_tensor_parallel`` trains a small MLP whose TP shards are uneven (``[5, 4]`` over 2
+TP ranks) and compares it with the unwrapped MLP run eagerly on every DP rank's batch.
 
 It returns a picklable report and raises ``AssertionError`` naming every mismatch.
 """
@@ -41,12 +48,19 @@ ModelName = Literal["reference", "hf_llama"]
 _DTYPES = {None: None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _mesh(world_size: int, tp: int) -> DeviceMesh:
+def _mesh(world_size: int, tp: int, listed: Any = None) -> DeviceMesh:
+    """``(dp,)`` or ``(dp, tp)``, its ranks ascending, or as ``listed`` gives them (nested)."""
     if world_size % tp:
         raise ValueError(f"world_size {world_size} is not a multiple of tp={tp}")
+    names = ("dp",) if tp == 1 else ("dp", "tp")
+    if listed is not None:
+        mesh = DeviceMesh("cpu", listed, mesh_dim_names=names)
+        if tuple(mesh.shape) != ((world_size,) if tp == 1 else (world_size // tp, tp)):
+            raise ValueError(f"mesh {listed} is not a ({world_size // tp}, {tp}) mesh of {world_size} ranks")
+        return mesh
     if tp == 1:
-        return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    return init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        return init_device_mesh("cpu", (world_size,), mesh_dim_names=names)
+    return init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=names)
 
 
 def _build(model: ModelName, mesh: DeviceMesh, tp: int) -> tuple[nn.Module, list[nn.Module]]:
@@ -162,15 +176,17 @@ def check_data_parallel(
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
     reshard_after_forward: bool = False,
+    mesh_ranks: Any = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """See the module docstring; ``options`` go to ``helix`` or the backend (e.g. ``codegen="eager"``;
+    """See the module docstring; ``mesh_ranks``: the mesh's ranks as listed (nested for ``tp > 1``),
+    ascending if not given; ``options`` go to ``helix`` or the backend (e.g. ``codegen="eager"``;
     ``fallback="error"`` unless given: a pass that fails must fail the check, not fall back)."""
     import dhelix_compile
     from dhelix_compile.data_parallelism import data_parallel
 
     torch._dynamo.reset()
-    mesh = _mesh(world_size, tp)
+    mesh = _mesh(world_size, tp, mesh_ranks)
     dp_mesh = mesh["dp"]
     mbs, loss_fn = _microbatches(model, dp_mesh.get_local_rank(), microbatches)
     mp = None
@@ -189,6 +205,7 @@ def check_data_parallel(
 
     ours, _ = _build(model, mesh, tp)
     names = [name for name, _ in ours.named_parameters()]
+    unwrapped = {name: full_tensor(p) for name, p in ours.named_parameters()}
     data_parallel(
         ours,
         dp_mesh,
@@ -197,6 +214,7 @@ def check_data_parallel(
         reduce_dtype=_DTYPES[reduce_dtype],
         reshard_after_forward=reshard_after_forward,
     )
+    stored_problems = _stored_problems(ours, unwrapped)
     options.setdefault("fallback", "error")
     if runner == "helix":
         run: Callable[[list[Any]], list[torch.Tensor]] = dhelix_compile.helix(ours, loss_fn, **options)
@@ -207,7 +225,7 @@ def check_data_parallel(
         run = _loop(ours, loss_fn, sync_once=ours)
     got = _train(ours, run, mbs)
 
-    problems = _layout_problems(ours, names, mesh.ndim)
+    problems = stored_problems + _layout_problems(ours, names, mesh.ndim)
     atol, rtol = (2e-2, 2e-2) if param_dtype == "bfloat16" else (1e-5, 1e-4)
     for k, (g, w) in enumerate(zip(got["losses"], want["losses"])):
         if not torch.allclose(g, w, atol=atol, rtol=rtol):
@@ -220,12 +238,34 @@ def check_data_parallel(
                 problems.append(f"{what[:-1]} {name}: {diff}")
     label = (
         f"rank {rank}/{world_size} {model} mode={mode} runner={runner} tp={tp} param_dtype={param_dtype} "
-        f"reshard_after_forward={reshard_after_forward}"
+        f"reshard_after_forward={reshard_after_forward} mesh={mesh.mesh.tolist()}"
     )
     if problems:
         raise AssertionError(f"{label}: " + "; ".join(problems))
     placements = {name: str(tuple(p.placements)) for name, p in ours.named_parameters()}  # type: ignore[attr-defined]
     return {"losses": [loss.item() for loss in got["losses"]], "placements": placements}
+
+
+def _stored_problems(model: nn.Module, unwrapped: dict[str, torch.Tensor]) -> list[str]:
+    """Where a stored parameter is not the unwrapped one as torch reads it: its ``full_tensor()``
+    (torch's all-gathers, in each group's rank order), and its local shape against the DTensor's
+    own (from the rank's ``get_coordinate()``). Collectives: every rank calls it."""
+    from dhelix_compile import _torch_compat as compat
+
+    problems = []
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue  # _layout_problems names it
+        coordinate = param.device_mesh.get_coordinate()
+        assert coordinate is not None, "data_parallel's meshes hold every rank that runs the model"
+        described = compat.local_shape_and_offset(
+            tuple(param.shape), tuple(param.device_mesh.shape), coordinate, param.placements
+        )[0]
+        if tuple(param.to_local().shape) != described:
+            problems.append(f"{name}: local shape {tuple(param.to_local().shape)} != the DTensor's {described}")
+        if not torch.equal(full_tensor(param), unwrapped[name]):
+            problems.append(f"{name}: full_tensor() is not the unwrapped parameter")
+    return problems
 
 
 def _layout_problems(model: nn.Module, names: list[str], mesh_ndim: int) -> list[str]:
@@ -243,6 +283,91 @@ def _layout_problems(model: nn.Module, names: list[str], mesh_ndim: int) -> list
     return problems
 
 
+def _mlp(hidden: int = 5) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 4))
+
+
+def _tensor_parallel_mlp(mesh: DeviceMesh, hidden: int = 5) -> nn.Module:
+    """``_mlp`` with its first layer column-parallel over ``mesh`` (hidden 5 over 2 ranks: tiles
+    of 3 and 2 rows), its output gathered (torch's ``RowwiseParallel`` infers an uneven input's
+    global shape from the local one, so the second layer stays plain)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    return parallelize_module(_mlp(hidden), mesh, {"0": ColwiseParallel(output_layouts=Replicate())})
+
+
+def check_uneven_tensor_parallel(
+    rank: int, world_size: int, mode: Literal["shard", "replicate"] = "shard", mesh_ranks: Any = None
+) -> dict[str, str]:
+    """``data_parallel`` over a ``(dp, 2)`` mesh of a model whose TP shards are uneven; raises
+    where the stored parameters are not the unwrapped ones (``_stored_problems``), where ranks
+    store one parameter in different placements, or where the loss and full gradients differ from
+    the unwrapped model's run eagerly on every DP rank's batch (gradients averaged, as DDP and
+    FSDP2 do). Returns each parameter's placements."""
+    import torch.distributed as dist
+
+    from dhelix_compile.data_parallelism import data_parallel
+
+    mesh = _mesh(world_size, 2, mesh_ranks)
+    reference, ours = _mlp(), _tensor_parallel_mlp(mesh["tp"])
+    unwrapped = {name: full_tensor(p) for name, p in ours.named_parameters()}
+    data_parallel(ours, mesh["dp"], mode)
+    problems = _stored_problems(ours, unwrapped)
+    placements = {name: str(tuple(p.placements)) for name, p in ours.named_parameters()}  # type: ignore[attr-defined]
+    every: list[dict[str, str] | None] = [None] * world_size
+    dist.all_gather_object(every, placements)
+    problems += [
+        f"rank {r} stores {theirs} where rank {rank} stores {placements}"
+        for r, theirs in enumerate(every)
+        if theirs != placements
+    ]
+
+    dp = mesh["dp"].size()
+    batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(100 + i)) for i in range(dp)]
+    loss = ours(batches[mesh["dp"].get_local_rank()]).pow(2).mean()
+    loss.backward()
+    losses = [reference(b).pow(2).mean() for b in batches]
+    (torch.stack(losses).sum() / dp).backward()
+    if not torch.allclose(loss.detach(), losses[mesh["dp"].get_local_rank()].detach(), atol=1e-6, rtol=1e-5):
+        problems.append(f"loss {loss.item()} != {losses[mesh['dp'].get_local_rank()].item()}")
+    want = {name: p.grad for name, p in reference.named_parameters()}
+    for name, g in full_grads(ours).items():
+        w = want[name]
+        if g is None or w is None or not torch.allclose(g, w, atol=1e-6, rtol=1e-5):
+            problems.append(f"grad {name}: {'missing' if g is None or w is None else (g - w).abs().max().item()}")
+    if problems:
+        raise AssertionError(f"rank {rank} mesh {mesh.mesh.tolist()} mode={mode}: " + "; ".join(problems))
+    return placements
+
+
+def permuted_mesh_errors(rank: int, world_size: int) -> dict[str, str]:
+    """On 4 ranks, the message of each ``data_parallel`` call on a mesh listed out of order whose
+    layout torch does not hold; raises if one passes, or if the mode whose layout torch holds
+    there (``replicate``) is refused."""
+    from dhelix_compile.data_parallelism import DataParallelError, data_parallel
+
+    across = _mesh(world_size, 2, [[2, 1], [3, 0]])  # tp groups {2, 1}, {3, 0}: DP positions 0 and 1 each
+    data_parallel(_tensor_parallel_mlp(across["tp"], hidden=4), across["dp"], "replicate")
+    reversed_tp = _mesh(world_size, 2, [[1, 0], [3, 2]])  # uneven TP shards on a dim listed 1, 0
+    cases: dict[str, Callable[[], Any]] = {
+        "groups across DP positions": lambda: data_parallel(
+            _tensor_parallel_mlp(across["tp"], hidden=4), across["dp"], "shard"
+        ),
+        "uneven TP shards": lambda: data_parallel(_tensor_parallel_mlp(reversed_tp["tp"]), reversed_tp["dp"]),
+    }
+    messages = {}
+    for case, call in cases.items():
+        try:
+            call()
+        except DataParallelError as exc:
+            messages[case] = str(exc)
+        else:
+            raise AssertionError(f"data_parallel accepted: {case}")
+    return messages
+
+
 def data_parallel_errors(rank: int, world_size: int) -> dict[str, str]:
     """The message of each bad ``data_parallel`` call (on 2 ranks), by case; raises if one passes."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -253,6 +378,7 @@ def data_parallel_errors(rank: int, world_size: int) -> dict[str, str]:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     mesh_2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
     only_rank_0 = DeviceMesh("cpu", [0])
+    listed_down = _mesh(world_size, world_size, [list(range(world_size))[::-1]])  # (1, n): tp listed n-1, ..., 0
 
     def linear() -> nn.Module:
         return nn.Linear(4, 4)
@@ -284,6 +410,9 @@ def data_parallel_errors(rank: int, world_size: int) -> dict[str, str]:
         "compiled by torch.compile": lambda: data_parallel(torch.compile(linear()), mesh),  # type: ignore[arg-type]
         "compiled in place": compiled_in_place,
         "the TP mesh as DP mesh": lambda: data_parallel(tensor_parallel(), mesh_2d["tp"]),
+        "uneven TP shards on a mesh listed out of order": lambda: data_parallel(
+            _tensor_parallel_mlp(listed_down["tp"]), listed_down["dp"]
+        ),
     }
     messages = {}
     for case, call in cases.items():
