@@ -105,50 +105,106 @@ def test_cached_times_are_put_at_the_machines_speed_now(tmp_path: pathlib.Path, 
     assert later.measurements[sigs[aten.sum.dim_IntList]] == pytest.approx(2 * cached[sigs[aten.sum.dim_IntList]])
 
 
-def test_a_slow_cached_measurement_does_not_stay(tmp_path: pathlib.Path) -> None:
+def _measure_at(monkeypatch: Any, est: ProfiledEstimator, ratio: float) -> list[str]:
+    """``est`` measures without a clock: every op takes ``ratio`` times its base estimate (how
+    slow the machine is at that calibration). The ops it measured, in order, are returned."""
+    measured: list[str] = []
+
+    def measure(item: Any) -> float:
+        measured.append(str(item.node.target))
+        return ratio * est.base.node_cost(item.node).time_s
+
+    monkeypatch.setattr(est, "_measure", measure)
+    return measured
+
+
+MM, RELU, SUM = "aten.mm.default", "aten.relu.default", "aten.sum.dim_IntList"
+
+#: A settled time is measured again by a calibration that uses it, in one of two ways, and which
+#: one depends on how fast the machine ran when it was cached against how fast it runs now:
+#: "probe": about as fast (1.5x slower now): it is a speed probe, and the time is the cached one
+#:          at the probes' speed (module docstring of cost_model.profile.estimator: ``speed``);
+#: "stall": far faster now (20x: the cores were busy when it was cached): it is a stall against
+#:          this calibration's other ops, and the lower of the two times stands (``stalls``).
+#: (branch, measured / base time when it was cached, measured / base time now)
+_SETTLED_MEASURED_AGAIN = [("probe", 100.0, 150.0), ("stall", 1000.0, 50.0)]
+
+
+@pytest.mark.parametrize(("branch", "cached_ratio", "now_ratio"), _SETTLED_MEASURED_AGAIN)
+def test_a_slow_cached_measurement_does_not_stay(
+    tmp_path: pathlib.Path, monkeypatch: Any, branch: str, cached_ratio: float, now_ratio: float
+) -> None:
     """A time measured while the cores were busy (1 s for a 32x16 matmul, in a version-2 file of
-    single numbers) is measured again by the next calibration, and the lower time wins."""
+    single numbers) is measured again by the next calibration, and the lower time wins. Once
+    settled, the next calibration measures it again too (``_SETTLED_MEASURED_AGAIN``)."""
     gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
     base = AnalyticEstimator(DEVICE, LINK)
-    est = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False, device_name="unit")
+    est = ProfiledEstimator(base, tmp_path, progress=False, device_name="unit")
     mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
     sig = est.signature(mm) or ""
     est.disk_cache.path("unit").write_text(json.dumps({"version": 2, "device": "unit", "entries": {sig: 1.0}}))
     assert est.disk_cache.load("unit") == {sig: [1.0]}
+    first = _measure_at(monkeypatch, est, cached_ratio)
     report = est.calibrate(gm)
-    assert report.measured == 3 and est.measurements[sig] < 1.0
-    assert est.disk_cache.load("unit")[sig] == [est.measurements[sig], 1.0]
-    later = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False, device_name="unit")
+    assert report.measured == 3 and first == [MM, RELU, SUM]
+    cached_s = cached_ratio * base.node_cost(mm).time_s
+    assert est.measurements[sig] == cached_s < 1.0
+    assert est.disk_cache.load("unit")[sig] == [cached_s, 1.0]
+
+    later = ProfiledEstimator(base, tmp_path, progress=False, device_name="unit")
+    again = _measure_at(monkeypatch, later, now_ratio)
     report = later.calibrate(gm)
     assert (report.measured, report.cached) == (2, 1)  # relu and sum had their first measurement
-    # the settled time, at the speed its probe measured now (module docstring: ``speed``)
-    assert report.speed is not None
-    assert later.measurements[sig] == pytest.approx(est.measurements[sig] * report.speed)
+    assert again == [RELU, SUM, MM]  # then the settled matmul, as a probe or as a stall
+    now_s = now_ratio * base.node_cost(mm).time_s
+    if branch == "probe":
+        assert (report.measured_again, report.speed) == (0, pytest.approx(now_ratio / cached_ratio))
+        assert later.measurements[sig] == pytest.approx(cached_s * report.speed)
+    else:
+        assert (report.measured_again, report.speed) == (1, None)
+        assert later.measurements[sig] == now_s
+    assert later.disk_cache.load("unit")[sig] == sorted([cached_s, now_s])  # the 1 s sample is gone
 
 
-def test_a_stalled_compute_time_is_measured_again_even_when_settled(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize(("branch", "cached_ratio", "now_ratio"), _SETTLED_MEASURED_AGAIN)
+def test_a_stalled_compute_time_is_measured_again_even_when_settled(
+    tmp_path: pathlib.Path, monkeypatch: Any, branch: str, cached_ratio: float, now_ratio: float
+) -> None:
     """A compute op's time far above what its graph's typical measured / base ratio gives it (a
     stall while it was measured: 1 s for a 32x8 relu, settled in the cache by two calibrations)
     is measured again by the next calibration; the lower time stands and joins the cache entry.
-    The others are measured once."""
+    The others are measured once. The next calibration measures the relu's new settled time
+    again too (``_SETTLED_MEASURED_AGAIN``)."""
     gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
     base = AnalyticEstimator(DEVICE, LINK)
-    est = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False, device_name="unit")
+    est = ProfiledEstimator(base, tmp_path, progress=False, device_name="unit")
     relu = next(n for n in gm.graph.nodes if n.target == aten.relu.default)
     sig = est.signature(relu) or ""
     stalled = [1.0] * CACHE_SAMPLES
     entries = {"version": CACHE_VERSION, "device": "unit", "entries": {sig: stalled}}
     est.disk_cache.path("unit").write_text(json.dumps(entries))
+    first = _measure_at(monkeypatch, est, cached_ratio)
     report = est.calibrate(gm)
     assert (report.measured, report.cached, report.measured_again) == (2, 1, 1)
-    assert est.measurements[sig] < 0.01
-    assert est.disk_cache.load("unit")[sig] == [est.measurements[sig], 1.0]
+    assert first == [MM, SUM, RELU]
+    cached_s = cached_ratio * base.node_cost(relu).time_s
+    assert est.measurements[sig] == cached_s < 0.01
+    assert est.disk_cache.load("unit")[sig] == [cached_s, 1.0]
     assert est.node_cost(relu).time_s == est.measurements[sig]
 
-    healed = ProfiledEstimator(base, tmp_path, warmup=1, repeats=3, progress=False, device_name="unit")
-    report = healed.calibrate(gm)
-    assert report.measured_again == 0 and report.speed is not None  # relu's entry is its probe now
-    assert healed.measurements[sig] == pytest.approx(est.measurements[sig] * report.speed)
+    later = ProfiledEstimator(base, tmp_path, progress=False, device_name="unit")
+    again = _measure_at(monkeypatch, later, now_ratio)
+    report = later.calibrate(gm)
+    assert (report.measured, report.cached) == (2, 1)  # mm and sum had their first measurement
+    assert again == [MM, SUM, RELU]  # then the settled relu, as a probe or as a stall
+    now_s = now_ratio * base.node_cost(relu).time_s
+    if branch == "probe":
+        assert (report.measured_again, report.speed) == (0, pytest.approx(now_ratio / cached_ratio))
+        assert later.measurements[sig] == pytest.approx(cached_s * report.speed)
+    else:
+        assert (report.measured_again, report.speed) == (1, None)
+        assert later.measurements[sig] == now_s
+    assert later.disk_cache.load("unit")[sig] == sorted([cached_s, now_s])  # the 1 s sample is gone
 
 
 def test_a_compute_op_measured_again_keeps_the_lower_time(tmp_path: pathlib.Path, monkeypatch: Any) -> None:
