@@ -1,11 +1,23 @@
 """Which cost model a compile uses: build the estimator passes receive from the config.
 
 device "auto": the CUDA device's table entry (by name), else this CPU, measured once per
-               process; on several ranks, rank 0's measurement is shared through the c10d
+               process; on several ranks, one rank's measurement is shared through the c10d
                store so every rank plans with the same numbers (a measured device differs
                a little from rank to rank, and different numbers mean different schedules:
                collectives issued in another order on each rank, which exchange the wrong
                tensors when their shapes match). device "cpu" is measured the same way.
+               Which rank measures: the first to ask, not a fixed one (a rank asks when it
+               compiles, and a rank whose graphs hold no collective may never compile one
+               that needs a cost model)::
+
+                   claim   = store.compare_set(CLAIM, "", my rank)   # atomic: one rank wins
+                   if claim == my rank: measure, publish DEVICE (or the error it raised)
+                   wait for DEVICE (consistency_timeout_s)  -> else DeviceAgreementError
+                                                              naming the claiming rank
+                   every rank, the claiming one too, plans with the published numbers
+
+               A claiming rank that dies or hangs before it publishes leaves the others
+               an error naming it after the timeout, never a hang.
 link "auto":   nvlink4 between GPUs, loopback between CPU processes.
 cost_model "profile": the analytic estimator as a base, calibrated on the live device and
                process group by cost_model.ProfiledEstimator (agreed across ranks, cached).
@@ -38,7 +50,15 @@ log = logging.getLogger("dhelix")
 #: torch.cuda.get_device_name() substrings -> cost_model.DEVICES keys
 _CUDA_NAMES = (("H200", "h200"), ("H100", "h100_sxm"), ("A800", "a800"), ("A100", "a100_80gb"), ("A40", "a40"))
 
-_STORE_KEY = "dhelix/agreed_cpu_device"
+#: c10d store keys of the agreed CPU device (module docstring): the claiming rank's number, and
+#: what it published ({"rank": r, "device": ...} or {"rank": r, "error": ...})
+_CLAIM_KEY = "dhelix/agreed_cpu_device/claim"
+_DEVICE_KEY = "dhelix/agreed_cpu_device/device"
+
+
+class DeviceAgreementError(RuntimeError):
+    """The ranks have no CPU device to agree on: the rank that claimed its measurement did not
+    publish it in time (it died or is stuck), or its measurement raised."""
 
 
 def _uses_cuda(example_inputs: Sequence[Any]) -> bool:
@@ -61,25 +81,53 @@ def resolve_device(config: DHelixConfig, example_inputs: Sequence[Any]) -> Devic
 
 @functools.cache
 def agreed_cpu_device(timeout_s: float) -> Device:
-    """This CPU, measured; on several ranks, rank 0's measurement (the same on every rank)."""
+    """This CPU, measured; on several ranks, the measurement of the first rank to ask, the same
+    on every rank (module docstring). Waits up to ``timeout_s`` for it.
+
+    Raises:
+        DeviceAgreementError: the claiming rank did not publish within ``timeout_s``, or its
+            measurement raised.
+    """
     if not compat.real_process_group_initialized():
         return measure_cpu_device()
     store = compat.default_store()
-    if dist.get_rank() == 0:
+    me = str(dist.get_rank())
+    claimant = store.compare_set(_CLAIM_KEY, "", me).decode()
+    if claimant == me:
+        _measure_and_publish(store, claimant)
+    try:
+        store.wait([_DEVICE_KEY], timedelta(seconds=timeout_s))
+    except Exception as exc:  # the store raises on timeout (DistStoreError / RuntimeError)
+        raise DeviceAgreementError(
+            f"rank {claimant} took on measuring the CPU device for every rank (dhelix device "
+            f"'cpu', or 'auto' on the CPU) and did not publish it within {timeout_s:g} s: it "
+            f"died or is stuck. Without it this rank cannot plan with the other ranks' costs"
+        ) from exc
+    published = json.loads(store.get(_DEVICE_KEY))
+    if "error" in published:
+        raise DeviceAgreementError(
+            f"rank {published['rank']} could not measure the CPU device for every rank: {published['error']}"
+        )
+    return _device_from_json(published["device"])
+
+
+def _measure_and_publish(store: dist.Store, rank: str) -> None:
+    """Measure this CPU and publish it for every rank, or publish why the measurement failed."""
+    try:
         device = measure_cpu_device()
-        store.set(_STORE_KEY, json.dumps(_device_to_json(device)))
-        return device
-    store.wait([_STORE_KEY], timedelta(seconds=timeout_s))
-    return _device_from_json(json.loads(store.get(_STORE_KEY)))
+    except Exception as exc:
+        store.set(_DEVICE_KEY, json.dumps({"rank": rank, "error": f"{type(exc).__name__}: {exc}"}))
+        raise
+    store.set(_DEVICE_KEY, json.dumps({"rank": rank, "device": _device_to_json(device, rank)}))
 
 
-def _device_to_json(device: Device) -> dict[str, Any]:
+def _device_to_json(device: Device, rank: str) -> dict[str, Any]:
     return {
         "name": device.name,
         "peak_flops_per_s": {str(k).removeprefix("torch."): v for k, v in device.peak_flops_per_s.items()},
         "mem_bandwidth_bytes_per_s": device.mem_bandwidth_bytes_per_s,
         "launch_overhead_s": device.launch_overhead_s,
-        "source": device.source + " (rank 0's measurement)",
+        "source": f"{device.source} (rank {rank}'s measurement)",
         "contention_factor": device.contention_factor,
     }
 
