@@ -247,6 +247,13 @@ _BUILTIN_LINKS: tuple[Link, ...] = (
     Link("pcie4", 31.5 * GIGA, PCI_HOP_LATENCY_S, f"PCI-SIG PCIe 4.0 base spec (16 GT/s, 128b/130b); {_NCCL_TUNING}"),
     # PCIe 5.0 x16: 32 GT/s -> 63.0 GB/s per direction.
     Link("pcie5", 63.0 * GIGA, PCI_HOP_LATENCY_S, f"PCI-SIG PCIe 5.0 base spec (32 GT/s, 128b/130b); {_NCCL_TUNING}"),
+    # InfiniBand EDR 100 Gb/s per port (ConnectX-5) = 12.5 GB/s.
+    Link(
+        "ib_edr",
+        12.5 * GIGA,
+        NET_HOP_LATENCY_S,
+        "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-5 EDR 100Gb/s); " + _NCCL_TUNING,
+    ),
     # InfiniBand HDR 200 Gb/s per port (ConnectX-6) = 25 GB/s.
     Link(
         "ib_hdr",
@@ -273,6 +280,18 @@ _BUILTIN_LINKS: tuple[Link, ...] = (
         100 / 8 * GIGA,
         TCP_HOP_LATENCY_S,
         "IEEE 802.3bj 100 Gb/s line rate; latency: TCP order of magnitude (estimate)",
+    ),
+    Link(
+        "eth_200g",
+        200 / 8 * GIGA,
+        TCP_HOP_LATENCY_S,
+        "IEEE 802.3bs 200 Gb/s line rate; latency: TCP order of magnitude (estimate)",
+    ),
+    Link(
+        "eth_400g",
+        400 / 8 * GIGA,
+        TCP_HOP_LATENCY_S,
+        "IEEE 802.3bs 400 Gb/s line rate; latency: TCP order of magnitude (estimate)",
     ),
     # Same-host TCP over lo (gloo between local processes): bounded by memcpy through the
     # socket buffers; a nominal few GB/s. Estimate; calibrate with profile mode.

@@ -8,6 +8,7 @@
     schedule = dhelix_compile.helix_pipeline(schedule)                   # torch pipelining, merged F+B
     y = dhelix_compile.reshard(x, mesh_b, [Shard(0)])                    # a DTensor to another mesh
     model = dhelix_compile.data_parallel(model, mesh["dp"], mode="shard")  # ZeRO-3 / DDP in the graph
+    cluster = dhelix_compile.emulate(world_size=8, link="ib400")       # rank 0 of 8, timed links
 
 The backend entry points import Inductor and AOTAutograd; they load on first use, so that
 ``import dhelix_compile.testing`` (every spawned test rank does it) stays cheap.
@@ -30,6 +31,7 @@ __all__ = [
     "backend",
     "data_parallel",
     "dhelix_backend",
+    "emulate",
     "helix",
     "helix_pipeline",
     "reshard",
@@ -54,6 +56,10 @@ def __getattr__(name: str) -> Any:
         from dhelix_compile.resharding import reshard
 
         return reshard
+    if name == "emulate":
+        from dhelix_compile import emulation
+
+        return emulation.emulate
     if name in ("data_parallel", "DataParallelError"):
         from dhelix_compile import data_parallelism
 

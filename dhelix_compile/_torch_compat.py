@@ -381,7 +381,7 @@ def real_process_group_initialized() -> bool:
     """
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() not in ("fake", "emulated")
 
 
 def wait_for_compile_workers(timeout_s: float = 120.0) -> None:
@@ -948,3 +948,32 @@ def aot_flat_inputs(value: Any) -> list[Any]:
         return [value]
     names, _ = value.__tensor_flatten__()
     return [leaf for name in names for leaf in aot_flat_inputs(getattr(value, name))]
+
+
+def register_process_group_backend(
+    name: str, create: Callable[[int, int, str, list[int]], Any], devices: Sequence[str]
+) -> None:
+    """Register ``create(group_rank, group_size, group_name, global_ranks)`` -- a function that
+    returns a ``torch.distributed.ProcessGroup`` subclass written in Python -- as the c10d
+    backend ``name`` (once per process; a second call keeps the first creator).
+
+    torch takes a ProcessGroup returned by a backend's creator as the group itself
+    (``_new_process_group_helper``); the "extended" creator API passes the group's name and
+    global ranks, which the group needs for ``group_name`` (torch's setter does not reach a
+    Python subclass)."""
+    import torch.distributed as dist
+
+    if name.upper() in dist.Backend._plugins:
+        return
+
+    def creator(options: Any, _backend_options: Any) -> Any:
+        return create(
+            int(options.group_rank), int(options.group_size), str(options.group_id), list(options.global_ranks_in_group)
+        )
+
+    dist.Backend.register_backend(name, creator, extended_api=True, devices=list(devices))
+
+
+def cuda_delay(cycles: int) -> None:
+    """Enqueue a kernel on the current CUDA stream that spins ``cycles`` GPU clock cycles."""
+    torch.cuda._sleep(cycles)

@@ -81,7 +81,8 @@ class DHelixConfig:
     link: str = _option(
         "auto",
         "Link collectives use, for the cost model: a name from cost_model.LINKS (nvlink4, ib_ndr, "
-        "eth_100g, loopback, ...) or 'auto' (nvlink4 on CUDA, loopback on CPU).",
+        "eth_100g, loopback, ...) or 'auto' (the emulated cluster's link under dhelix_compile.emulate, else nvlink4 "
+        "on CUDA, loopback on CPU).",
         env="DHELIX_LINK",
     )
     cache_dir: str = _option(

@@ -174,13 +174,26 @@ def _profiled_estimator(config: DHelixConfig, base: AnalyticEstimator, link: str
     return _PROFILED[key]
 
 
+def _emulated_link() -> str | None:
+    """The link of this process's emulated cluster (``dhelix_compile.emulate``), if one is live:
+    the planner prices collectives with the numbers the emulator times them by (NCCL's)."""
+    from dhelix_compile import emulation
+
+    cluster = emulation.active()
+    return None if cluster is None else cluster.cost_model_link
+
+
 def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Estimator:
     """The estimator for one partition: analytic, or profiled (calibrated on ``gm`` now)."""
     cuda = _uses_cuda(example_inputs)
-    link = config.link if config.link != "auto" else ("nvlink4" if cuda else "loopback")
+    emulated = _emulated_link()
+    link = config.link if config.link != "auto" else (emulated or ("nvlink4" if cuda else "loopback"))
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
     base = AnalyticEstimator(
-        resolve_device(config, example_inputs), link, world_size, comm_backend="nccl" if cuda else "gloo"
+        resolve_device(config, example_inputs),
+        link,
+        world_size,
+        comm_backend="nccl" if cuda or emulated else "gloo",
     )
     if resolve_cost_model(config, gm) == "analytic":
         return base

@@ -470,6 +470,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tc tbf rate of the link ('400mbit'); 'auto': the rate at which the step's collectives alone take "
         "T_compute (bench.link_rate); 'none' for plain loopback",
     )
+    parser.add_argument(
+        "--link",
+        default=None,
+        help="'emulated:<link>[,ranks=N][,traffic]': one process as rank 0 of N (default 8), every collective "
+        "timed by the link model, no CPU spent on transfers (bench.emulated). <link>: a preset below, "
+        "'alpha=5us,bandwidth=40GB/s', or 'balanced' (the bandwidth at which the first variant's collectives "
+        "take its compute time). Without --link: gloo ranks over a tc-limited veth link (--rate). Presets: "
+        + "; ".join(_preset_lines()),
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="with --link emulated:...")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=None, help="with --link emulated:...: the model's dtype"
+    )
     parser.add_argument("--ranks", type=int, default=2, help="ranks (a rate-limited link joins exactly 2)")
     parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (helix merges them)")
     parser.add_argument("--repeats", type=int, default=10)
@@ -486,6 +499,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit-s", type=float, default=240.0, help="per mode, for the timed repeats")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per launch, then the ranks are killed")
     parser.add_argument("--out", default=None, help="write the JSON summary here")
+
+
+def _preset_lines() -> list[str]:
+    from dhelix_compile.emulation.links import describe_presets
+
+    return describe_presets().splitlines()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -620,9 +639,60 @@ def _calibrate_rate(args: argparse.Namespace, t_compute_s: float, tmp: Path) -> 
     return rate, probes
 
 
+def _run_emulated(args: argparse.Namespace) -> int:
+    """``--link emulated:...``: every variant on the emulated cluster (``bench.emulated``)."""
+    from dhelix_compile.bench import emulated
+    from dhelix_compile.bench.steps import parse_variants
+
+    try:
+        spec = emulated.parse_emulated_link(args.link)
+    except ValueError as exc:
+        print(f"dhelix bench: {exc}", file=sys.stderr)
+        return 2
+    if spec is None:
+        print(f"dhelix bench: --link {args.link!r}: expected emulated:<link>[,ranks=N][,traffic]", file=sys.stderr)
+        return 2
+    if args.pipeline or args.data_parallel:
+        print(
+            "dhelix bench: --link emulated: runs the tensor-parallel workloads; --pipeline and --data-parallel "
+            "run on gloo ranks",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        f"[1/1] emulated cluster ({args.link}): every variant interleaved, on the link and with it free ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    summary = emulated.measure_emulated(
+        spec,
+        args.model,
+        args.parallel,
+        parse_variants(args.variants),
+        microbatches=args.microbatches,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        device=args.device,
+        dtype=args.dtype,
+        dhelix_options=json.loads(args.dhelix_options),
+        time_limit_s=args.time_limit_s,
+    )
+    print(emulated.markdown_emulated(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Both modes, the summary, the table; returns the exit code."""
     args.variants = default_variants(args)
+    if args.link is not None:
+        args.rate, args.ranks = "none", 1  # the gloo link's options do not apply
+        problem = _check(args)
+        if problem:
+            print(f"dhelix bench: {problem}", file=sys.stderr)
+            return 2
+        return _run_emulated(args)
     problem = _check(args)
     if problem:
         print(f"dhelix bench: {problem}", file=sys.stderr)

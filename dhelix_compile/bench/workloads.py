@@ -36,7 +36,13 @@ MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "small": (256, 8, 4, 768, 512, 128, 4),
     "medium": (512, 8, 4, 1536, 1024, 256, 4),
     "large": (1024, 16, 4, 2816, 2048, 256, 4),
+    # Llama-3-8B's layer shape (hidden 4096, 32 heads, 8 KV heads, SwiGLU 14336) in a short
+    # stack with a small vocabulary: the layers dominate, as in the real model.
+    "llama3_8b": (4096, 32, 2, 14336, 4096, 256, 1),
+    "llama3_8b_gpu": (4096, 32, 4, 14336, 8192, 4096, 1),
 }
+#: Key/value heads of the sizes with grouped-query attention (the others: one per query head).
+MODEL_KV_HEADS: dict[str, int] = {"llama3_8b": 8, "llama3_8b_gpu": 8}
 
 #: MLP-block sizes by name: (dim, ffn_hidden, seq_len, batch)
 MLP_SIZES: dict[str, tuple[int, int, int, int]] = {
@@ -106,7 +112,15 @@ def _regression_loss(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> to
 def model_config(size: str) -> tuple[ModelConfig, int, int]:
     """The reference transformer of ``size`` (``MODEL_SIZES``), its sequence length and batch."""
     dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[size]
-    config = ModelConfig(dim=dim, n_heads=heads, n_layers=layers, ffn_hidden=ffn, vocab_size=vocab, max_seq_len=seq)
+    config = ModelConfig(
+        dim=dim,
+        n_heads=heads,
+        n_layers=layers,
+        ffn_hidden=ffn,
+        vocab_size=vocab,
+        max_seq_len=seq,
+        n_kv_heads=MODEL_KV_HEADS.get(size),
+    )
     return config, seq, batch
 
 

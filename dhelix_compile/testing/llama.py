@@ -54,6 +54,8 @@ class ModelConfig:
     """Attention heads; ``dim`` must be divisible by it, and it by the tensor-parallel degree."""
     n_layers: int = 2
     """Number of transformer blocks."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: one per query head."""
     ffn_hidden: int = 64
     """SwiGLU hidden width (columns of w1/w3, rows of w2)."""
     vocab_size: int = 64
@@ -73,6 +75,10 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
     def validate(self, world_size: int = 1) -> None:
         """Raise ``ValueError`` if the shapes cannot be split evenly over ``world_size`` ranks."""
         problems: list[str] = []
@@ -80,7 +86,9 @@ class ModelConfig:
             problems.append(f"dim={self.dim} not divisible by n_heads={self.n_heads}")
         elif self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        for field in ("n_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+        if self.n_heads % self.kv_heads:
+            problems.append(f"n_heads={self.n_heads} not divisible by n_kv_heads={self.kv_heads}")
+        for field in ("n_heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
             value = getattr(self, field)
             if value % world_size:
                 problems.append(f"{field}={value} not divisible by world_size={world_size}")
@@ -141,14 +149,17 @@ def causal_attention(
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with rotary embeddings (no KV cache, no GQA)."""
+    """Causal self-attention with rotary embeddings, grouped-query when ``n_kv_heads`` is set
+    (no KV cache)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
+        self.queries_per_kv = config.n_heads // config.kv_heads
+        kv_dim = config.kv_heads * config.head_dim
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -157,6 +168,9 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.queries_per_kv > 1:  # each key/value head serves queries_per_kv query heads
+            xk = xk.repeat_interleave(self.queries_per_kv, dim=2)
+            xv = xv.repeat_interleave(self.queries_per_kv, dim=2)
         return self.wo(causal_attention(xq, xk, xv, cos, sin))
 
 

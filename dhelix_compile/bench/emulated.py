@@ -1,0 +1,271 @@
+"""The benchmark on an emulated cluster: ``dhelix bench --link emulated:<link>[,ranks=N][,traffic]``.
+
+One process is rank 0 of an N-rank job (``dhelix_compile.emulate``): every collective takes the
+link model's time, on a timer (CPU) or a side stream (CUDA), and costs the compute nothing, so the
+step time shows the schedule, not CPU contention. Each variant is measured three ways in the
+same run, interleaved with the others:
+
+    step      its step on the link
+    compute   its step with the link free (every collective completes at once): own T_compute
+    comm      the link time of the collectives it sent in a step, back to back: own T_comm
+    bytes     what this rank sent over its link in a step
+
+    limit  = max(own T_compute, own T_comm)       (a step cannot beat it)
+    hidden = (T_compute + T_comm - step) / (T_compute + T_comm - limit)
+
+``<link>`` is a preset (``ib400``, ``nvlink4``, ...; ``dhelix bench --help`` lists them with
+their numbers), ``alpha=5us,bandwidth=40GB/s``, or ``balanced``: ib400's alpha with the
+bandwidth at which the first variant's collectives alone take its compute time (the regime
+overlap is for). dhelix's planner prices collectives on the same link (``link="auto"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cost_model.collectives import collective_time_s
+from cost_model.hardware import Link
+from cost_model.units import format_ms
+
+EMULATED_PREFIX = "emulated:"
+BALANCED = "balanced"
+
+
+@dataclasses.dataclass(frozen=True)
+class EmulatedLink:
+    """``--link emulated:...`` parsed."""
+
+    link: str
+    ranks: int = 8
+    traffic: bool = False
+
+
+def parse_emulated_link(spec: str) -> EmulatedLink | None:
+    """``"emulated:ib400,ranks=8"`` -> ``EmulatedLink("ib400", 8)``; None for a spec that is not
+    an emulated one; ValueError naming what is wrong."""
+    if not spec.startswith(EMULATED_PREFIX):
+        return None
+    link_parts, ranks, traffic = [], 8, False
+    for part in filter(None, (p.strip() for p in spec[len(EMULATED_PREFIX) :].split(","))):
+        if part.startswith("ranks="):
+            try:
+                ranks = int(part.removeprefix("ranks="))
+            except ValueError:
+                raise ValueError(f"--link {spec!r}: ranks must be an integer, got {part!r}") from None
+            if ranks < 2:
+                raise ValueError(f"--link {spec!r}: ranks must be >= 2")
+        elif part == "traffic":
+            traffic = True
+        else:
+            link_parts.append(part)
+    if not link_parts:
+        raise ValueError(
+            f"--link {spec!r}: name a link after 'emulated:' (a preset, alpha=...,bandwidth=..., balanced)"
+        )
+    link = ",".join(link_parts)
+    if link != BALANCED:
+        from dhelix_compile.emulation import parse_link
+
+        parse_link(link)  # a LinkSpecError (a ValueError) names the problem
+    return EmulatedLink(link, ranks, traffic)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    fn()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def balanced_link(transfers: list[Any], t_compute_s: float, alpha_s: float) -> Link:
+    """The link with latency ``alpha_s`` on which ``transfers`` alone take ``t_compute_s``.
+
+    Time is ``sum(fixed_i) + wire_bytes / B`` (``collective_time_s`` is affine in 1/B), so B is
+    solved from two evaluations at B = 1 and B = 2."""
+    probe = [Link("probe1", 1.0, alpha_s, ""), Link("probe2", 2.0, alpha_s, "")]
+    at = [sum(collective_time_s(t.op, t.nbytes, t.group_size, link) for t in transfers) for link in probe]
+    per_inverse_b = 2 * (at[0] - at[1])  # seconds * bytes/s: the wire term at B = 1
+    fixed = at[0] - per_inverse_b
+    if per_inverse_b <= 0 or t_compute_s <= fixed:
+        raise ValueError(
+            f"no bandwidth makes this step's collectives take its compute time ({format_ms(t_compute_s)} ms): "
+            f"their latency alone takes {format_ms(fixed)} ms; name a link instead of 'balanced'"
+        )
+    bandwidth = per_inverse_b / (t_compute_s - fixed)
+    return Link(f"balanced_{bandwidth / 1e9:.3g}GBps", bandwidth, alpha_s, "bandwidth solved for T_comm = T_compute")
+
+
+@dataclasses.dataclass
+class _VariantTimes:
+    step_s: list[float] = dataclasses.field(default_factory=list)
+    compute_s: list[float] = dataclasses.field(default_factory=list)
+    comm_s: list[float] = dataclasses.field(default_factory=list)
+    wire_bytes: list[int] = dataclasses.field(default_factory=list)
+    transfers: int = 0
+    compile_s: float = 0.0
+
+
+def _to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    if isinstance(value, torch.Tensor):
+        cast = dtype if dtype is not None and value.is_floating_point() else None
+        return value.to(device=device, dtype=cast)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device, dtype) for v in value)
+    return value
+
+
+def measure_emulated(
+    emulated: EmulatedLink,
+    model: str,
+    parallel: str,
+    variants: list[str],
+    *,
+    microbatches: int = 1,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+    dtype: str | None = None,
+    dhelix_options: dict[str, Any] | None = None,
+    time_limit_s: float = 600.0,
+) -> dict[str, Any]:
+    """Every variant's step, own compute, own communication and bytes on the emulated link."""
+    import torch.distributed.device_mesh as device_mesh
+
+    import dhelix_compile
+    from dhelix_compile.bench.steps import step_function
+    from dhelix_compile.bench.workloads import build_workload
+    from dhelix_compile.emulation import parse_link
+
+    torch_device = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    first_link = parse_link("ib400") if emulated.link == BALANCED else parse_link(emulated.link)
+    cluster = dhelix_compile.emulate(emulated.ranks, 0, link=first_link, traffic=emulated.traffic)
+    try:
+        mesh = device_mesh.init_device_mesh(torch_device.type, (emulated.ranks,), mesh_dim_names=("tp",))
+        workload = build_workload(model, parallel, mesh, emulated.ranks, microbatches, torch.Generator().manual_seed(0))
+        data = _to_device(workload.microbatches, torch_device, torch_dtype)
+        times = {name: _VariantTimes() for name in variants}
+        steps: dict[str, Callable[[], None]] = {}
+
+        def prepare(name: str) -> None:
+            module = workload.make().to(device=torch_device, dtype=torch_dtype)
+            run = step_function(name, module, workload.loss_fn, dhelix_options)
+            steps[name] = lambda: run(data)
+            print(f"    compiling {name} ...", file=sys.stderr, flush=True)
+            times[name].compile_s = _timed(steps[name], torch_device)
+            for _ in range(warmup):
+                steps[name]()
+
+        if emulated.link == BALANCED:  # the first variant sets the link's bandwidth
+            with cluster.link_free():
+                prepare(variants[0])
+                cluster.ledger.clear()
+                t_compute = statistics.median(_timed(steps[variants[0]], torch_device) for _ in range(3))
+                per_step = cluster.ledger.transfers()[: len(cluster.ledger.transfers()) // 3]
+            cluster.set_link(balanced_link(per_step, t_compute, first_link.latency_s))
+        for name in variants:
+            if name not in steps:
+                prepare(name)
+        started = time.perf_counter()
+        done = 0
+        for _ in range(repeats):
+            for name in variants:
+                row = times[name]
+                cluster.ledger.clear()
+                row.step_s.append(_timed(steps[name], torch_device))
+                transfers = cluster.ledger.transfers()
+                row.comm_s.append(sum(t.seconds for t in transfers))
+                row.wire_bytes.append(sum(t.wire_bytes for t in transfers))
+                row.transfers = len(transfers)
+                with cluster.link_free():
+                    row.compute_s.append(_timed(steps[name], torch_device))
+            done += 1
+            if time.perf_counter() - started > time_limit_s:
+                break
+        return _summary(emulated, cluster.link, model, parallel, torch_device, dtype, microbatches, times, done)
+    finally:
+        cluster.close()
+
+
+def _summary(
+    emulated: EmulatedLink,
+    link: Link,
+    model: str,
+    parallel: str,
+    device: torch.device,
+    dtype: str | None,
+    microbatches: int,
+    times: dict[str, _VariantTimes],
+    repeats: int,
+) -> dict[str, Any]:
+    rows: dict[str, dict[str, Any]] = {}
+    for name, row in times.items():
+        step, compute, comm = (statistics.median(v) for v in (row.step_s, row.compute_s, row.comm_s))
+        limit = max(compute, comm)
+        hideable = compute + comm - limit
+        rows[name] = {
+            "step_s_median": step,
+            "step_s_all": row.step_s,
+            "t_compute_s": compute,
+            "t_comm_s": comm,
+            "limit_s": limit,
+            "step_over_limit": step / limit,
+            "hidden_share": (compute + comm - step) / hideable if hideable > 0 else None,
+            "exposed_comm_s": max(0.0, step - compute),
+            "wire_bytes_per_step": statistics.median(row.wire_bytes),
+            "transfers_per_step": row.transfers,
+            "compile_s": row.compile_s,
+        }
+    return {
+        "emulated": dataclasses.asdict(emulated),
+        "link": {"name": link.name, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "alpha_s": link.latency_s},
+        "model": model,
+        "parallel": parallel,
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "dtype": dtype or "float32",
+        "microbatches": microbatches,
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "variants": rows,
+    }
+
+
+def markdown_emulated(summary: dict[str, Any]) -> str:
+    """The table: each variant beside its own limit, with the bytes it sent."""
+    link = summary["link"]
+    head = (
+        f"Emulated cluster: rank 0 of {summary['emulated']['ranks']}, link {link['name']} "
+        f"({link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s, alpha {link['alpha_s'] * 1e6:.3g} us"
+        f"{', traffic copies' if summary['emulated']['traffic'] else ''}), {summary['model']} {summary['parallel']}, "
+        f"{summary['device']} {summary['dtype']}, {summary['microbatches']} micro-batch(es), "
+        f"median of {summary['repeats']}, torch {summary['torch']}"
+    )
+    lines = [
+        head,
+        "",
+        "| variant | step ms | own compute ms | own comm ms | own limit ms | step / limit | hidden | MB sent/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in summary["variants"].items():
+        hidden = "-" if row["hidden_share"] is None else f"{row['hidden_share']:.0%}"
+        lines.append(
+            f"| {name} | {format_ms(row['step_s_median'])} | {format_ms(row['t_compute_s'])} | "
+            f"{format_ms(row['t_comm_s'])} | {format_ms(row['limit_s'])} | {row['step_over_limit']:.2f} | {hidden} | "
+            f"{row['wire_bytes_per_step'] / 1e6:.1f} |"
+        )
+    return "\n".join(lines)

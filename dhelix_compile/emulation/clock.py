@@ -1,0 +1,181 @@
+"""When an emulated transfer completes: a deadline on CPU, a delay kernel on a side stream on CUDA.
+
+Contract
+--------
+* Transfers are FIFO per *queue* (a process group's collectives, or one direction of its
+  point-to-point traffic to one peer), as NCCL runs one communicator's operations in order on
+  its stream: an operation starts when its inputs are ready and the previous operation of its
+  queue has finished, and takes the link model's time. Queues run concurrently.
+* CPU (:class:`CpuQueues`): an operation is a deadline. ``wait`` sleeps, then spins the last
+  ~0.2 ms on the waiting thread (which has nothing else to do), so a wait ends within
+  microseconds of the deadline. The outputs are written by one helper thread while the deadline
+  runs (as gloo's threads copy; a message of at most :data:`INLINE_BYTES` is written at once, on
+  the caller's thread, where a hand-off would cost more than the copy); ``wait`` also waits for
+  that write, so an operation lasts at least its output's memory write.
+* CUDA (:class:`CudaQueues`): per queue a *delay* stream and a *data* stream. The delay stream
+  waits for the compute stream (the inputs), then runs ``torch.cuda._sleep`` for the link time
+  (cycles calibrated once against CUDA events, minus a delay kernel's own fixed cost); the data
+  stream writes the outputs and, in ``traffic`` mode, copies the bytes the rank would push
+  through its link, so HBM bandwidth is shared as NCCL's kernels share it. The delay stream
+  joins the data stream and records the completion event; ``wait`` makes the *compute stream*
+  wait on it (the host does not block), as NCCL's ``work.wait()`` does.
+
+    compute  --[inputs]--+--------------------------------------[wait: stream waits]-->
+                         |                                        ^
+    delay                +--[ _sleep(link time) ]--+--[event]-----+
+    data                 +--[ outputs ][ traffic ]-+
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from dhelix_compile import _torch_compat as compat
+
+#: ``wait`` sleeps until this long before the deadline, then spins (Linux timer slack and the
+#: scheduler overshoot a ``sleep`` by up to ~0.1 ms).
+SPIN_S: float = 2e-4
+
+
+def wait_until(deadline_s: float) -> None:
+    """Return at ``time.perf_counter() >= deadline_s``: sleep, then spin the last :data:`SPIN_S`."""
+    while True:
+        left = deadline_s - time.perf_counter()
+        if left <= 0:
+            return
+        if left > SPIN_S:
+            time.sleep(left - SPIN_S)
+
+
+#: Outputs up to this size are written on the issuing thread (a thread hand-off costs ~20 us).
+INLINE_BYTES: int = 256 * 1024
+
+
+class CpuQueues:
+    """Deadlines of FIFO queues on the host clock (``time.perf_counter``).
+
+    ``host_overhead_s`` is what an operation costs the host before its deadline is set and after
+    it passes (torch's dispatch into the Python group, the wait's return), measured once by
+    :meth:`calibrate`: it is taken off each operation's time, so that an operation seen from
+    the caller lasts the link model's time."""
+
+    def __init__(self) -> None:
+        self._free_at_s: dict[Hashable, float] = {}
+        self.host_overhead_s = 0.0
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def write(self, write_outputs: Callable[[], None], nbytes: int) -> concurrent.futures.Future[None] | None:
+        """Write an operation's outputs: at once when small, else on the helper thread (FIFO)."""
+        if nbytes <= INLINE_BYTES:
+            write_outputs()
+            return None
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhelix-emulated-link")
+        return self._writer.submit(write_outputs)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def schedule(self, queue: Hashable, seconds: float) -> float:
+        """The deadline of an operation issued now that takes ``seconds`` on ``queue``."""
+        start = max(time.perf_counter(), self._free_at_s.get(queue, 0.0))
+        end = start + max(0.0, seconds - self.host_overhead_s)
+        self._free_at_s[queue] = end
+        return end
+
+    def calibrate(self, round_trip: Callable[[], None], repeats: int = 50) -> None:
+        """Set :attr:`host_overhead_s` to the fastest of ``repeats`` issue-and-wait round trips of
+        an operation that takes no time."""
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            round_trip()
+            times.append(time.perf_counter() - start)
+        self.host_overhead_s = min(times)
+
+
+class _DelayKernel:
+    """``torch.cuda._sleep`` calibrated: cycles per second and the kernel's fixed cost."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        with torch.cuda.device(device):
+            compat.cuda_delay(1000)  # load the kernel
+            small, large = 1_000_000, 20_000_000
+            t_small = min(self._timed(small) for _ in range(3))
+            t_large = min(self._timed(large) for _ in range(3))
+            t_zero = min(self._timed(0) for _ in range(5))
+        self.cycles_per_s = (large - small) / max(t_large - t_small, 1e-9)
+        self.fixed_s = max(0.0, t_zero)
+
+    @staticmethod
+    def _timed(cycles: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        compat.cuda_delay(cycles)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def sleep(self, seconds: float) -> None:
+        """Enqueue a kernel on the current stream that runs ``seconds`` (at least its fixed cost)."""
+        cycles = int(max(0.0, seconds - self.fixed_s) * self.cycles_per_s)
+        if cycles > 0:
+            compat.cuda_delay(cycles)
+
+
+class CudaQueues:
+    """Side streams per queue on one CUDA device; see the module docstring."""
+
+    def __init__(self, device: torch.device, traffic: bool) -> None:
+        self.device = device
+        self.traffic = traffic
+        self._delay = _DelayKernel(device)
+        self._streams: dict[Hashable, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def _queue_streams(self, queue: Hashable) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        if queue not in self._streams:
+            self._streams[queue] = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._streams[queue]
+
+    def _move_bytes(self, wire_bytes: int) -> None:
+        """Read and write ``wire_bytes`` of device memory (what NCCL's kernels move for them)."""
+        half = max(1, wire_bytes // 2)
+        if self._scratch.numel() < 2 * half:
+            self._scratch = torch.empty(2 * half, dtype=torch.uint8, device=self.device)
+        self._scratch[half : 2 * half].copy_(self._scratch[:half])
+
+    def issue(
+        self,
+        queue: Hashable,
+        seconds: float,
+        write_outputs: Callable[[], None],
+        tensors: Sequence[torch.Tensor],
+        wire_bytes: int,
+    ) -> torch.cuda.Event:
+        """Enqueue one operation; the returned event completes when the link model says it ends."""
+        delay, data = self._queue_streams(queue)
+        compute = torch.cuda.current_stream(self.device)
+        delay.wait_stream(compute)
+        data.wait_stream(delay)  # after the inputs and the queue's earlier operations
+        with torch.cuda.stream(data):
+            write_outputs()
+            if self.traffic and wire_bytes > 0:
+                self._move_bytes(wire_bytes)
+        with torch.cuda.stream(delay):
+            self._delay.sleep(seconds)
+        delay.wait_stream(data)
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(delay)
+                tensor.record_stream(data)
+        done = torch.cuda.Event()
+        done.record(delay)
+        return done

@@ -1,0 +1,227 @@
+"""The emulated cluster: one process as rank r of N, collectives timed by the link model.
+
+Timing-free: outputs (shapes, values, finiteness), the ledger (bytes and the link model's seconds
+per operation), N-rank meshes built and trained eagerly and compiled, the refusals. Whether an
+operation *lasts* its link time is measured by the bench (``dhelix_compile.bench.emulated``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import dhelix_compile
+from cost_model.collectives import collective_bytes_on_wire, collective_time_s
+from cost_model.hardware import get_link
+from dhelix_compile.bench.emulated import balanced_link, parse_emulated_link
+from dhelix_compile.emulation import EmulationError, LinkSpecError, describe_presets, parse_link
+from dhelix_compile.emulation.clock import CpuQueues
+from dhelix_compile.emulation.group import Transfer
+
+
+@pytest.fixture
+def cluster() -> Iterator[dhelix_compile.emulation.Emulation]:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    emulation = dhelix_compile.emulate(8, rank=3, link="ib400")
+    try:
+        yield emulation
+    finally:
+        emulation.close()
+
+
+# -- links ---------------------------------------------------------------------------------------
+
+
+def test_presets_are_the_cost_models_links() -> None:
+    assert parse_link("ib400") == get_link("ib_ndr")
+    assert parse_link("NVLink4") == get_link("nvlink4")
+    assert parse_link("eth100").bandwidth_bytes_per_s == pytest.approx(12.5e9)
+    for name in ("nvlink4", "pcie5", "ib100", "ib200", "ib400", "eth400"):
+        assert name in describe_presets()
+
+
+def test_a_custom_link_reads_its_units() -> None:
+    link = parse_link("alpha=5us,bandwidth=40GB/s")
+    assert link.latency_s == pytest.approx(5e-6)
+    assert link.bandwidth_bytes_per_s == pytest.approx(40e9)
+    assert parse_link("alpha=0.01ms,bandwidth=400Gbit/s").bandwidth_bytes_per_s == pytest.approx(50e9)
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("ib800", "expected a preset"),
+        ("alpha=5us", "expected a preset"),
+        ("alpha=5,bandwidth=40GB/s", "needs a number and one of the units"),
+        ("alpha=5us,bandwidth=40GB", "needs a number and one of the units"),
+    ],
+)
+def test_a_bad_link_is_named(spec: str, words: str) -> None:
+    with pytest.raises(LinkSpecError, match=words):
+        parse_link(spec)
+
+
+def test_bench_link_spec() -> None:
+    assert parse_emulated_link("gloo") is None
+    spec = parse_emulated_link("emulated:alpha=5us,bandwidth=40GB/s,ranks=4,traffic")
+    assert spec is not None and (spec.link, spec.ranks, spec.traffic) == ("alpha=5us,bandwidth=40GB/s", 4, True)
+    assert parse_emulated_link("emulated:ib400") == parse_emulated_link("emulated:ib400,ranks=8")
+    for bad, words in [("emulated:", "name a link"), ("emulated:ib400,ranks=x", "integer"), ("emulated:ib9", "preset")]:
+        with pytest.raises(ValueError, match=words):
+            parse_emulated_link(bad)
+
+
+def test_balanced_link_makes_the_transfers_take_the_compute_time() -> None:
+    transfers = [Transfer("all_reduce", 4 << 20, 8, "0", 0.0), Transfer("all_gather", 1 << 20, 4, "1", 0.0)]
+    link = balanced_link(transfers, 0.010, 9.6e-6)
+    assert sum(collective_time_s(t.op, t.nbytes, t.group_size, link) for t in transfers) == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="latency alone"):
+        balanced_link(transfers, 1e-6, 9.6e-6)
+
+
+# -- the group -----------------------------------------------------------------------------------
+
+
+def test_emulate_refuses_bad_arguments_and_a_live_group(cluster: dhelix_compile.emulation.Emulation) -> None:
+    with pytest.raises(EmulationError, match="already initialized"):
+        dhelix_compile.emulate(4)
+    assert dist.get_world_size() == 8 and dist.get_rank() == 3
+    for kwargs, words in [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": 4, "rank": 4}, r"rank must be in \[0, 4\)"),
+    ]:
+        with pytest.raises(EmulationError, match=words):
+            dhelix_compile.emulate(**kwargs)
+
+
+def test_outputs_have_the_right_shapes_and_this_ranks_values(cluster: dhelix_compile.emulation.Emulation) -> None:
+    rank, n = 3, 8
+    x = torch.arange(16, dtype=torch.float32).reshape(4, 4) + 1
+
+    reduced = x.clone()
+    dist.all_reduce(reduced)
+    torch.testing.assert_close(reduced, x)  # as if every rank held x; never n * x
+
+    gathered = torch.full((4 * n, 4), float("nan"))
+    dist.all_gather_single(gathered, x)
+    torch.testing.assert_close(gathered, x.repeat(n, 1))
+
+    chunks = torch.arange(n * 4, dtype=torch.float32).reshape(n * 2, 2)
+    scattered = torch.full((2, 2), float("nan"))
+    dist.reduce_scatter_single(scattered, chunks)
+    torch.testing.assert_close(scattered, chunks[2 * rank : 2 * rank + 2])
+
+    exchanged = torch.full((8, 4), float("nan"))
+    dist.all_to_all_single(exchanged, x.repeat(2, 1))
+    torch.testing.assert_close(exchanged, x.repeat(2, 1))
+    uneven = torch.full((11,), float("nan"))  # MoE splits: another size out than in
+    dist.all_to_all_single(uneven, torch.arange(8.0), [2] * 8, [1] * 8)
+    assert torch.isfinite(uneven).all()
+
+    received = torch.full((3,), float("nan"))
+    dist.recv(received, src=0)
+    torch.testing.assert_close(received, torch.zeros(3))
+
+    listed = [torch.full((4, 4), float("nan")) for _ in range(n)]
+    dist.all_gather(listed, x)
+    for out in listed:
+        torch.testing.assert_close(out, x)
+
+    not_root = torch.full((2,), float("nan"))
+    dist.scatter(not_root, None, src=0)
+    torch.testing.assert_close(not_root, torch.zeros(2))
+
+
+def test_the_ledger_holds_each_operation_on_the_link_model(cluster: dhelix_compile.emulation.Emulation) -> None:
+    link = get_link("ib_ndr")
+    cluster.ledger.clear()
+    x = torch.ones(1024)
+    dist.all_reduce(x)
+    dist.all_gather_single(torch.empty(8 * 1024), x)
+    dist.send(x, dst=4)
+    dist.recv(x, src=2)
+    ops = [(t.op, t.nbytes, t.group_size) for t in cluster.ledger.transfers()]
+    assert ops == [("all_reduce", 4096, 8), ("all_gather", 8 * 4096, 8), ("send", 4096, 8), ("recv", 4096, 8)]
+    for t in cluster.ledger.transfers():
+        assert t.seconds == pytest.approx(collective_time_s(t.op, t.nbytes, t.group_size, link))
+    sent = sum(collective_bytes_on_wire(op, nbytes, size) for op, nbytes, size in ops[:3])
+    assert cluster.ledger.wire_bytes() == sent  # a receive sends nothing
+    cluster.ledger.clear()
+    with cluster.link_free():
+        dist.all_reduce(x)
+    assert [t.seconds for t in cluster.ledger.transfers()] == [0.0]
+
+
+def test_a_queue_runs_its_operations_in_order() -> None:
+    queues = CpuQueues()
+    first = queues.schedule("tp", 0.5)
+    second = queues.schedule("tp", 0.25)
+    other = queues.schedule("dp", 0.25)
+    assert second >= first + 0.25  # the second starts when the first ends
+    assert other < first  # another queue does not wait
+    before = time.perf_counter()
+    from dhelix_compile.emulation.clock import wait_until
+
+    wait_until(before + 0.01)
+    assert time.perf_counter() >= before + 0.01
+
+
+# -- meshes and training on them -----------------------------------------------------------------
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["tp8", "dp2xtp4"])
+def test_tensor_parallel_training_runs_eager_and_compiled(
+    cluster: dhelix_compile.emulation.Emulation, shape: tuple[int, ...]
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    names = ("tp",) if len(shape) == 1 else ("dp", "tp")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    assert mesh["tp"].size() == shape[-1] and mesh.get_coordinate() is not None
+    torch.manual_seed(0)
+    model = parallelize_module(_MLP(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(4, 32)
+    for backend in (None, "inductor", "dhelix"):
+        options: dict[str, str | int | bool | Callable[..., Any]] | None = (
+            {"consistency_timeout_s": 30} if backend == "dhelix" else None
+        )
+        run = model if backend is None else torch.compile(model, backend=backend, options=options)
+        cluster.ledger.clear()
+        started = time.perf_counter()
+        out = run(x)
+        out.sum().backward()
+        assert time.perf_counter() - started < 25, "a cross-rank check waited for ranks that do not exist"
+        assert out.shape == (4, 32) and torch.isfinite(out).all()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(isinstance(g, DTensor) and torch.isfinite(g.to_local()).all() for g in grads)
+        assert [t.op for t in cluster.ledger.transfers()].count("all_reduce") >= 1  # the row-parallel output
+
+
+def test_the_planner_prices_collectives_on_the_emulated_link(cluster: dhelix_compile.emulation.Emulation) -> None:
+    from dhelix_compile import estimation
+    from dhelix_compile.config import DHelixConfig
+
+    gm = torch.fx.symbolic_trace(_MLP())
+    estimator = estimation.build_estimator(DHelixConfig(), gm, [torch.randn(4, 32)])
+    assert estimation.resolve_cost_model(DHelixConfig(), gm) == "analytic"  # nothing to profile against
+    assert getattr(estimator, "link", None) == get_link("ib_ndr")
+    cluster.set_link("alpha=2us,bandwidth=10GB/s")
+    assert getattr(estimation.build_estimator(DHelixConfig(), gm, []), "link", None) == cluster.link
