@@ -82,10 +82,14 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
+def _timed(fn: Callable[[], None], device: torch.device, host: list[float] | None = None) -> float:
+    """Seconds of ``fn()`` until the device is done; ``host`` gets the seconds until ``fn``
+    returned (the host's own time for the step: launches, Python, waits it blocks in)."""
     _synchronize(device)
     start = time.perf_counter()
     fn()
+    if host is not None:
+        host.append(time.perf_counter() - start)
     _synchronize(device)
     return time.perf_counter() - start
 
@@ -111,6 +115,7 @@ def balanced_link(transfers: list[Any], t_compute_s: float, alpha_s: float) -> L
 @dataclasses.dataclass
 class _VariantTimes:
     step_s: list[float] = dataclasses.field(default_factory=list)
+    host_s: list[float] = dataclasses.field(default_factory=list)
     compute_s: list[float] = dataclasses.field(default_factory=list)
     comm_s: list[float] = dataclasses.field(default_factory=list)
     wire_bytes: list[int] = dataclasses.field(default_factory=list)
@@ -148,6 +153,7 @@ def measure_emulated(
 
     import dhelix_compile
     from dhelix_compile.bench.steps import step_function
+    from dhelix_compile.bench.variants import overlap_scheduler_on_cpu
     from dhelix_compile.bench.workloads import build_workload
     from dhelix_compile.emulation import parse_link
 
@@ -165,7 +171,15 @@ def measure_emulated(
         def prepare(name: str) -> None:
             module = workload.make().to(device=torch_device, dtype=torch_dtype)
             run = step_function(name, module, workload.loss_fn, dhelix_options)
-            steps[name] = lambda: run(data)
+
+            def step() -> None:
+                if torch_device.type == "cuda":
+                    run(data)
+                    return
+                with overlap_scheduler_on_cpu(name):
+                    run(data)
+
+            steps[name] = step
             print(f"    compiling {name} ...", file=sys.stderr, flush=True)
             times[name].compile_s = _timed(steps[name], torch_device)
             for _ in range(warmup):
@@ -187,7 +201,7 @@ def measure_emulated(
             for name in variants:
                 row = times[name]
                 cluster.ledger.clear()
-                row.step_s.append(_timed(steps[name], torch_device))
+                row.step_s.append(_timed(steps[name], torch_device, row.host_s))
                 transfers = cluster.ledger.transfers()
                 row.comm_s.append(sum(t.seconds for t in transfers))
                 row.wire_bytes.append(sum(t.wire_bytes for t in transfers))
@@ -227,6 +241,7 @@ def _summary(
             "step_over_limit": step / limit,
             "hidden_share": (compute + comm - step) / hideable if hideable > 0 else None,
             "exposed_comm_s": max(0.0, step - compute),
+            "host_s_median": statistics.median(row.host_s),
             "wire_bytes_per_step": statistics.median(row.wire_bytes),
             "transfers_per_step": row.transfers,
             "compile_s": row.compile_s,
@@ -258,14 +273,15 @@ def markdown_emulated(summary: dict[str, Any]) -> str:
     lines = [
         head,
         "",
-        "| variant | step ms | own compute ms | own comm ms | own limit ms | step / limit | hidden | MB sent/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | step ms | own compute ms | own comm ms | own limit ms | step / limit | hidden | MB sent/step "
+        "| host ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in summary["variants"].items():
         hidden = "-" if row["hidden_share"] is None else f"{row['hidden_share']:.0%}"
         lines.append(
             f"| {name} | {format_ms(row['step_s_median'])} | {format_ms(row['t_compute_s'])} | "
             f"{format_ms(row['t_comm_s'])} | {format_ms(row['limit_s'])} | {row['step_over_limit']:.2f} | {hidden} | "
-            f"{row['wire_bytes_per_step'] / 1e6:.1f} |"
+            f"{row['wire_bytes_per_step'] / 1e6:.1f} | {format_ms(row['host_s_median'])} |"
         )
     return "\n".join(lines)

@@ -77,3 +77,26 @@ def compile_variant(
     if name == "dhelix_eager":
         return _compiled(module, backend="dhelix", options={**options, "codegen": "eager"})
     raise ValueError(f"unknown benchmark variant {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+class overlap_scheduler_on_cpu:
+    """Inductor's overlap scheduler needs GPU specs; give it this CPU's measured numbers."""
+
+    def __init__(self, variant: str) -> None:
+        self.active = variant.partition("[")[0] == "inductor_overlap"
+        self._context: Any = None
+
+    def __enter__(self) -> None:
+        if self.active:
+            from cost_model import measure_cpu_device
+
+            device = measure_cpu_device()
+            self._context = compat.cpu_roofline_for_inductor(
+                tflops=device.flops_per_s(torch.float32) / 1e12,
+                dram_gbps=device.mem_bandwidth_bytes_per_s / 1e9,
+            )
+            self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)

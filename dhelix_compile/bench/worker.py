@@ -55,6 +55,7 @@ from dhelix_compile.bench.measure import (
 )
 from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS, P2PReplay, build_pipeline
 from dhelix_compile.bench.steps import parse_variants, split_variant, step_function
+from dhelix_compile.bench.variants import overlap_scheduler_on_cpu
 from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
 from dhelix_compile.comm_threads import local_ranks, prioritize_gloo_threads
 from dhelix_compile.helix_runtime.schedule import HelixScheduleKind, graph_calls, helix_schedule, read_schedule_kind
@@ -259,7 +260,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         ok = True
         try:
             step = setup.step(name)
-            with _overlap_scheduler_on_cpu(name):
+            with overlap_scheduler_on_cpu(name):
                 for warm_up in range(max(args.warmup, 1)):
                     if barrier:
                         barrier()
@@ -450,30 +451,6 @@ def _repeats_within(limit_s: float, steps: dict[str, Any], wanted: int, barrier:
     fit = int(limit_s / round_s)
     fit = -int(agree_max([-fit], dist.group.WORLD)[0])  # the fewest that fit on any rank
     return max(3, min(wanted, fit))
-
-
-class _overlap_scheduler_on_cpu:
-    """Inductor's overlap scheduler needs GPU specs; give it this CPU's measured numbers."""
-
-    def __init__(self, variant: str) -> None:
-        self.active = variant.partition("[")[0] == "inductor_overlap"
-        self._context: Any = None
-
-    def __enter__(self) -> None:
-        if self.active:
-            from cost_model import measure_cpu_device
-            from dhelix_compile import _torch_compat as compat
-
-            device = measure_cpu_device()
-            self._context = compat.cpu_roofline_for_inductor(
-                tflops=device.flops_per_s(torch.float32) / 1e12,
-                dram_gbps=device.mem_bandwidth_bytes_per_s / 1e9,
-            )
-            self._context.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._context is not None:
-            self._context.__exit__(*exc)
 
 
 def main(argv: list[str] | None = None) -> int:

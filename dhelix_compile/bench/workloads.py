@@ -39,7 +39,7 @@ MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     # Llama-3-8B's layer shape (hidden 4096, 32 heads, 8 KV heads, SwiGLU 14336) in a short
     # stack with a small vocabulary: the layers dominate, as in the real model.
     "llama3_8b": (4096, 32, 2, 14336, 4096, 256, 1),
-    "llama3_8b_gpu": (4096, 32, 4, 14336, 8192, 4096, 1),
+    "llama3_8b_gpu": (4096, 32, 2, 14336, 8192, 4096, 1),
 }
 #: Key/value heads of the sizes with grouped-query attention (the others: one per query head).
 MODEL_KV_HEADS: dict[str, int] = {"llama3_8b": 8, "llama3_8b_gpu": 8}

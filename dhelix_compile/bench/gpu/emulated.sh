@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The emulated cluster on one GPU: the emulator's timing checks, then a Llama-3-8B-shaped layer
+# stack at TP=8 in bfloat16 on an NVLink and a 400 Gbit/s InfiniBand link, every variant.
+#   bash dhelix_compile/bench/gpu/emulated.sh OUT_DIR
+# (on the GPU machine; nothing is downloaded: the package installs without its dependencies)
+set -uo pipefail
+out=${1:?usage: emulated.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || export PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
+git log -1 --format='commit %h %cd' 2>/dev/null || true
+variants=${VARIANTS:-inductor,inductor_overlap,dhelix,helix}
+model=${MODEL:-llama3_8b_gpu}
+timeout "${TIMING_S:-90}" python3 -m dhelix_compile.bench.emulated_timing --device cuda --link nvlink4 --repeats 5 \
+    --out "$out/timing_nvlink4.json" 2>&1 | tail -40
+for link in ${LINKS:-ib400 nvlink4}; do
+    echo "== $link"
+    timeout "${BENCH_S:-240}" python3 -m dhelix_compile bench --link "emulated:$link,ranks=8" --device cuda --dtype bfloat16 \
+        --model "$model" --parallel "${PARALLEL:-tp}" --variants "$variants" --microbatches 2 --repeats "${REPEATS:-5}" \
+        --warmup 2 --out "$out/bench_$link.json" 2> >(grep -v '^\[rank' | tail -25 >&2)
+done
