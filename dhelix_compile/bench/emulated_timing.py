@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.collectives import collective_time_s
+from dhelix_compile import _torch_compat as compat
 
 SIZES_BYTES: tuple[int, ...] = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
@@ -58,6 +59,7 @@ def _elapsed_s(run: Callable[[], None], device: torch.device) -> float:
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
+        compat.cuda_delay(4_000_000)  # ~2 ms of GPU work first: the host issues ahead, as in a training step
         start.record()
         run()
         end.record()

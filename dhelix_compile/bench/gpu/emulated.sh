@@ -19,5 +19,5 @@ for link in ${LINKS:-ib400 nvlink4}; do
     echo "== $link"
     timeout "${BENCH_S:-240}" python3 -m dhelix_compile bench --link "emulated:$link,ranks=8" --device cuda --dtype bfloat16 \
         --model "$model" --parallel "${PARALLEL:-tp}" --variants "$variants" --microbatches 2 --repeats "${REPEATS:-5}" \
-        --warmup 2 --out "$out/bench_$link.json" 2> >(grep -v '^\[rank' | tail -25 >&2)
+        --warmup 2 --out "$out/bench_$link.json" 2>&1 | tail -60
 done
