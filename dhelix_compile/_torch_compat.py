@@ -340,11 +340,19 @@ def group_ranks(group_name: str) -> list[int]:
 
 #: Inductor's own communication/computation overlap scheduler (torch>=2.10), the baseline
 #: dhelix is compared with. On CPU it needs an analytical compute estimator: the default one
-#: benchmarks on a GPU.
-INDUCTOR_OVERLAP_CONFIG: dict[str, Any] = {
+#: benchmarks on a GPU (torch 2.11 has no such option: its scheduler runs on CUDA only).
+_INDUCTOR_OVERLAP_OPTIONS: dict[str, Any] = {
     "aten_distributed_optimizations.enable_overlap_scheduling": True,
     "aten_distributed_optimizations.compute_estimator": "analytical",
 }
+
+
+def inductor_overlap_config() -> dict[str, Any]:
+    """``torch.compile`` options that turn on Inductor's overlap scheduler: the ones this torch has."""
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    return {k: v for k, v in _INDUCTOR_OVERLAP_OPTIONS.items() if k in known}
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ def compile_variant(
     if name == "inductor":
         return _compiled(module, backend="inductor")
     if name == "inductor_overlap":
-        return _compiled(module, backend="inductor", options=dict(compat.INDUCTOR_OVERLAP_CONFIG))
+        return _compiled(module, backend="inductor", options=compat.inductor_overlap_config())
     if name == "dhelix":
         return _compiled(module, backend="dhelix", options=options)
     if name == "dhelix_decompose":

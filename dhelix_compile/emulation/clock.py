@@ -110,13 +110,16 @@ class _DelayKernel:
             small, large = 1_000_000, 20_000_000
             t_small = min(self._timed(small) for _ in range(3))
             t_large = min(self._timed(large) for _ in range(3))
-            t_zero = min(self._timed(0) for _ in range(5))
+            t_one = min(self._timed(1) for _ in range(5))
         self.cycles_per_s = (large - small) / max(t_large - t_small, 1e-9)
-        self.fixed_s = max(0.0, t_zero)
+        self.fixed_s = max(0.0, t_one)
 
     @staticmethod
     def _timed(cycles: int) -> float:
+        """GPU seconds of one delay kernel, queued behind ~1 ms of GPU work (so the host's launch
+        runs ahead and the events time the kernel, not the launch)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        compat.cuda_delay(2_000_000)
         start.record()
         compat.cuda_delay(cycles)
         end.record()
