@@ -985,3 +985,18 @@ def register_process_group_backend(
 def cuda_delay(cycles: int) -> None:
     """Enqueue a kernel on the current CUDA stream that spins ``cycles`` GPU clock cycles."""
     torch.cuda._sleep(cycles)
+
+
+def attach_placeholder_backend(group: Any) -> None:
+    """Give a Python ``ProcessGroup`` a backend object for CPU and CUDA: a one-rank gloo group
+    that reports no time estimates. Inductor asks a group's backend for CUDA about NCCL time
+    estimates (``comm_analysis``; torch 2.11 fails the compile where a group has none). The
+    group's own methods still run every collective: a Python subclass overrides them."""
+    import datetime
+
+    import torch.distributed as dist
+
+    placeholder = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
+    for device in ("cpu", "cuda"):
+        group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, placeholder)
+    group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)

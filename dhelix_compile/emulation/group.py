@@ -32,6 +32,7 @@ from torch.futures import Future
 
 from cost_model.collectives import collective_bytes_on_wire, collective_time_s
 from cost_model.hardware import Link
+from dhelix_compile import _torch_compat as compat
 from dhelix_compile.emulation.clock import CpuQueues, CudaQueues, wait_until
 
 if TYPE_CHECKING:
@@ -188,6 +189,7 @@ class EmulatedGroup(dist.ProcessGroup):
         self._size = size
         self._name = name
         self._state = state
+        compat.attach_placeholder_backend(self)
 
     # -- identity ---------------------------------------------------------------------------
 
