@@ -225,3 +225,32 @@ def test_the_planner_prices_collectives_on_the_emulated_link(cluster: dhelix_com
     assert getattr(estimator, "link", None) == get_link("ib_ndr")
     cluster.set_link("alpha=2us,bandwidth=10GB/s")
     assert getattr(estimation.build_estimator(DHelixConfig(), gm, []), "link", None) == cluster.link
+
+
+@pytest.mark.parametrize(
+    ("variants", "data_parallel"),
+    [(["eager"], None), (["torch_eager", "eager"], "shard")],
+    ids=["tensor_parallel", "data_parallel"],
+)
+def test_the_bench_puts_each_variant_beside_its_own_limit(variants: list[str], data_parallel: str | None) -> None:
+    from dhelix_compile.bench.emulated import EmulatedLink, markdown_emulated, measure_emulated
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    summary = measure_emulated(
+        EmulatedLink("ib100", ranks=4),
+        "tiny",
+        "tp",
+        variants,
+        microbatches=2,
+        repeats=2,
+        warmup=1,
+        data_parallel=data_parallel,
+    )
+    assert not dist.is_initialized(), "the bench leaves no process group behind"
+    assert list(summary["variants"]) == variants
+    for row in summary["variants"].values():
+        assert row["t_compute_s"] > 0 and row["t_comm_s"] > 0 and row["wire_bytes_per_step"] > 0
+        assert row["limit_s"] == max(row["t_compute_s"], row["t_comm_s"])
+        assert len(row["step_s_all"]) == 2
+    assert all(name in markdown_emulated(summary) for name in variants)

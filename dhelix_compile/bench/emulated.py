@@ -109,7 +109,7 @@ def balanced_link(transfers: list[Any], t_compute_s: float, alpha_s: float) -> L
             f"their latency alone takes {format_ms(fixed)} ms; name a link instead of 'balanced'"
         )
     bandwidth = per_inverse_b / (t_compute_s - fixed)
-    return Link(f"balanced_{bandwidth / 1e9:.3g}GBps", bandwidth, alpha_s, "bandwidth solved for T_comm = T_compute")
+    return Link(f"balanced_{bandwidth / 1e9:.3g}gbps", bandwidth, alpha_s, "bandwidth solved for T_comm = T_compute")
 
 
 @dataclasses.dataclass
@@ -147,11 +147,16 @@ def measure_emulated(
     dtype: str | None = None,
     dhelix_options: dict[str, Any] | None = None,
     time_limit_s: float = 600.0,
+    data_parallel: str | None = None,
 ) -> dict[str, Any]:
-    """Every variant's step, own compute, own communication and bytes on the emulated link."""
+    """Every variant's step, own compute, own communication and bytes on the emulated link.
+
+    ``data_parallel``: ``"shard"`` or ``"replicate"`` runs the model as written, data-parallel
+    over every rank (``bench.data_parallel``: PyTorch's FSDP2 / DDP beside ``data_parallel``)."""
     import torch.distributed.device_mesh as device_mesh
 
     import dhelix_compile
+    from dhelix_compile.bench.data_parallel import data_parallel_step
     from dhelix_compile.bench.steps import step_function
     from dhelix_compile.bench.variants import overlap_scheduler_on_cpu
     from dhelix_compile.bench.workloads import build_workload
@@ -162,15 +167,32 @@ def measure_emulated(
     first_link = parse_link("ib400") if emulated.link == BALANCED else parse_link(emulated.link)
     cluster = dhelix_compile.emulate(emulated.ranks, 0, link=first_link, traffic=emulated.traffic)
     try:
-        mesh = device_mesh.init_device_mesh(torch_device.type, (emulated.ranks,), mesh_dim_names=("tp",))
-        workload = build_workload(model, parallel, mesh, emulated.ranks, microbatches, torch.Generator().manual_seed(0))
-        data = _to_device(workload.microbatches, torch_device, torch_dtype)
+        dim = "dp" if data_parallel else "tp"
+        mesh = device_mesh.init_device_mesh(torch_device.type, (emulated.ranks,), mesh_dim_names=(dim,))
+        built = build_workload(
+            model,
+            "none" if data_parallel else parallel,
+            mesh,
+            emulated.ranks,
+            microbatches,
+            torch.Generator().manual_seed(0),
+        )
+        workload = dataclasses.replace(
+            built,
+            make=lambda: built.make().to(device=torch_device, dtype=torch_dtype),
+            microbatches=_to_device(built.microbatches, torch_device, torch_dtype),
+        )
         times = {name: _VariantTimes() for name in variants}
         steps: dict[str, Callable[[], None]] = {}
 
         def prepare(name: str) -> None:
-            module = workload.make().to(device=torch_device, dtype=torch_dtype)
-            run = step_function(name, module, workload.loss_fn, dhelix_options)
+            data = workload.microbatches
+            run: Callable[[Any], None]
+            if data_parallel:
+                run_data_parallel = data_parallel_step(name, workload, data_parallel, mesh, dhelix_options or {})
+                run = lambda _data: run_data_parallel()  # noqa: E731 - the step takes its own data
+            else:
+                run = step_function(name, workload.make(), workload.loss_fn, dhelix_options)
 
             def step() -> None:
                 if torch_device.type == "cuda":
@@ -211,7 +233,8 @@ def measure_emulated(
             done += 1
             if time.perf_counter() - started > time_limit_s:
                 break
-        return _summary(emulated, cluster.link, model, parallel, torch_device, dtype, microbatches, times, done)
+        described = f"data-parallel {data_parallel}" if data_parallel else parallel
+        return _summary(emulated, cluster.link, model, described, torch_device, dtype, microbatches, times, done)
     finally:
         cluster.close()
 
