@@ -22,7 +22,7 @@ from cost_model.hardware import get_link
 from dhelix_compile.bench.emulated import balanced_link, parse_emulated_link
 from dhelix_compile.emulation import EmulationError, LinkSpecError, describe_presets, parse_link
 from dhelix_compile.emulation.clock import CpuQueues
-from dhelix_compile.emulation.group import Transfer
+from dhelix_compile.emulation.group import EmulatedWork, Transfer
 
 
 @pytest.fixture
@@ -254,3 +254,22 @@ def test_the_bench_puts_each_variant_beside_its_own_limit(variants: list[str], d
         assert row["limit_s"] == max(row["t_compute_s"], row["t_comm_s"])
         assert len(row["step_s_all"]) == 2
     assert all(name in markdown_emulated(summary) for name in variants)
+
+
+def test_sends_to_several_peers_share_the_ranks_link(cluster: dhelix_compile.emulation.Emulation) -> None:
+    from dhelix_compile.emulation.group import link_time_s
+
+    cluster.set_link("alpha=10us,bandwidth=1GB/s")  # 4 MiB: 4 ms each way
+    cluster.ledger.clear()
+    x = torch.ones(1 << 20)
+    works = [dist.isend(x, dst=peer) for peer in (1, 2)]
+    received = dist.irecv(torch.empty_like(x), src=4)
+    assert all(isinstance(w, EmulatedWork) for w in works) and isinstance(received, EmulatedWork)
+    deadlines = [w._deadline_s for w in (*works, received) if isinstance(w, EmulatedWork)]
+    send_s, _, recv_s = (t.seconds for t in cluster.ledger.transfers())
+    assert deadlines[1] >= deadlines[0] + send_s - cluster._state.cpu.host_overhead_s  # one NIC: in turn
+    assert deadlines[2] < deadlines[1]  # the inbound side runs beside the outbound one
+    assert link_time_s(cluster.ledger.transfers()) == pytest.approx(max(2 * send_s, recv_s))
+    for work in (*works, received):
+        assert work is not None
+        work.wait()

@@ -7,7 +7,8 @@ same run, interleaved with the others:
 
     step      its step on the link
     compute   its step with the link free (every collective completes at once): own T_compute
-    comm      the link time of the collectives it sent in a step, back to back: own T_comm
+    comm      the link time of the collectives it sent in a step, issued at once on the rank's
+              link (each side busy for its operations' summed time): own T_comm
     bytes     what this rank sent over its link in a step
 
     limit  = max(own T_compute, own T_comm)       (a step cannot beat it)
@@ -161,6 +162,7 @@ def measure_emulated(
     from dhelix_compile.bench.variants import overlap_scheduler_on_cpu
     from dhelix_compile.bench.workloads import build_workload
     from dhelix_compile.emulation import parse_link
+    from dhelix_compile.emulation.group import link_time_s
 
     torch_device = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
     torch_dtype = getattr(torch, dtype) if dtype else None
@@ -225,7 +227,7 @@ def measure_emulated(
                 cluster.ledger.clear()
                 row.step_s.append(_timed(steps[name], torch_device, row.host_s))
                 transfers = cluster.ledger.transfers()
-                row.comm_s.append(sum(t.seconds for t in transfers))
+                row.comm_s.append(link_time_s(transfers))
                 row.wire_bytes.append(sum(t.wire_bytes for t in transfers))
                 row.transfers = len(transfers)
                 with cluster.link_free():

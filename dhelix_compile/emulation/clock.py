@@ -2,10 +2,10 @@
 
 Contract
 --------
-* Transfers are FIFO per *queue* (a process group's collectives, or one direction of its
-  point-to-point traffic to one peer), as NCCL runs one communicator's operations in order on
-  its stream: an operation starts when its inputs are ready and the previous operation of its
-  queue has finished, and takes the link model's time. Queues run concurrently.
+* Transfers are FIFO per *queue* (a side of the rank's link: ``emulation.group`` puts every
+  operation that sends bytes on the outbound one, receives on the inbound one): an operation
+  starts when its inputs are ready and the previous operation of its queue has finished, and
+  takes the link model's time. The two queues run concurrently.
 * CPU (:class:`CpuQueues`): an operation is a deadline. ``wait`` sleeps, then spins the last
   ~0.2 ms on the waiting thread (which has nothing else to do), so a wait ends within
   microseconds of the deadline. The outputs are written by one helper thread while the deadline

@@ -11,7 +11,10 @@ Contract
   cut to the output's size for uneven splits), a receive or a non-root scatter writes zeros.
   Numerics are checked on real gloo ranks; this group is for time.
 * Time: each operation takes ``cost_model.collectives.collective_time_s`` (NCCL's algorithms)
-  on the emulation's link for its bytes and group size, FIFO per queue (``emulation.clock``).
+  on the emulation's link for its bytes and group size. A rank has one link: every operation
+  that sends bytes (collectives of every group, sends) runs in one FIFO queue, its outbound
+  side; receives run in another, its inbound side (``emulation.clock``). Per-peer steps share
+  the link as they would a NIC, not one link each.
   ``link=None`` makes every operation complete at once (the step with no communication).
 * Every operation is written to the emulation's :class:`Ledger` (kind, bytes, group size,
   seconds), so a benchmark reads the collectives a variant actually sent and their link time.
@@ -23,7 +26,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +51,11 @@ class Transfer:
     group_size: int
     group_name: str
     seconds: float
+
+    @property
+    def queue(self) -> str:
+        """The side of the rank's link it runs on: ``"in"`` for a receive, else ``"out"``."""
+        return "in" if self.op == "recv" else "out"
 
     @property
     def wire_bytes(self) -> int:
@@ -81,8 +89,18 @@ class Ledger:
         return sum(t.wire_bytes for t in self.transfers())
 
     def link_s(self) -> float:
-        """The link time of everything recorded, back to back: the communication alone."""
-        return sum(t.seconds for t in self.transfers())
+        """The communication alone: everything recorded issued at once, each side of the link
+        busy for the sum of its operations' times (:func:`link_time_s`)."""
+        return link_time_s(self.transfers())
+
+
+def link_time_s(transfers: list[Transfer]) -> float:
+    """How long ``transfers`` keep the link busy with nothing else to wait for: the longer of the
+    two sides' (outbound, inbound) summed times."""
+    sides = {"out": 0.0, "in": 0.0}
+    for transfer in transfers:
+        sides[transfer.queue] += transfer.seconds
+    return max(sides.values())
 
 
 @dataclasses.dataclass
@@ -218,13 +236,12 @@ class EmulatedGroup(dist.ProcessGroup):
         tensors: Sequence[torch.Tensor],
         write_outputs: Callable[[], None],
         result: list[torch.Tensor],
-        queue: Hashable = None,
     ) -> EmulatedWork:
         state = self._state
         seconds = 0.0 if state.link is None else collective_time_s(op, nbytes, self._size, state.link)
         transfer = Transfer(op, int(nbytes), self._size, self._name, seconds)
         state.ledger.add(transfer)
-        key = (self._name, queue)
+        key = transfer.queue
         cuda = next((t.device for t in tensors if t.is_cuda), None)
         if cuda is not None:
             event = state.cuda_queues(cuda).issue(key, seconds, write_outputs, tensors, transfer.wire_bytes)
@@ -366,14 +383,14 @@ class EmulatedGroup(dist.ProcessGroup):
     # -- point to point -----------------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> EmulatedWork:
-        return self._issue("send", self._nbytes(tensors), tensors, lambda: None, tensors, queue=("send", dst))
+        return self._issue("send", self._nbytes(tensors), tensors, lambda: None, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> EmulatedWork:
         def write() -> None:
             for tensor in tensors:
                 tensor.zero_()
 
-        return self._issue("recv", self._nbytes(tensors), tensors, write, tensors, queue=("recv", src))
+        return self._issue("recv", self._nbytes(tensors), tensors, write, tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> EmulatedWork:
         return self.recv(tensors, -1, tag)
