@@ -79,18 +79,25 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
 
         names = None if args.setting == "all" else [args.setting]
         try:
-            preds = cluster.simulate_settings(
-                names, contention_factor=args.contention, matmul_efficiency=args.matmul_efficiency
+            efficiency = (
+                cluster.MEASURED_MATMUL_EFFICIENCY if args.matmul_efficiency is None else args.matmul_efficiency
             )
+            preds = cluster.simulate_settings(names, contention_factor=args.contention, matmul_efficiency=efficiency)
         except (cluster.UnknownSettingError, ValueError) as err:
             print(f"dhelix simulate: {err}", file=sys.stderr)
             return 2
         factors = ", ".join(sorted({f"{p.contention_factor:g}" for p in preds}))
         contention = f"{factors} (the devices' default)" if args.contention is None else f"{args.contention:g}"
+        efficiency = (
+            f"{cluster.MEASURED_MATMUL_EFFICIENCY:g} ({cluster.MATMUL_EFFICIENCY_SOURCE})"
+            if args.matmul_efficiency is None
+            else f"{args.matmul_efficiency:g} (given; 1 = roofline)"
+        )
         print(
             "Predictions from the cost model (cost_model/cluster/), not measurements. "
-            f"Contention factor: {contention}; matmul efficiency: {args.matmul_efficiency:g} "
-            "(1 = roofline). Sequential = Megatron-like, nothing overlapped; dhelix = the Strand "
+            f"Contention factor: {contention} (assumed); matmul efficiency: {efficiency}; "
+            "model shapes, links and batch sizes marked 'Assumed' below are assumptions, the paper's numbers "
+            "are read from its figures. Sequential = Megatron-like, nothing overlapped; dhelix = the Strand "
             "Interleaving DP of graph_passes/interleave.py over one micro-batch's forward and another's "
             "backward.\n"
         )
@@ -124,9 +131,10 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--matmul-efficiency",
         type=float,
-        default=1.0,
+        default=None,
         metavar="E",
-        help="achieved share of peak bf16 FLOP/s for matmuls and attention (default 1.0: roofline)",
+        help="achieved share of peak bf16 FLOP/s for matmuls and attention (default: 0.76, measured on an H200; "
+        "1.0: roofline)",
     )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the predictions as JSON to OUT")
     parser.set_defaults(handler=run)

@@ -16,7 +16,7 @@ DP the interleave pass runs on FX graphs)::
 
 Contract
 --------
-``simulate_setting(setting, contention_factor=None, matmul_efficiency=1.0) -> ClusterPrediction``
+``simulate_setting(setting, contention_factor=None, matmul_efficiency=MEASURED_MATMUL_EFFICIENCY) -> ClusterPrediction``
 is deterministic; every number is in seconds, bytes or FLOPs, each module's docstring has its
 formulas. A setting whose degrees do not divide the model raises ``ValueError`` naming it; an
 unknown setting name raises :class:`UnknownSettingError` listing the valid ones.
@@ -34,10 +34,19 @@ from cost_model.cluster.paper_settings import (
 )
 from cost_model.cluster.report import format_prediction, format_summary
 from cost_model.cluster.setting import ClusterSetting, ModelShape, PaperReport, Parallelism
-from cost_model.cluster.step_model import ClusterPrediction, SchedulePrediction, model_flops_per_step, simulate_setting
+from cost_model.cluster.step_model import (
+    MATMUL_EFFICIENCY_SOURCE,
+    MEASURED_MATMUL_EFFICIENCY,
+    ClusterPrediction,
+    SchedulePrediction,
+    model_flops_per_step,
+    simulate_setting,
+)
 from cost_model.cluster.strands import ClusterSegment, attention_flops, elementwise_time_s, matmul_time_s, strands
 
 __all__ = [
+    "MATMUL_EFFICIENCY_SOURCE",
+    "MEASURED_MATMUL_EFFICIENCY",
     "MODELS",
     "PAPER_SUMMARY",
     "SETTINGS",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cost_model.cluster.setting import ClusterSetting, ModelShape, PaperReport, Parallelism
-from cost_model.cluster.step_model import ClusterPrediction, simulate_setting
+from cost_model.cluster.step_model import MEASURED_MATMUL_EFFICIENCY, ClusterPrediction, simulate_setting
 
 
 class UnknownSettingError(KeyError):
@@ -231,7 +231,10 @@ def get_setting(name: str) -> ClusterSetting:
 
 
 def simulate_settings(
-    names: Sequence[str] | None = None, *, contention_factor: float | None = None, matmul_efficiency: float = 1.0
+    names: Sequence[str] | None = None,
+    *,
+    contention_factor: float | None = None,
+    matmul_efficiency: float = MEASURED_MATMUL_EFFICIENCY,
 ) -> list[ClusterPrediction]:
     """:func:`simulate_setting` for each name (all settings when ``names`` is None), in order."""
     chosen = list(SETTINGS) if names is None else list(names)
