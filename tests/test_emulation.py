@@ -127,7 +127,7 @@ def test_outputs_have_the_right_shapes_and_this_ranks_values(cluster: dhelix_com
 
     received = torch.full((3,), float("nan"))
     dist.recv(received, src=0)
-    torch.testing.assert_close(received, torch.zeros(3))
+    torch.testing.assert_close(received, torch.ones(3))
 
     listed = [torch.full((4, 4), float("nan")) for _ in range(n)]
     dist.all_gather(listed, x)
@@ -200,15 +200,14 @@ def test_tensor_parallel_training_runs_eager_and_compiled(
     model = parallelize_module(_MLP(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     x = torch.randn(4, 32)
     for backend in (None, "inductor", "dhelix"):
+        # a cross-rank check that waited for ranks that do not exist would fail after 5 s
         options: dict[str, str | int | bool | Callable[..., Any]] | None = (
-            {"consistency_timeout_s": 30} if backend == "dhelix" else None
+            {"consistency_timeout_s": 5} if backend == "dhelix" else None
         )
         run = model if backend is None else torch.compile(model, backend=backend, options=options)
         cluster.ledger.clear()
-        started = time.perf_counter()
         out = run(x)
         out.sum().backward()
-        assert time.perf_counter() - started < 25, "a cross-rank check waited for ranks that do not exist"
         assert out.shape == (4, 32) and torch.isfinite(out).all()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert grads and all(isinstance(g, DTensor) and torch.isfinite(g.to_local()).all() for g in grads)
@@ -273,3 +272,40 @@ def test_sends_to_several_peers_share_the_ranks_link(cluster: dhelix_compile.emu
     for work in (*works, received):
         assert work is not None
         work.wait()
+
+
+@pytest.mark.parametrize("rank", [0, 2], ids=["first_stage", "last_stage"])
+def test_a_pipeline_with_declared_shapes_runs_on_a_pp_x_tp_mesh(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    with dhelix_compile.emulate(4, rank=rank, link="ib400") as emulated:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None
+        stage_index = coordinate[0]
+        shape = torch.empty(2, 16)  # torch's pipelining sends undeclared shapes as pickled objects
+        stage = PipelineStage(
+            torch.nn.Linear(16, 16),
+            stage_index,
+            2,
+            torch.device("cpu"),
+            group=mesh["pp"].get_group(),
+            input_args=shape,
+            output_args=shape,
+            output_grads=shape,
+            input_grads=shape if stage_index > 0 else None,
+        )
+        schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda y, target: (y - target).square().mean())
+        losses: list[torch.Tensor] = []
+        if stage_index == 0:
+            schedule.step(torch.randn(8, 16))
+        else:
+            schedule.step(target=torch.zeros(8, 16), losses=losses)
+            assert len(losses) == 4 and all(torch.isfinite(loss) for loss in losses)
+        ops = [t.op for t in emulated.ledger.transfers()]
+        assert ops.count("send") >= 4 and ops.count("recv") >= 4  # activations one way, gradients the other
+        grads = [p.grad for p in stage.submod.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -8,7 +8,11 @@ Contract
 * Outputs have the right shapes and finite values, as if every rank held this rank's data:
   all-reduce and broadcast leave the tensor as it is, all-gather repeats the input,
   reduce-scatter keeps this rank's chunk of the input, all-to-all returns the input (tiled or
-  cut to the output's size for uneven splits), a receive or a non-root scatter writes zeros.
+  cut to the output's size for uneven splits), a non-root scatter writes zeros, a receive
+  writes ones (a peer that agrees: torch's pipelining votes for static stage shapes by
+  multiplying ones it receives; a pipeline runs emulated when its stages declare their shapes,
+  ``PipelineStage(input_args=..., output_args=...)``, since a peer's pickled shapes cannot be
+  received).
   Numerics are checked on real gloo ranks; this group is for time.
 * Time: each operation takes ``cost_model.collectives.collective_time_s`` (NCCL's algorithms)
   on the emulation's link for its bytes and group size. A rank has one link: every operation
@@ -388,7 +392,7 @@ class EmulatedGroup(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> EmulatedWork:
         def write() -> None:
             for tensor in tensors:
-                tensor.zero_()
+                tensor.fill_(1)
 
         return self._issue("recv", self._nbytes(tensors), tensors, write, tensors)
 
