@@ -1,23 +1,23 @@
-"""Hardware tables: compute devices and communication links, each with its source.
+"""Hardware tables: compute devices, with their sources; the links are ``cost_model.links``'.
 
 Contract
 --------
 * :class:`Device` holds dense (no structured sparsity) peak FLOP/s per dtype, memory
   bandwidth, a per-kernel launch overhead and the compute slowdown factor while a
-  collective is in flight (``contention_factor``). :class:`Link` holds one direction's
-  bandwidth and the per-hop latency used as alpha in alpha-beta collective models.
-* ``DEVICES`` / ``LINKS`` are ordered registries; ``register_device`` /
-  ``register_link`` add user entries, ``load_hardware_file`` reads them from JSON/TOML.
-  ``get_device`` / ``get_link`` raise :class:`UnknownHardwareError` (a ``KeyError``)
-  naming the valid entries.
+  collective is in flight (``contention_factor``).
+* ``DEVICES`` is an ordered registry; ``register_device`` adds user entries,
+  ``load_hardware_file`` reads devices and links from JSON/TOML. ``get_device`` raises
+  :class:`UnknownHardwareError` (a ``KeyError``) naming the valid entries.
+* The link table (:class:`Link`, ``LINKS``, ``register_link``, ``get_link``) is
+  ``cost_model.links``, which loads without torch; it is importable from here too.
 * ``"cpu"`` is not a datasheet entry: :func:`measure_cpu_device` times a small matmul,
   a memcpy and a tiny kernel on this machine (about a second, once per process) and
   ``get_device("cpu")`` registers the result on first use.
 
-Units: FLOP/s, bytes/s, seconds. Vendor "TB/s" and "GB/s" are decimal (1e12, 1e9).
-Datasheets quote tensor-core FLOP/s "with sparsity"; the numbers here are the dense
-ones (half of those). ``torch.float32`` is the non-tensor-core FP32 rate because
-PyTorch leaves TF32 matmul off by default (``torch.backends.cuda.matmul.allow_tf32``).
+Units: FLOP/s, bytes/s, seconds. Vendor "TB/s" and "GB/s" are decimal (1e12, 1e9;
+``cost_model.datasheets``). Datasheets quote tensor-core FLOP/s "with sparsity"; the numbers
+here are the dense ones (half of those). ``torch.float32`` is the non-tensor-core FP32 rate
+because PyTorch leaves TF32 matmul off by default (``torch.backends.cuda.matmul.allow_tf32``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,18 @@ from typing import Any
 
 import torch
 
-aten = torch.ops.aten
+from cost_model.datasheets import (
+    A40_DATASHEET,
+    A100_DATASHEET,
+    A800_DATASHEET,
+    GIGA,
+    H100_SXM_DATASHEET,
+    H200_DATASHEET,
+    TERA,
+)
+from cost_model.links import LINKS, Link, UnknownHardwareError, get_link, register_link
 
-TERA: float = 1e12
-GIGA: float = 1e9
+aten = torch.ops.aten
 
 #: Default compute slowdown on GPUs while a collective runs concurrently: NCCL kernels
 #: occupy SMs and HBM bandwidth. Overlap studies report GEMM slowdowns of the order of
@@ -101,46 +109,7 @@ class Device:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class Link:
-    """A communication link, one direction.
-
-    Attributes:
-        name: registry key, e.g. ``"nvlink4"``.
-        bandwidth_bytes_per_s: per-direction bandwidth available to one rank.
-        latency_s: per-step (per-hop) latency, the alpha of alpha-beta models.
-        source: where the numbers come from.
-    """
-
-    name: str
-    bandwidth_bytes_per_s: float
-    latency_s: float
-    source: str
-
-    def __post_init__(self) -> None:
-        if self.bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"Link {self.name!r}: bandwidth_bytes_per_s must be > 0")
-        if self.latency_s < 0:
-            raise ValueError(f"Link {self.name!r}: latency_s must be >= 0")
-
-
-class UnknownHardwareError(KeyError):
-    """A device or link name that is not registered; the message lists the valid ones."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
-        return str(self.args[0]) if self.args else ""
-
-
 # --------------------------------------------------------------------------- devices
-
-_H100_URL = "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM5 datasheet)"
-_H200_URL = "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM datasheet)"
-_A100_URL = (
-    "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 80GB SXM)"
-)
-_A800_URL = "https://www.nvidia.cn/data-center/a800/ (A800 80GB SXM datasheet)"
-_A40_URL = "https://images.nvidia.com/content/Solutions/data-center/a40/nvidia-a40-datasheet.pdf"
 
 _FP8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
 
@@ -171,7 +140,7 @@ _BUILTIN_DEVICES: tuple[Device, ...] = (
         peak_flops_per_s=_table(fp64=67.0, fp32=67.0, bf16=989.5, int8=1979.0, fp8=1979.0),
         mem_bandwidth_bytes_per_s=3.35 * TERA,
         launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
-        source=_H100_URL,
+        source=H100_SXM_DATASHEET,
         contention_factor=GPU_CONTENTION_FACTOR,
     ),
     # H200 SXM: same Hopper die as H100 SXM5 (989.5 dense BF16), HBM3e 4.8 TB/s.
@@ -180,7 +149,7 @@ _BUILTIN_DEVICES: tuple[Device, ...] = (
         peak_flops_per_s=_table(fp64=67.0, fp32=67.0, bf16=989.5, int8=1979.0, fp8=1979.0),
         mem_bandwidth_bytes_per_s=4.8 * TERA,
         launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
-        source=_H200_URL,
+        source=H200_DATASHEET,
         contention_factor=GPU_CONTENTION_FACTOR,
     ),
     # A100 80GB SXM: FP64 TC 19.5, FP32 19.5, BF16/FP16 TC 312, INT8 624, HBM2e 2039 GB/s.
@@ -189,7 +158,7 @@ _BUILTIN_DEVICES: tuple[Device, ...] = (
         peak_flops_per_s=_table(fp64=19.5, fp32=19.5, bf16=312.0, int8=624.0),
         mem_bandwidth_bytes_per_s=2039 * GIGA,
         launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
-        source=_A100_URL,
+        source=A100_DATASHEET,
         contention_factor=GPU_CONTENTION_FACTOR,
     ),
     # A800 80GB SXM: A100 compute and memory; NVLink cut to 400 GB/s (link "nvlink3_a800").
@@ -198,7 +167,7 @@ _BUILTIN_DEVICES: tuple[Device, ...] = (
         peak_flops_per_s=_table(fp64=19.5, fp32=19.5, bf16=312.0, int8=624.0),
         mem_bandwidth_bytes_per_s=2039 * GIGA,
         launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
-        source=_A800_URL,
+        source=A800_DATASHEET,
         contention_factor=GPU_CONTENTION_FACTOR,
     ),
     # A40: FP64 0.585 (1/64 of FP32), FP32 37.4, BF16/FP16 TC 149.7 dense, INT8 299.3,
@@ -208,98 +177,12 @@ _BUILTIN_DEVICES: tuple[Device, ...] = (
         peak_flops_per_s=_table(fp64=0.585, fp32=37.4, bf16=149.7, int8=299.3),
         mem_bandwidth_bytes_per_s=696 * GIGA,
         launch_overhead_s=GPU_LAUNCH_OVERHEAD_S,
-        source=_A40_URL,
+        source=A40_DATASHEET,
         contention_factor=GPU_CONTENTION_FACTOR,
     ),
 )
 
-# --------------------------------------------------------------------------- links
-
-#: Per-hop latencies of NCCL's own cost model, Ring/Simple protocol (the one used for
-#: bulk transfers): NVLink 3.4 us, PCI 5.7 us, network 9.6 us.
-#: https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc (``hwLat``).
-_NCCL_TUNING = "NCCL src/graph/tuning.cc hwLat Ring/Simple"
-NVLINK_HOP_LATENCY_S: float = 3.4e-6
-PCI_HOP_LATENCY_S: float = 5.7e-6
-NET_HOP_LATENCY_S: float = 9.6e-6
-#: One-way latency of a small message through the kernel TCP stack (what gloo uses). No
-#: datasheet: an order-of-magnitude figure; profile mode replaces it with a measurement.
-TCP_HOP_LATENCY_S: float = 25e-6
-
-_BUILTIN_LINKS: tuple[Link, ...] = (
-    # A100: 12 NVLink3 links x 25 GB/s per direction = 300 GB/s (600 GB/s bidirectional).
-    Link(
-        "nvlink3",
-        300 * GIGA,
-        NVLINK_HOP_LATENCY_S,
-        f"{_A100_URL}; https://www.nvidia.com/en-us/data-center/nvlink/; {_NCCL_TUNING}",
-    ),
-    # A800: NVLink limited to 400 GB/s bidirectional = 200 GB/s per direction.
-    Link("nvlink3_a800", 200 * GIGA, NVLINK_HOP_LATENCY_S, f"{_A800_URL}; {_NCCL_TUNING}"),
-    # H100/H200 SXM: 18 NVLink4 links x 25 GB/s per direction = 450 GB/s (900 bidir).
-    Link(
-        "nvlink4",
-        450 * GIGA,
-        NVLINK_HOP_LATENCY_S,
-        f"{_H100_URL}; https://www.nvidia.com/en-us/data-center/nvlink/; {_NCCL_TUNING}",
-    ),
-    # PCIe 4.0 x16: 16 GT/s * 16 lanes * 128/130 encoding / 8 = 31.5 GB/s per direction.
-    Link("pcie4", 31.5 * GIGA, PCI_HOP_LATENCY_S, f"PCI-SIG PCIe 4.0 base spec (16 GT/s, 128b/130b); {_NCCL_TUNING}"),
-    # PCIe 5.0 x16: 32 GT/s -> 63.0 GB/s per direction.
-    Link("pcie5", 63.0 * GIGA, PCI_HOP_LATENCY_S, f"PCI-SIG PCIe 5.0 base spec (32 GT/s, 128b/130b); {_NCCL_TUNING}"),
-    # InfiniBand EDR 100 Gb/s per port (ConnectX-5) = 12.5 GB/s.
-    Link(
-        "ib_edr",
-        12.5 * GIGA,
-        NET_HOP_LATENCY_S,
-        "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-5 EDR 100Gb/s); " + _NCCL_TUNING,
-    ),
-    # InfiniBand HDR 200 Gb/s per port (ConnectX-6) = 25 GB/s.
-    Link(
-        "ib_hdr",
-        25 * GIGA,
-        NET_HOP_LATENCY_S,
-        "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-6 HDR 200Gb/s); " + _NCCL_TUNING,
-    ),
-    # InfiniBand NDR 400 Gb/s per port (ConnectX-7) = 50 GB/s.
-    Link(
-        "ib_ndr",
-        50 * GIGA,
-        NET_HOP_LATENCY_S,
-        "https://www.nvidia.com/en-us/networking/infiniband-adapters/ (ConnectX-7 NDR 400Gb/s); " + _NCCL_TUNING,
-    ),
-    # Ethernet line rates (IEEE 802.3by 25GBASE, 802.3bj 100GBASE): 3.125 / 12.5 GB/s.
-    Link(
-        "eth_25g",
-        25 / 8 * GIGA,
-        TCP_HOP_LATENCY_S,
-        "IEEE 802.3by 25 Gb/s line rate; latency: TCP order of magnitude (estimate)",
-    ),
-    Link(
-        "eth_100g",
-        100 / 8 * GIGA,
-        TCP_HOP_LATENCY_S,
-        "IEEE 802.3bj 100 Gb/s line rate; latency: TCP order of magnitude (estimate)",
-    ),
-    Link(
-        "eth_200g",
-        200 / 8 * GIGA,
-        TCP_HOP_LATENCY_S,
-        "IEEE 802.3bs 200 Gb/s line rate; latency: TCP order of magnitude (estimate)",
-    ),
-    Link(
-        "eth_400g",
-        400 / 8 * GIGA,
-        TCP_HOP_LATENCY_S,
-        "IEEE 802.3bs 400 Gb/s line rate; latency: TCP order of magnitude (estimate)",
-    ),
-    # Same-host TCP over lo (gloo between local processes): bounded by memcpy through the
-    # socket buffers; a nominal few GB/s. Estimate; calibrate with profile mode.
-    Link("loopback", 5 * GIGA, 10e-6, "estimate for Linux TCP loopback; use profile mode"),
-)
-
 DEVICES: dict[str, Device] = {d.name: d for d in _BUILTIN_DEVICES}
-LINKS: dict[str, Link] = {link.name: link for link in _BUILTIN_LINKS}
 
 _ALIASES: dict[str, str] = {
     "h100": "h100_sxm",
@@ -317,14 +200,6 @@ def register_device(device: Device, *, overwrite: bool = False) -> Device:
     return device
 
 
-def register_link(link: Link, *, overwrite: bool = False) -> Link:
-    """Add a link to :data:`LINKS`; refuses to replace one unless ``overwrite``."""
-    if link.name in LINKS and not overwrite and LINKS[link.name] != link:
-        raise ValueError(f"link {link.name!r} already registered (pass overwrite=True)")
-    LINKS[link.name] = link
-    return link
-
-
 def get_device(name: str | Device) -> Device:
     """Look a device up by name (``"cpu"`` is measured on first use)."""
     if isinstance(name, Device):
@@ -336,17 +211,6 @@ def get_device(name: str | Device) -> Device:
         valid = ", ".join(sorted({*DEVICES, "cpu"}))
         raise UnknownHardwareError(f"unknown device {name!r}; valid devices: {valid}")
     return DEVICES[key]
-
-
-def get_link(name: str | Link) -> Link:
-    """Look a link up by name."""
-    if isinstance(name, Link):
-        return name
-    key = name.lower()
-    if key not in LINKS:
-        valid = ", ".join(sorted(LINKS))
-        raise UnknownHardwareError(f"unknown link {name!r}; valid links: {valid}")
-    return LINKS[key]
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
@@ -492,3 +356,22 @@ def measure_cpu_device(name: str = "cpu") -> Device:
         source=(f"measured by cost_model.hardware.measure_cpu_device ({torch.get_num_threads()} threads)"),
         contention_factor=contention,
     )
+
+
+__all__ = [
+    "DEVICES",
+    "GIGA",
+    "GPU_CONTENTION_FACTOR",
+    "GPU_LAUNCH_OVERHEAD_S",
+    "LINKS",
+    "TERA",
+    "Device",
+    "Link",
+    "UnknownHardwareError",
+    "get_device",
+    "get_link",
+    "load_hardware_file",
+    "measure_cpu_device",
+    "register_device",
+    "register_link",
+]

@@ -1,12 +1,14 @@
 """The ``dhelix`` command line (also ``python -m dhelix_compile``).
 
-Commands (one ``_add_<name>`` function each registers its sub-parser and handler):
+Commands (one ``_add_<name>`` function each registers its sub-parser and handler; building the
+parsers imports no torch, the commands import it when they run):
 
     report DUMP_DIR [--html]   the predicted summary of every graph dumped under DUMP_DIR
                                (``rank*/`` folders included), as a table; ``--html`` also
                                writes DUMP_DIR/index.html linking every graph's page
-    demo [--rate R] ...        train the TP+SP reference model with helix on 2 ranks over an
-                               emulated link: losses beside eager's, step times vs Inductor
+    demo [--model M] ...       train a TP+SP SwiGLU MLP block (or --model M) with helix on 2 ranks
+                               over a rate-limited link: losses beside eager's, step times vs
+                               Inductor and the ceiling
     simulate [--setting S]     cluster-scale predictions of the cost model for the DHelix
                                paper's settings: sequential vs dhelix step time and MFU
     bench [--rate R] ...       every variant in one interleaved run beside T_compute, T_comm
@@ -57,7 +59,11 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     from dhelix_compile.bench import demo
 
     _add_module_command(
-        commands, "demo", "train the TP+SP reference model with helix on 2 ranks over an emulated link", demo
+        commands,
+        "demo",
+        "train a TP+SP SwiGLU MLP block with helix beside eager on 2 ranks, then time eager, Inductor and helix "
+        "on a rate-limited link",
+        demo,
     )
 
 

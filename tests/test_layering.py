@@ -161,3 +161,25 @@ def test_importing_the_backend_loads_no_observe_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_cost_models_lazy_names_are_the_ones_it_declares() -> None:
+    """``cost_model/__init__.py`` names each export three times: the ``TYPE_CHECKING`` imports (for
+    mypy), ``__all__`` and ``_EXPORTS`` (what ``__getattr__`` loads on first use); they agree, and
+    each name is the object its submodule defines."""
+    import importlib
+
+    import cost_model
+
+    tree = ast.parse((ROOT / "cost_model" / "__init__.py").read_text())
+    (block,) = [node for node in tree.body if isinstance(node, ast.If) and _is_type_checking(node)]
+    declared = {
+        alias.name: node.module.removeprefix("cost_model.")
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+    assert declared == cost_model._EXPORTS
+    assert sorted(cost_model.__all__) == sorted(declared)
+    for name, module in declared.items():
+        assert getattr(cost_model, name) is getattr(importlib.import_module(f"cost_model.{module}"), name), name

@@ -35,12 +35,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dhelix_compile.bench.steps import HELIX_VARIANTS, split_variant, step_function
+from dhelix_compile.bench.choices import DATA_PARALLEL_VARIANTS, HELIX_VARIANTS
+from dhelix_compile.bench.steps import split_variant, step_function
 from dhelix_compile.bench.workloads import Workload
 from dhelix_compile.own_code import with_own_code
-
-DATA_PARALLEL_VARIANTS: tuple[str, ...] = ("torch_eager", "torch_inductor", "eager", "inductor", "dhelix", "helix")
-DATA_PARALLEL_MODES: tuple[str, ...] = ("shard", "replicate")
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

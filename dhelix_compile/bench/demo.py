@@ -13,8 +13,9 @@ for the reference transformer, whose gloo collectives leave a ceiling near Induc
 1. Training: each rank builds the workload's model twice from one seed, the eager model and
    the helix one (``dhelix_compile.helix`` with its default options), each with
    its own SGD optimizer, trains both ``--steps`` steps on the same micro-batches and records
-   each step's mean loss (helix's graphs dumped under ``--dump-dir``). Rank 0 writes the losses
-   as JSON for the parent.
+   each step's mean loss (helix's graphs dumped under ``--dump-dir``). Rank 0 writes each
+   finished step to a file the parent draws its progress bar from (``bench.progress_file``), and
+   the losses as JSON for the parent.
 2. Speed: ``dhelix bench`` (``bench.run.measure``) with the variants eager, Inductor and helix
    (defaults): ``T_compute`` on the fake process group, then (``--rate auto``, the default) the
    link rate at which the step's collectives alone take about ``T_compute``
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from cost_model.units import format_ms
+from dhelix_compile.bench.choices import MODEL_NAMES
 
 #: Step-time variants of the demo, in table order.
 DEMO_VARIANTS = ("eager", "inductor", "helix")
@@ -53,6 +55,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import dhelix_compile
+    from dhelix_compile.bench.progress_file import ProgressFile
     from dhelix_compile.bench.workloads import build_workload
 
     dist.init_process_group("gloo")
@@ -83,12 +86,14 @@ def _worker(args: argparse.Namespace) -> None:
         return float(torch.stack(losses).mean())
 
     losses: dict[str, list[float]] = {"eager": [], "helix": []}
+    progress = ProgressFile(args.progress_file if rank == 0 else None, total=args.steps * len(losses))
     start = time.perf_counter()
     for _ in range(args.steps):
         microbatches = workload().microbatches
         for name in losses:
             dist.barrier()
             losses[name].append(train(name, microbatches))
+            progress.step(name)
     train_s = time.perf_counter() - start
 
     if rank == 0:
@@ -161,6 +166,7 @@ def _bench_args(args: argparse.Namespace) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     """The parent: launch the two ranks, print what they measured."""
     from dhelix_compile.bench.link_rate import PROBE_RATE
+    from dhelix_compile.bench.progress_file import progress_from_file
     from dhelix_compile.bench.run import measure
     from dhelix_compile.launch.ranks import LinkSpec, launch_ranks
 
@@ -169,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     rate = {"none": None, "auto": PROBE_RATE}.get(args.rate.lower(), args.rate)
     with tempfile.TemporaryDirectory(prefix="dhelix_demo_") as tmp:
         out = Path(tmp) / "demo.json"
+        progress = out.with_suffix(".progress")
         argv = [
             sys.executable,
             "-m",
@@ -176,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
             "--worker",
             "--out",
             str(out),
+            "--progress-file",
+            str(progress),
             "--model",
             args.model,
             "--steps",
@@ -192,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
         )
         started = time.perf_counter()
         try:
-            launched = launch_ranks(argv, 2, LinkSpec(rate=rate), timeout_s=args.timeout_s)
+            with progress_from_file(progress, label=f"{'train':>7} steps"):
+                launched = launch_ranks(argv, 2, LinkSpec(rate=rate), timeout_s=args.timeout_s)
             if any(launched.returncodes) or not out.exists():
                 for r, err in enumerate(launched.stderr):
                     print(f"--- rank {r} (exit {launched.returncodes[r]}) ---\n{err[-3000:]}", file=sys.stderr)
@@ -209,13 +219,17 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (shared by ``dhelix demo`` and ``python -m dhelix_compile.bench.demo``)."""
-    from dhelix_compile.bench.workloads import MODEL_NAMES
-
-    parser.add_argument("--model", choices=MODEL_NAMES, default="mlp_medium", help="workload (as dhelix bench's)")
+    parser.add_argument(
+        "--model",
+        choices=MODEL_NAMES,
+        default="mlp_medium",
+        metavar="NAME",
+        help=f"the workload, as dhelix bench's (default mlp_medium, a SwiGLU MLP block): {', '.join(MODEL_NAMES)}",
+    )
     parser.add_argument(
         "--rate",
         default="auto",
-        help="tc rate of the emulated link ('400mbit'; 'none' for loopback); 'auto', the default, times the "
+        help="tc rate of the link between the ranks ('400mbit'; 'none' for loopback); 'auto', the default, times the "
         "step's collectives and picks the rate at which they take about the step's compute time",
     )
     parser.add_argument("--steps", type=int, default=3, help="training steps compared with eager")
@@ -230,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--progress-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)

@@ -23,17 +23,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dhelix_compile import _torch_compat as compat
+from dhelix_compile.bench.choices import PIPELINE_VARIANTS, SCHEDULE_KINDS, ScheduleKind
 from dhelix_compile.testing.llama import Transformer, lm_loss
-from dhelix_compile.testing.pipeline import ScheduleKind, build_schedule, chunks, stage_layout
-
-PIPELINE_VARIANTS: tuple[str, ...] = ("pipeline_eager", "pipeline_inductor", "helix_pipeline")
-SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
+from dhelix_compile.testing.pipeline import build_schedule, chunks, stage_layout
 
 
 @dataclasses.dataclass
@@ -75,7 +73,7 @@ class Transfer:
 def build_pipeline(
     kind: str, size: str, rank: int, world_size: int, microbatches: int, gen: torch.Generator
 ) -> PipelineWorkload:
-    """The reference transformer ``size`` (``workloads.MODEL_SIZES``) as a ``kind`` pipeline over
+    """The reference transformer ``size`` (``choices.MODEL_SIZES``) as a ``kind`` pipeline over
     ``world_size`` ranks (one stage group), ``microbatches`` micro-batches of its batch per step."""
     from dhelix_compile.bench.workloads import model_config
 

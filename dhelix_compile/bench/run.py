@@ -1,18 +1,17 @@
 """The side-by-side benchmark: every variant in one run, beside the physical limit.
 
-    python -m dhelix_compile.bench.run --model small --rate 1gbit --out bench.json
-    python -m dhelix_compile.bench.run --microbatches 4 --variants eager,inductor,dhelix,helix
+    dhelix bench --model small --rate 1gbit --out bench.json
+    dhelix bench --microbatches 4 --variants eager,inductor,dhelix,helix
 
-1. ``--mode compute`` workers on the fake process group: each variant's step with no
-   communication -> ``T_compute`` (per variant; the top-level number is Inductor's, the
-   codegen dhelix uses).
-   With ``--rate auto`` (the default), ``--mode comm`` workers then time the step's collectives
-   alone on the link at a probe rate, and again at the rate scaled by ``T_comm / T_compute``
-   (interpolated once two rates bracket it), until ``T_comm`` is within 8% of ``T_compute``
-   (``bench.link_rate``; at most 4 rates, else the closest timed): the regime dhelix is for, on
-   whatever machine runs the bench.
-2. ``--mode link`` workers on gloo over a rate-limited veth link between two network
-   namespaces (``dhelix_compile.launch``; loopback when that is impossible, and the output says so):
+1. Ranks on the fake process group (``bench.worker`` in mode ``compute``): each variant's step
+   with no communication -> ``T_compute`` (per variant; the top-level number is Inductor's, the
+   codegen dhelix uses). With ``--rate auto`` (the default), ranks then time the step's
+   collectives alone on the link at a probe rate, and again at the rate scaled by
+   ``T_comm / T_compute`` (interpolated once two rates bracket it), until ``T_comm`` is within 8%
+   of ``T_compute`` (``bench.link_rate``; at most 4 rates, else the closest timed): the regime
+   dhelix is for, on whatever machine runs the bench.
+2. Ranks on gloo over a rate-limited veth link between two network namespaces
+   (``dhelix_compile.launch``; loopback when that is impossible, and the output says so):
    every variant interleaved, then the step's collectives alone -> ``T_comm``.
 3. Summary per variant: median and spread of the step time, and the share of hideable
    communication it hid::
@@ -36,24 +35,37 @@ Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``hidden_share``, ``
 ``gloo_cpu_s_median``, ``idle_s``; top level ``t_compute_s``, ``t_comm_s``, ``t_comm_cpu_s``,
 ``t_comm_gloo_cpu_s``, ``limit_s``, ``ceiling``, ``link``, ``rate``, ``rate_probes``) and prints a
 markdown table.
+
+With ``--link emulated:<link>`` one process instead runs as rank 0 of an emulated cluster whose
+collectives take the link model's time (``bench.emulated``; the presets under ``--link``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cost_model.progress import item_label, progress_bar
+from cost_model.links import describe_presets
 from cost_model.units import format_ms
 from dhelix_compile.bench import link_rate
+from dhelix_compile.bench.choices import (
+    DATA_PARALLEL_MODES,
+    DATA_PARALLEL_VARIANTS,
+    MODEL_NAMES,
+    MODEL_SIZES,
+    NOT_BY_DEFAULT,
+    PIPELINE_VARIANTS,
+    SCHEDULE_KINDS,
+    STEP_VARIANTS,
+    UNPARALLELIZED_MODELS,
+)
+from dhelix_compile.bench.progress_file import progress_from_file
 from dhelix_compile.launch.link import can_rate_limit
 from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
@@ -104,40 +116,12 @@ def _launch(
 ) -> tuple[dict[str, Any], LaunchResult]:
     progress = out.with_suffix(".progress")
     argv = [*_worker_argv(out, mode, args), "--progress-file", str(progress), *extra]
-    with _progress_bar(progress, label=f"{mode:>7} steps"):
+    with progress_from_file(progress, label=f"{mode:>7} steps"):
         result = launch_ranks(argv, args.ranks, link, timeout_s=args.timeout_s)
     if any(result.returncodes) or not out.exists():
         tails = "\n".join(f"--- rank {r} ---\n{_tail(err)}" for r, err in enumerate(result.stderr))
         raise RuntimeError(f"benchmark workers ({mode}) failed: return codes {result.returncodes}\n{tails}")
     return json.loads(out.read_text()), result
-
-
-@contextlib.contextmanager
-def _progress_bar(path: Path, label: str) -> Iterator[None]:
-    """The project's progress bar (``cost_model.progress``) on stderr, fed from the file rank 0 rewrites after each timed step (``done total variant``)."""
-    done = threading.Event()
-
-    def draw() -> None:
-        bar = None
-        while not done.wait(0.5):
-            try:
-                count, total, variant = path.read_text().split()
-            except (OSError, ValueError):
-                continue  # compiling and warming up: nothing timed yet
-            if bar is None:
-                bar = progress_bar(int(total), label, enabled=True, stream=sys.stderr)
-            bar.set_postfix_str(item_label(variant), refresh=False)
-            bar.update(int(count) - bar.n)
-        if bar is not None:
-            bar.close()
-
-    thread = threading.Thread(target=draw, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
 
 
 #: The variants the others are compared with (speedups, the top-level T_compute), first found first.
@@ -435,12 +419,14 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``dhelix bench`` and ``python -m dhelix_compile.bench.run``)."""
-    from dhelix_compile.bench.data_parallel import DATA_PARALLEL_MODES, DATA_PARALLEL_VARIANTS
-    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS
-    from dhelix_compile.bench.steps import STEP_VARIANTS
-    from dhelix_compile.bench.variants import NOT_BY_DEFAULT
-
-    parser.add_argument("--model", default="small", help="model size (dhelix_compile.bench.worker sizes)")
+    parser.add_argument(
+        "--model",
+        default="small",
+        metavar="NAME",
+        help=f"the workload (bench.workloads; default small): {', '.join(MODEL_NAMES)}. "
+        "mlp_*: a SwiGLU MLP block; moe_*: an expert-parallel MoE layer; hf_llama*: Hugging Face's Llama "
+        "(the hf extra); the others: the Llama-style reference transformer",
+    )
     parser.add_argument("--parallel", choices=["tp", "tp_sp"], default="tp_sp")
     parser.add_argument(
         "--pipeline",
@@ -496,14 +482,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gloo_thread_priority, dhelix_compile.comm_threads) or left at normal priority",
     )
     parser.add_argument("--dhelix-options", default="{}")
-    parser.add_argument("--time-limit-s", type=float, default=240.0, help="per mode, for the timed repeats")
+    parser.add_argument(
+        "--time-limit-s", type=float, default=240.0, help="per launch of the ranks, for the timed repeats"
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per launch, then the ranks are killed")
     parser.add_argument("--out", default=None, help="write the JSON summary here")
 
 
 def _preset_lines() -> list[str]:
-    from dhelix_compile.emulation.links import describe_presets
-
     return describe_presets().splitlines()
 
 
@@ -523,18 +509,11 @@ def default_variants(args: argparse.Namespace) -> str:
         return str(args.variants)
     if args.pipeline or args.data_parallel:
         return ",".join(known)
-    from dhelix_compile.bench.steps import STEP_VARIANTS
-    from dhelix_compile.bench.variants import NOT_BY_DEFAULT
-
     return ",".join(v for v in STEP_VARIANTS if v not in NOT_BY_DEFAULT)
 
 
 def _known_variants(args: argparse.Namespace) -> tuple[str, ...]:
     """The variants this kind of run knows (step, pipeline or data-parallel)."""
-    from dhelix_compile.bench.data_parallel import DATA_PARALLEL_VARIANTS
-    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
-    from dhelix_compile.bench.steps import STEP_VARIANTS
-
     if args.pipeline:
         return PIPELINE_VARIANTS
     return DATA_PARALLEL_VARIANTS if args.data_parallel else STEP_VARIANTS
@@ -543,7 +522,6 @@ def _known_variants(args: argparse.Namespace) -> tuple[str, ...]:
 def _check(args: argparse.Namespace) -> str | None:
     """A message naming the bad option, or None."""
     from dhelix_compile.bench.steps import parse_variants, split_variant
-    from dhelix_compile.bench.workloads import MODEL_NAMES, MODEL_SIZES, UNPARALLELIZED_MODELS
 
     if args.model not in MODEL_NAMES:
         return f"unknown model size {args.model!r}; choose from {', '.join(MODEL_NAMES)}"

@@ -23,12 +23,8 @@ from typing import Any
 
 import torch
 
-from dhelix_compile.bench.variants import VARIANTS, compile_variant
-
-HELIX_VARIANTS: dict[str, dict[str, Any]] = {"helix": {}, "helix_decompose": {"decompose": "per_peer"}}
-"""helix variants: the options each adds to the user's dhelix options."""
-
-STEP_VARIANTS: tuple[str, ...] = (*VARIANTS, *HELIX_VARIANTS)
+from dhelix_compile.bench.choices import HELIX_VARIANTS, STEP_VARIANTS
+from dhelix_compile.bench.variants import compile_variant
 
 Microbatch = Any
 LossFn = Callable[[torch.nn.Module, Microbatch], torch.Tensor]

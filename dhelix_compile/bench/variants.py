@@ -17,7 +17,7 @@
                       predicts, for predicted-vs-measured checks
     helix             dhelix_compile.helix: micro-batch i+1's forward merged with micro-batch
                       i's backward, ordered by the Strand Interleaving DP (Inductor codegen)
-    helix_decompose   helix with decompose="per_peer" (``steps.HELIX_VARIANTS``)
+    helix_decompose   helix with decompose="per_peer" (``choices.HELIX_VARIANTS``)
 
 A step runs every micro-batch's forward and backward (``step_function``): the other variants
 loop over the micro-batches, helix takes them all at once.
@@ -31,19 +31,7 @@ from typing import Any
 import torch
 
 from dhelix_compile import _torch_compat as compat
-
-VARIANTS: tuple[str, ...] = (
-    "eager",
-    "inductor",
-    "inductor_overlap",
-    "dhelix",
-    "dhelix_decompose",
-    "dhelix_decompose_pieces",
-    "dhelix_decompose_chain",
-    "dhelix_eager",
-)
-#: Run only when named: diagnostics and ablations.
-NOT_BY_DEFAULT: tuple[str, ...] = ("dhelix_decompose_pieces", "dhelix_decompose_chain", "dhelix_eager")
+from dhelix_compile.bench.choices import VARIANTS
 
 
 def _compiled(module: torch.nn.Module, backend: str, options: dict[str, Any] | None = None) -> torch.nn.Module:

@@ -42,21 +42,19 @@ import torch
 import torch.distributed as dist
 
 from cost_model.rank_agreement import agree_max, all_agree, gather_floats
-from dhelix_compile.bench.data_parallel import (
-    DATA_PARALLEL_MODES,
-    data_parallel_collectives_step,
-    data_parallel_step,
-)
+from dhelix_compile.bench.choices import DATA_PARALLEL_MODES, MODEL_NAMES, PIPELINE_VARIANTS, SCHEDULE_KINDS
+from dhelix_compile.bench.data_parallel import data_parallel_collectives_step, data_parallel_step
 from dhelix_compile.bench.measure import (
     ceiling_steps,
     record_collectives,
     replay_collectives,
     time_interleaved,
 )
-from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, SCHEDULE_KINDS, P2PReplay, build_pipeline
+from dhelix_compile.bench.pipeline import P2PReplay, build_pipeline
+from dhelix_compile.bench.progress_file import ProgressFile
 from dhelix_compile.bench.steps import parse_variants, split_variant, step_function
 from dhelix_compile.bench.variants import overlap_scheduler_on_cpu
-from dhelix_compile.bench.workloads import MODEL_NAMES, build_workload
+from dhelix_compile.bench.workloads import build_workload
 from dhelix_compile.comm_threads import local_ranks, prioritize_gloo_threads
 from dhelix_compile.helix_runtime.schedule import HelixScheduleKind, graph_calls, helix_schedule, read_schedule_kind
 
@@ -278,7 +276,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
 
     gloo_threads = _gloo_threads(args)  # groups the variants made too
     repeats = _repeats_within(args.time_limit_s, steps, args.repeats, barrier)
-    progress = _Progress(args.progress_file if rank == 0 else None, total=repeats * len(steps))
+    progress = ProgressFile(args.progress_file if rank == 0 else None, total=repeats * len(steps))
     times = time_interleaved(steps, repeats, barrier, on_step=progress.step)
     result: dict[str, Any] = {
         "mode": args.mode,
@@ -429,18 +427,6 @@ def _setup(
         return replay_collectives(nodes)
 
     return _Setup(step, replay, workload.config, workload.batch, workload.seq_len)
-
-
-class _Progress:
-    """Writes ``done total variant`` to a file after each timed step (the parent draws the bar)."""
-
-    def __init__(self, path: str | None, total: int) -> None:
-        self.path, self.total, self.done = path, total, 0
-
-    def step(self, variant: str) -> None:
-        self.done += 1
-        if self.path:
-            Path(self.path).write_text(f"{self.done} {self.total} {variant}\n")
 
 
 def _repeats_within(limit_s: float, steps: dict[str, Any], wanted: int, barrier: Any) -> int:

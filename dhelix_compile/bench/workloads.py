@@ -13,56 +13,33 @@
                            PyTorch's ``parallelize_module`` TP plan, or TP + sequence
                            parallelism (``--parallel``; ``testing.hf_llama``)
 
-Every workload is built from one seed on every rank; each rank gets its own micro-batches.
+Every workload is built from one seed on every rank; each rank gets its own micro-batches. The
+names and sizes are ``bench.choices``' tables (``MODEL_SIZES``, ``MLP_SIZES``, ``MOE_SIZES``,
+``HF_LLAMA_SIZES``; ``MODEL_NAMES`` all of them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from dhelix_compile.bench.choices import (
+    HF_LLAMA_SIZES,
+    MLP_SIZES,
+    MODEL_KV_HEADS,
+    MODEL_NAMES,
+    MODEL_SIZES,
+    MOE_SIZES,
+    UNPARALLELIZED_MODELS,
+)
 from dhelix_compile.testing.llama import FeedForward, ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
 
 Microbatch = Any
 LossFn = Callable[[torch.nn.Module, Microbatch], torch.Tensor]
-
-#: Reference-transformer sizes by name: (dim, n_heads, n_layers, ffn_hidden, vocab, seq_len, batch)
-MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
-    "tiny": (64, 4, 2, 128, 128, 32, 2),
-    "small": (256, 8, 4, 768, 512, 128, 4),
-    "medium": (512, 8, 4, 1536, 1024, 256, 4),
-    "large": (1024, 16, 4, 2816, 2048, 256, 4),
-    # Llama-3-8B's layer shape (hidden 4096, 32 heads, 8 KV heads, SwiGLU 14336) in a short
-    # stack with a small vocabulary: the layers dominate, as in the real model.
-    "llama3_8b": (4096, 32, 2, 14336, 4096, 256, 1),
-    "llama3_8b_gpu": (4096, 32, 2, 14336, 8192, 4096, 1),
-}
-#: Key/value heads of the sizes with grouped-query attention (the others: one per query head).
-MODEL_KV_HEADS: dict[str, int] = {"llama3_8b": 8, "llama3_8b_gpu": 8}
-
-#: MLP-block sizes by name: (dim, ffn_hidden, seq_len, batch)
-MLP_SIZES: dict[str, tuple[int, int, int, int]] = {
-    "mlp_small": (256, 768, 128, 4),
-    "mlp_medium": (512, 1536, 256, 4),
-    "mlp_large": (1024, 2816, 256, 4),
-}
-
-#: MoE-layer sizes by name: (dim, ffn_hidden, n_experts, top_k, tokens per rank)
-MOE_SIZES: dict[str, tuple[int, int, int, Literal[1, 2], int]] = {
-    "moe_small": (256, 512, 4, 2, 256),
-    "moe_medium": (512, 1024, 4, 2, 256),
-}
-
-#: Hugging Face Llama workloads: bench name -> ``testing.hf_llama`` size
-HF_LLAMA_SIZES: dict[str, str] = {"hf_llama_tiny": "tiny", "hf_llama": "bench"}
-
-MODEL_NAMES: tuple[str, ...] = (*MODEL_SIZES, *MLP_SIZES, *MOE_SIZES, *HF_LLAMA_SIZES)
-#: The models that also run unparallelized (``parallel="none"``: the data-parallel benchmark).
-UNPARALLELIZED_MODELS: tuple[str, ...] = (*MODEL_SIZES, *HF_LLAMA_SIZES)
 
 
 @dataclasses.dataclass

@@ -1,7 +1,8 @@
 """The links an emulated cluster can have: presets named for what users run, and custom ones.
 
-Every preset is an entry of the cost model's own table (``cost_model.hardware.LINKS``), so the
-emulator and dhelix's planner price a collective with the same numbers
+Every preset is an entry of the cost model's own table (``cost_model.links``: ``LINKS``, and
+``LINK_PRESETS`` naming them), so the emulator and dhelix's planner price a collective with the
+same numbers
 (``cost_model.collectives.collective_time_s``, NCCL's ring/tree alpha-beta model)::
 
     preset   cost-model link   per-direction bandwidth   alpha (per hop)
@@ -16,7 +17,8 @@ emulator and dhelix's planner price a collective with the same numbers
     eth200   eth_200g          25 GB/s                   25 us
     eth100   eth_100g          12.5 GB/s                 25 us
 
-(the table is printed from the registry by :func:`describe_presets`; this copy is for reading).
+(the table is printed from the registry by :func:`~cost_model.links.describe_presets`; this copy
+is for reading).
 A custom link is ``"alpha=<time>,bandwidth=<rate>"``: ``alpha=5us,bandwidth=40GB/s``; times take
 ``s``/``ms``/``us``/``ns``, rates ``GB/s``/``MB/s``/``Gbit/s`` (decimal units, as datasheets).
 """
@@ -25,21 +27,9 @@ from __future__ import annotations
 
 import re
 
-from cost_model.hardware import Link, get_link
+from cost_model.links import LINK_PRESETS, Link, describe_presets, get_link
 
-#: Preset name -> the cost model's link entry.
-LINK_PRESETS: dict[str, str] = {
-    "nvlink4": "nvlink4",
-    "nvlink3": "nvlink3",
-    "pcie5": "pcie5",
-    "pcie4": "pcie4",
-    "ib400": "ib_ndr",
-    "ib200": "ib_hdr",
-    "ib100": "ib_edr",
-    "eth400": "eth_400g",
-    "eth200": "eth_200g",
-    "eth100": "eth_100g",
-}
+__all__ = ["LINK_PRESETS", "LinkSpecError", "describe_presets", "parse_link"]
 
 _TIME_UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _RATE_UNITS_BYTES_PER_S = {"gb/s": 1e9, "mb/s": 1e6, "gbit/s": 1e9 / 8, "mbit/s": 1e6 / 8}
@@ -75,15 +65,3 @@ def parse_link(spec: str | Link) -> Link:
     if bandwidth <= 0:
         raise LinkSpecError(f"link {spec!r}: bandwidth must be > 0")
     return Link(f"custom(alpha={fields['alpha']},bandwidth={fields['bandwidth']})", bandwidth, alpha_s, spec)
-
-
-def describe_presets() -> str:
-    """One line per preset with its numbers, for ``--help`` texts."""
-    lines = []
-    for preset, entry in LINK_PRESETS.items():
-        link = get_link(entry)
-        lines.append(
-            f"{preset:<8} {link.bandwidth_bytes_per_s / 1e9:6.1f} GB/s per direction, "
-            f"alpha {link.latency_s * 1e6:4.1f} us  (cost model: {entry})"
-        )
-    return "\n".join(lines)

@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dhelix_compile.bench.choices import ScheduleKind
 from dhelix_compile.testing.helix_checks import full_grads, local_grads
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 
-ScheduleKind = Literal["1f1b", "interleaved_1f1b", "dualpipev"]
 DataParallelMode = Literal["shard", "replicate"]
 
 __all__ = [
