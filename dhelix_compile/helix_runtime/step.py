@@ -25,7 +25,12 @@ Contract
     - Refused with :class:`HelixError` (naming the problem): an empty list, an item of another
       type, no parameter requiring grad, a loss that is not a scalar or does not require grad,
       and models that draw random numbers (dropout with p > 0 in training mode): helix does
-      not reproduce eager's per-micro-batch RNG stream.
+      not reproduce eager's per-micro-batch RNG stream (``helix_runtime.random_ops`` decides
+      from each op's arguments).
+    - Activation checkpointing (non-reentrant: ``torch.utils.checkpoint.checkpoint``, Hugging
+      Face's ``gradient_checkpointing_enable``, ``checkpoint_wrapper``, selective checkpointing)
+      runs as Inductor runs it: the recompute is in B. The RNG-state wrappers it puts around
+      recomputed ops (attention kernels among them) draw only when the wrapped op does.
 """
 
 from __future__ import annotations

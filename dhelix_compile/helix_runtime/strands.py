@@ -56,7 +56,6 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
-from cost_model.op_kinds import op_name
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.capture import compile_partition, joint_pass, plan_partition
 from dhelix_compile.config import DHelixConfig
@@ -67,6 +66,7 @@ from dhelix_compile.helix_runtime.grad_accumulation import (
     mark_released,
     parameter_slots,
 )
+from dhelix_compile.helix_runtime.random_ops import random_ops
 from dhelix_compile.helix_runtime.schedule import merged_graph_kind
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError
@@ -98,41 +98,6 @@ _CHOSEN_REWRITES: dict[str, str] = {"decompose": "sites_rewritten", "bucket_coll
 
 class HelixError(RuntimeError):
     """Bad input to ``helix``, or a model it cannot run as two strands (names the problem)."""
-
-
-#: Ops that draw random numbers. A helix step runs micro-batch i+1's forward inside the same
-#: graph as micro-batch i's backward; rather than reason about RNG streams, helix refuses them.
-_RANDOM_OP_NAMES = (
-    "native_dropout",
-    "dropout",
-    "bernoulli",
-    "rand",
-    "randn",
-    "randint",
-    "rand_like",
-    "randn_like",
-    "randint_like",
-    "randperm",
-    "normal",
-    "uniform",
-    "exponential",
-    "multinomial",
-    "inductor_random",
-    "inductor_seeds",
-    "philox_rand",
-    "run_and_save_rng_state",
-)
-
-
-def random_ops(gm: torch.fx.GraphModule) -> list[str]:
-    """Names of the random-number ops in ``gm`` (empty if none)."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if op_name(node) in _RANDOM_OP_NAMES:
-            found.append(op_name(node, qualified=True))
-    return found
 
 
 @dataclasses.dataclass
