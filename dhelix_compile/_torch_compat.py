@@ -598,15 +598,17 @@ class PipelineSteps:
     ``install`` registers ``forward(action, ctx)``, ``backward(action, ctx)`` and
     ``overlap(action, ctx)`` as the schedule's custom functions, and records the
     ``return_outputs`` / ``loss_kwargs`` of each ``step`` (the custom functions' context
-    does not carry them). ``receive_timeout_s``: how long a step waits for a stage's input or
-    output gradient (``None``: each receive's own timeout).
+    does not carry them). ``p2p_timeout_s``: how long a step waits for a stage's input or
+    output gradient, and for each send the runtime waits for (at the end of the step: while a
+    step runs, torch's ``_wait_batch_p2p`` is this class's, process-wide); ``None``: each
+    transfer's own timeout.
     """
 
-    def __init__(self, schedule: Any, receive_timeout_s: float | None = None) -> None:
+    def __init__(self, schedule: Any, p2p_timeout_s: float | None = None) -> None:
         self.schedule = schedule
         self.return_outputs = True
         self.loss_kwargs: dict[str, Any] | None = None
-        self.receive_timeout_s = receive_timeout_s
+        self.p2p_timeout_s = p2p_timeout_s
 
     def install(
         self, forward: Callable[..., None], backward: Callable[..., None], overlap: Callable[..., None]
@@ -627,21 +629,42 @@ class PipelineSteps:
             loss_kwargs: dict[str, Any] | None = None,
         ) -> Any:
             self.return_outputs, self.loss_kwargs = return_outputs, loss_kwargs
-            return step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+            with self._torch_waits_bounded():
+                return step_microbatches(
+                    arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+                )
 
         schedule._step_microbatches = recording
+
+    @contextlib.contextmanager
+    def _torch_waits_bounded(self) -> Iterator[None]:
+        """torch's runtime waiting for its transfers (``_wait_batch_p2p``) with ``p2p_timeout_s``."""
+        if self.p2p_timeout_s is None:
+            yield
+            return
+        schedules = _pipelining_schedules()
+        torchs = schedules._wait_batch_p2p
+        schedules._wait_batch_p2p = self._wait_transfers
+        try:
+            yield
+        finally:
+            schedules._wait_batch_p2p = torchs
 
     def _stages(self) -> dict[int, Any]:
         return {stage.stage_index: stage for stage in self.schedule._stages}
 
     def _wait_received(self, works: list[Any]) -> None:
-        if self.receive_timeout_s is None:
+        """Wait for the receives of a stage's input or output gradient."""
+        self._wait_transfers(works)
+
+    def _wait_transfers(self, works: list[Any]) -> None:
+        if self.p2p_timeout_s is None:
             _pipelining_schedules()._wait_batch_p2p(works)
             return
         from datetime import timedelta
 
         for work in works:
-            work.wait(timedelta(seconds=self.receive_timeout_s))
+            work.wait(timedelta(seconds=self.p2p_timeout_s))
 
     def forward(self, action: Any, ctx: Any) -> None:
         """Wait for the stage's input, run its forward, compute the loss on the last stage."""

@@ -43,7 +43,7 @@ from dhelix_compile.comm_threads import ThreadPriority, local_ranks, prioritize_
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.consistency import check_rank_consistency
 from dhelix_compile.estimation import build_estimator, resolve_cost_model
-from dhelix_compile.group_timeouts import bound_graph_timeouts
+from dhelix_compile.group_timeouts import bound_graph_timeouts, graph_wait_s
 from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
 from graph_passes.gloo_collectives import PASS_NAME as GLOO_COLLECTIVES
@@ -137,7 +137,7 @@ def compile_partition(
             raise
         log.warning("%s; falling back to plain Inductor on the untouched graph", exc)
         # if a pass failed on some ranks only, their orders differ: fail clearly, never hang
-        check_rank_consistency(gm, name, config.consistency_timeout_s)
+        check_rank_consistency(gm, name, graph_wait_s(gm, config.consistency_timeout_s))
         if dumper is not None:
             dumper.write_summary(ctx, fallback=str(exc), profile_steps=config.profile_steps)
         plan = _measurement_plan(gm, name, dumper, config)  # before codegen: Inductor rewrites its graph
@@ -150,7 +150,7 @@ def compile_partition(
         finish(scheduled)
     if donated:
         compat.mark_donated(scheduled, donated)
-    check_rank_consistency(scheduled, name, config.consistency_timeout_s)
+    check_rank_consistency(scheduled, name, graph_wait_s(scheduled, config.consistency_timeout_s))
     if dumper is not None:
         stand_ins = [n.meta[STAND_IN_KEY] for n in scheduled.graph.nodes if STAND_IN_KEY in n.meta]
         if ctx.estimator is not None and stand_ins:  # the final timeline prices them (PlannedCosts)
@@ -275,7 +275,7 @@ def _estimator(
     if not has_communication(gm):
         return None
     if resolve_cost_model(config, gm) == "profile":
-        check_rank_consistency(gm, name, config.consistency_timeout_s)
+        check_rank_consistency(gm, name, graph_wait_s(gm, config.consistency_timeout_s))
     return build_estimator(config, gm, example_inputs)
 
 

@@ -241,8 +241,11 @@ class DHelixConfig:
     )
     consistency_timeout_s: float = _option(
         300.0,
-        "How long a rank waits for the others' collective sequences at compile time before "
-        "failing with an error that names the missing ranks (> 0).",
+        "How long a rank waits at compile time for the others' collective sequences (and for the "
+        "CPU device the first rank to ask measures for all) before failing with an error that names "
+        "the missing rank (> 0); the timeout of the graph's process groups (group_timeout_s, else "
+        "the default group's) ends the wait where shorter. The c10d store sees no death: a rank "
+        "that dies while the others compile fails them here.",
     )
     group_timeout_s: float | None = _option(
         None,

@@ -10,9 +10,11 @@ dhelix checks before any code runs:
     for each process group a scheduled graph communicates on:
         signature = [(op, shapes, dtypes) of each collective on that group, in graph order]
         publish  dhelix/consistency/<group>/<n>/<rank>  = signature      (c10d store, outside the graph)
-        wait for the other ranks of the group (consistency_timeout_s)
+        wait for the other ranks of the group (consistency_timeout_s, or the group's timeout
+            where shorter: group_timeouts.graph_wait_s)
         first difference -> RankMismatchError naming the collective and both ranks' versions
-        a rank that never publishes -> RankMismatchError naming it (never a hang)
+        a rank that never publishes (stuck, or dead: the store sees no death) -> RankMismatchError
+            naming it (never a hang)
         where both ranks hold the same graph (the same named collectives on every group, in
         any order): the sequences again with each collective's node name, which tells
         same-shape collectives apart (every rank traced the same code and ran the same passes,
@@ -132,7 +134,7 @@ def _wait_for(store: dist.Store, key: str, rank: int, group: str, graph_name: st
     except Exception as exc:  # the store raises on timeout (DistStoreError / RuntimeError)
         raise RankMismatchError(
             f"{graph_name}: rank {rank} of process group '{group}' did not publish its collective "
-            f"sequence within {timeout_s:g} s — it is compiling a different graph or is stuck; "
+            f"sequence within {timeout_s:g} s — it is compiling a different graph, is stuck or died; "
             f"the job would deadlock at this graph's first collective"
         ) from exc
     return json.loads(store.get(key))

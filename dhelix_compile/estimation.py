@@ -12,8 +12,9 @@ device "auto": the CUDA device's table entry (by name), else this CPU, measured 
 
                    claim   = store.compare_set(CLAIM, "", my rank)   # atomic: one rank wins
                    if claim == my rank: measure, publish DEVICE (or the error it raised)
-                   wait for DEVICE (consistency_timeout_s)  -> else DeviceAgreementError
-                                                              naming the claiming rank
+                   wait for DEVICE (consistency_timeout_s, or the timeout of the compiled
+                                    graph's groups where shorter) -> else DeviceAgreementError
+                                                                     naming the claiming rank
                    every rank, the claiming one too, plans with the published numbers
 
                A claiming rank that dies or hangs before it publishes leaves the others
@@ -29,7 +30,6 @@ cost_model "auto":   "profile" when a real process group of several ranks is liv
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -44,6 +44,7 @@ import torch.fx
 from cost_model import AnalyticEstimator, Device, Estimator, ProfiledEstimator, get_device, measure_cpu_device
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.group_timeouts import graph_wait_s
 
 log = logging.getLogger("dhelix")
 
@@ -65,8 +66,9 @@ def _uses_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
 
 
-def resolve_device(config: DHelixConfig, example_inputs: Sequence[Any]) -> Device:
-    """The cost model's device for this compile (see the module docstring)."""
+def resolve_device(config: DHelixConfig, example_inputs: Sequence[Any], wait_s: float | None = None) -> Device:
+    """The cost model's device for this compile (see the module docstring); ``wait_s``: how long
+    to wait for the device another rank measures (``None``: ``consistency_timeout_s``)."""
     if config.device not in ("auto", "cpu"):
         return get_device(config.device)
     if _uses_cuda(example_inputs):
@@ -76,18 +78,29 @@ def resolve_device(config: DHelixConfig, example_inputs: Sequence[Any]) -> Devic
                 return get_device(key)
         log.warning("no cost-model entry for CUDA device %r; using h100_sxm's numbers", name)
         return get_device("h100_sxm")
-    return agreed_cpu_device(config.consistency_timeout_s)
+    return agreed_cpu_device(config.consistency_timeout_s if wait_s is None else wait_s)
 
 
-@functools.cache
 def agreed_cpu_device(timeout_s: float) -> Device:
     """This CPU, measured; on several ranks, the measurement of the first rank to ask, the same
-    on every rank (module docstring). Waits up to ``timeout_s`` for it.
+    on every rank (module docstring). Waits up to ``timeout_s`` for it. Agreed once per process:
+    a later call returns the same device, whatever its ``timeout_s`` (the claiming rank measures
+    once: numbers measured again would differ from those the others hold).
 
     Raises:
         DeviceAgreementError: the claiming rank did not publish within ``timeout_s``, or its
             measurement raised.
     """
+    if not _AGREED_DEVICE:
+        _AGREED_DEVICE.append(_agree_on_cpu_device(timeout_s))
+    return _AGREED_DEVICE[0]
+
+
+#: The device :func:`agreed_cpu_device` agreed on in this process.
+_AGREED_DEVICE: list[Device] = []
+
+
+def _agree_on_cpu_device(timeout_s: float) -> Device:
     if not compat.real_process_group_initialized():
         return measure_cpu_device()
     store = compat.default_store()
@@ -190,7 +203,7 @@ def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inpu
     link = config.link if config.link != "auto" else (emulated or ("nvlink4" if cuda else "loopback"))
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
     base = AnalyticEstimator(
-        resolve_device(config, example_inputs),
+        resolve_device(config, example_inputs, graph_wait_s(gm, config.consistency_timeout_s)),
         link,
         world_size,
         comm_backend="nccl" if cuda or emulated else "gloo",

@@ -177,6 +177,7 @@ def test_bad_input_gets_clear_errors() -> None:
     assert "rank 1 is not in the DP mesh" in errors["rank outside the mesh"]
     assert "mode must be one of" in errors["unknown mode"]
     assert "floating-point torch.dtype" in errors["integer param_dtype"]
+    assert "group_timeout_s must be a number of seconds > 0, got 0" in errors["zero group_timeout_s"]
     assert "no parameters" in errors["no parameters"]
     assert "is on meta" in errors["parameters on another device"]
     assert "already sharded by FSDP2" in errors["FSDP2 inside"]

@@ -57,7 +57,7 @@ parameters are gathered and computed in (the root's floating-point inputs are ca
 and their gradients keep the model's dtype.
 
 Refused with :class:`DataParallelError`: a mesh that is not a 1-D mesh of this process group
-holding this rank, an unknown mode, a model already wrapped (FSDP2, DDP, or ``data_parallel``),
+holding this rank, an unknown mode, a ``group_timeout_s`` that is not a number of seconds > 0, a model already wrapped (FSDP2, DDP, or ``data_parallel``),
 a model already compiled (``torch.compile(model)`` or ``model.compile()``: wrap first, then
 compile; a compiled caller such as ``helix`` traces the module inside ``torch.compile``'s
 ``OptimizedModule``, not the wrapper, and a ``param_dtype`` input cast registered on the wrapper
@@ -68,6 +68,13 @@ other than ``Shard``/``Replicate``, and a parameter layout torch does not hold a
 tensor-parallel shards, or a 2-D mesh whose TP groups hold ranks at different DP positions, such
 as ``[[2, 1], [3, 0]]`` in ``mode="shard"``), where torch's own ``full_tensor()`` would not return
 the parameter.
+
+A peer that does not answer: ``data_parallel`` gives the groups of the parameters' mesh (the DP
+mesh's, and the TP mesh's where there is one) the timeout ``group_timeout_s`` (``None``, the
+default: the default process group's, where theirs is longer; ``group_timeouts``), so that the
+collectives of a step run eagerly fail within it too: torch 2.13 makes a ``DeviceMesh``'s
+subgroups with 30 minutes on gloo, whatever ``init_process_group``'s ``timeout``. A compiled step
+has its groups bounded again by the backend's own ``group_timeout_s``.
 
 Meshes that list their ranks in any order (``DeviceMesh("cpu", [1, 0])``): a rank stores the
 shard at its position in the DP group (``dp_mesh.get_local_rank()``), where torch's collectives
@@ -95,6 +102,7 @@ from torch.utils._pytree import tree_map
 
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.data_parallelism.layout import GradientSync, Mode, ParamLayout, store
+from dhelix_compile.group_timeouts import bound_group_timeouts
 from dhelix_compile.mesh_positions import layout_mismatch, mesh_ranks
 
 __all__ = ["DataParallelError", "DataParallelInfo", "data_parallel", "gradient_sync_on_last"]
@@ -144,11 +152,18 @@ def data_parallel(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = False,
+    group_timeout_s: float | None = None,
 ) -> nn.Module:
     """Make ``model`` data-parallel over ``dp_mesh`` in place and return it; see the module doc."""
     if not isinstance(reshard_after_forward, bool):
         raise DataParallelError(
             f"data_parallel reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}"
+        )
+    if group_timeout_s is not None and not (
+        isinstance(group_timeout_s, (int, float)) and not isinstance(group_timeout_s, bool) and group_timeout_s > 0
+    ):
+        raise DataParallelError(
+            f"data_parallel group_timeout_s must be a number of seconds > 0, got {group_timeout_s!r}"
         )
     _check_model(model)
     _check_mesh(dp_mesh)
@@ -185,6 +200,7 @@ def data_parallel(
     )
     if param_dtype is not None:
         model.register_forward_pre_hook(_inputs_cast_to(param_dtype), with_kwargs=True)
+    bound_group_timeouts([mesh.get_group(dim) for dim in range(mesh.ndim)], group_timeout_s)
     return model
 
 

@@ -66,7 +66,7 @@ from dhelix_compile import _torch_compat as compat
 from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.data_parallelism import gradient_sync_on_last
-from dhelix_compile.group_timeouts import bound_group_timeouts, receive_timeout_s
+from dhelix_compile.group_timeouts import bound_group_timeouts, p2p_timeout_s
 from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
 from dhelix_compile.own_code import in_own_frame
 from dhelix_compile.pipeline_runtime.boundaries import install_boundaries
@@ -181,7 +181,7 @@ class _HelixStages:
 
     def __init__(self, runtime: Any, stages: list[Any], config: DHelixConfig, last_backwards: dict[int, int]) -> None:
         self.strands = Strands(config, runtime, merge_across_graphs=True)
-        self.steps = compat.PipelineSteps(runtime, receive_timeout_s(map(compat.stage_group, stages)))
+        self.steps = compat.PipelineSteps(runtime, p2p_timeout_s(map(compat.stage_group, stages)))
         for stage in stages:
             _compile_stage_module(stage.submod, self.strands.backend)
         self.steps.install(self.forward, self.backward, self.overlap)

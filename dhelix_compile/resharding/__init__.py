@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dhelix_compile import _torch_compat as compat
+from dhelix_compile.group_timeouts import peer_wait_s
 from dhelix_compile.mesh_positions import group_order_mismatch, in_listed_order, layout_mismatch, mesh_ranks
 from dhelix_compile.resharding.groups import broadcast_groups, forget_old_world, world_cache
 from dhelix_compile.resharding.move import Issued, RankSteps, move, rank_steps
@@ -183,7 +184,8 @@ def _prepare_new(
     return _Prepared(dest.placements, steps, back_steps, source.placements, rank in plan.source_tiles)
 
 
-#: How long a rank waits for the other ranks of the two meshes to describe the same call.
+#: How long a rank waits for the other ranks of the two meshes to describe the same call, at most:
+#: the default group's timeout where shorter (``group_timeouts.peer_wait_s``; its groups have it).
 AGREE_TIMEOUT_S = 300.0
 _AGREED: set[tuple[object, ...]] = world_cache(set())
 _CALLS_PER_UNION: dict[tuple[int, ...], int] = world_cache({})
@@ -212,15 +214,17 @@ def _agree(plan: ReshardPlan, balanced: bool, rank: int, mismatches: Sequence[st
     store.set(f"{prefix}/{rank}", f"{mine}; {problem}" if problem else mine)
     if problem:
         raise ReshardError(f"reshard cannot place tiles as torch does: {problem}")
+    wait_s = peer_wait_s(AGREE_TIMEOUT_S)
     for other in union:
         if other == rank:
             continue
         try:
-            store.wait([f"{prefix}/{other}"], timedelta(seconds=AGREE_TIMEOUT_S))
+            store.wait([f"{prefix}/{other}"], timedelta(seconds=wait_s))
         except Exception as exc:  # the store raises on timeout (DistStoreError / RuntimeError)
             raise ReshardError(
-                f"rank {other} of the two meshes did not call reshard within {AGREE_TIMEOUT_S:g} s "
-                f"(this rank: {mine}); every rank of both meshes must make the same call"
+                f"rank {other} of the two meshes did not call reshard within {wait_s:g} s "
+                f"(this rank: {mine}); every rank of both meshes must make the same call (a rank that "
+                "died or is stuck does not)"
             ) from exc
         theirs = store.get(f"{prefix}/{other}").decode()
         if theirs != mine:

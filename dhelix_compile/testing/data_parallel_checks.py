@@ -394,6 +394,7 @@ def data_parallel_errors(rank: int, world_size: int) -> dict[str, str]:
         "rank outside the mesh": lambda: data_parallel(linear(), only_rank_0) if rank else _raise("rank 1 checks"),
         "unknown mode": lambda: data_parallel(linear(), mesh, "zero3"),  # type: ignore[arg-type]
         "integer param_dtype": lambda: data_parallel(linear(), mesh, param_dtype=torch.int32),
+        "zero group_timeout_s": lambda: data_parallel(linear(), mesh, group_timeout_s=0),
         "no parameters": lambda: data_parallel(nn.ReLU(), mesh),
         "parameters on another device": lambda: data_parallel(nn.Linear(4, 4, device="meta"), mesh),
         "FSDP2 inside": lambda: data_parallel(nn.Sequential(fully_shard(linear(), mesh=mesh)), mesh),  # type: ignore[call-overload]

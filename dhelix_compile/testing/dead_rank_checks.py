@@ -2,38 +2,54 @@
 
 Contract
 --------
-``die_mid_step(rank, world_size, case, victim, record_dir, *, stop=False, group="default", **options)``
-runs on every rank of a gloo process group (``run_on_ranks``), ``options`` being dhelix's. Each
-rank builds the case, runs one step (it compiles), then a second one in which rank ``victim``
-SIGKILLs itself (``stop=True``: SIGSTOPs itself, a peer that hangs, or whose death is not seen)
-at the case's point:
+``die_mid_step(rank, world_size, case, victim, record_dir, *, stop=False, group="default",
+before_compiling=False, **options)`` runs on every rank of a gloo process group (``run_on_ranks``),
+``options`` being dhelix's (``data_parallel``'s for ``data_parallel_eager``). Each rank builds the
+case, runs one step (it compiles), then a second one in which rank ``victim`` SIGKILLs itself
+(``stop=True``: SIGSTOPs itself, a peer that hangs, or whose death is not seen) at the case's
+point:
 
-==================  ==================================================================================
-``helix``           a tensor-parallel MLP's ``helix`` step over 2 micro-batches: inside the merged
-                    graph B0+F1, at F1's death point (between the first column-wise and row-wise
-                    linears)
-``pipeline``        ``helix_pipeline`` over one ``Schedule1F1B`` stage per rank (torch's own module
-                    classes): in stage ``victim``'s forward of its second micro-batch, while the
-                    stages beside it wait on their receives
-``reshard``         ``reshard`` of a DTensor from the first half of the ranks to the second half
-                    (``Shard(0)`` to ``Shard(1)``; 1-rank meshes on 2 ranks), then its backward:
-                    right after the victim issued its first broadcast of the forward
-``data_parallel``   a ``data_parallel`` (``shard``) MLP through ``backend="dhelix"``, 2 micro-batches:
-                    inside the second micro-batch's forward graph, at its death point
-==================  ==================================================================================
+=======================  =============================================================================
+``helix``                a tensor-parallel MLP's ``helix`` step over 2 micro-batches: inside the merged
+                         graph B0+F1, at F1's death point (between the first column-wise and row-wise
+                         linears)
+``pipeline``             ``helix_pipeline`` over one ``Schedule1F1B`` stage per rank (torch's own module
+                         classes): in stage ``victim``'s forward of its second micro-batch, while the
+                         stages beside it wait on their receives
+``pipeline_sends``       ``helix_pipeline`` over one ``Schedule1F1B`` stage per rank, each scaling its
+                         64 MiB micro-batches (more than loopback's socket buffers take in): in stage
+                         ``victim``'s third backward of 4, with every later stage's inputs received;
+                         on 2 ranks with victim 0, the last stage then waits on nothing but its last
+                         gradient's send, which torch's runtime waits for at the end of the step
+``reshard``              ``reshard`` of a DTensor from the first half of the ranks to the second half
+                         (``Shard(0)`` to ``Shard(1)``; 1-rank meshes on 2 ranks), then its backward:
+                         right after the victim issued its first broadcast of the forward
+``data_parallel``        a ``data_parallel`` (``shard``) MLP through ``backend="dhelix"``, 2
+                         micro-batches: inside the second micro-batch's forward graph, at its death
+                         point
+``data_parallel_eager``  the same MLP run eagerly (no compile): in the second micro-batch's forward,
+                         at its death point
+=======================  =============================================================================
 
-``group="new"`` puts the helix and data_parallel meshes and the pipeline's stages on a group of
+``before_compiling=True``: the victim dies before the first step instead, once every rank built
+its case, and the others run their first step (which compiles) without it: they meet its absence
+at their first wait for it, at the c10d store where there is one (the rank-consistency check of
+``helix`` and ``data_parallel``, ``reshard``'s agreement on its first call), else in a transfer.
+
+``group="new"`` puts the helix and data_parallel meshes and the pipelines' stages on a group of
 every rank made by ``new_group`` (torch makes it with its own timeout, not the default group's).
 
 A death point is the op ``dhelix_testing::death_point`` (the identity, its own gradient too) in
-the model; on the victim it sends the signal on the armed call. Just before, the victim writes
+the model (``pipeline_sends``: ``dhelix_testing::grad_death_point``, whose gradient passes
+``death_point``); on the victim it sends the signal on the armed call. Just before, the victim writes
 ``victim.json`` to ``record_dir``: ``{"at": time.time(), "frames": [...]}``, the names of
 dhelix's functions on its stack (``_run_merged``: a merged graph; ``<fx graph>``: a compiled
 graph's code).
 
-Every other rank's second step must raise. It then raises :class:`PeerDiedError` whose message
-carries one JSON line after :data:`RECORD_MARK`: ``rank``, ``after_s`` (its error's time minus
-the victim's), ``error`` (the type and first line of what the step raised), ``frames`` (as
+Every other rank's second step (its first, ``before_compiling``) must raise. It then raises
+:class:`PeerDiedError` whose message carries one JSON line after :data:`RECORD_MARK`: ``rank``,
+``after_s`` (its error's time minus the victim's), ``error`` (the type and first line of what the
+step raised), ``causes`` (the same of each exception it was raised from, in turn), ``frames`` (as
 above, of the error's traceback) and ``threads`` (threads other than the main one, alive and not
 daemon, after the step raised: one would keep the process from exiting). A step that returns
 instead raises ``AssertionError``. :func:`survivor_records` reads the records out of a
@@ -66,9 +82,9 @@ from torch import nn
 
 from dhelix_compile.testing.multirank import MultiRankError
 
-CaseName = Literal["helix", "pipeline", "reshard", "data_parallel"]
+CaseName = Literal["helix", "pipeline", "pipeline_sends", "reshard", "data_parallel", "data_parallel_eager"]
 GroupKind = Literal["default", "new"]
-CASES: tuple[CaseName, ...] = ("helix", "pipeline", "reshard", "data_parallel")
+CASES: tuple[CaseName, ...] = ("helix", "pipeline", "pipeline_sends", "reshard", "data_parallel", "data_parallel_eager")
 
 #: What precedes a survivor's JSON record in its error message.
 RECORD_MARK = "dead peer record: "
@@ -142,6 +158,24 @@ def _death_point_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 
 
 death_point.register_autograd(_death_point_backward)
+
+
+@torch.library.custom_op("dhelix_testing::grad_death_point", mutates_args=())
+def grad_death_point(x: torch.Tensor) -> torch.Tensor:
+    """The identity, whose gradient passes :func:`death_point` (the victim dies in a backward)."""
+    return x.clone()
+
+
+@grad_death_point.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _grad_death_point_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    return death_point(grad)
+
+
+grad_death_point.register_autograd(_grad_death_point_backward)
 
 
 class DeathPoint(nn.Module):
@@ -246,6 +280,46 @@ def _pipeline(rank: int, world_size: int, group: Any, options: dict[str, Any]) -
     return _Case(step, die_on_call=2)  # the second micro-batch's forward
 
 
+class _Scale(nn.Module):
+    """``x * weight`` over its last dim, then :func:`grad_death_point`: a stage whose transfers
+    are as large as its input."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return grad_death_point(x * self.weight)
+
+
+#: Rows and columns of one micro-batch of ``pipeline_sends``: 64 MiB of float32, more than
+#: loopback's socket buffers hold, so a send to a stopped peer stays in flight.
+_SEND_ROWS, _SEND_DIM = 2048, 8192
+
+
+def _pipeline_sends(rank: int, world_size: int, group: Any, options: dict[str, Any]) -> _Case:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    import dhelix_compile
+
+    n_microbatches = 4
+    stage = PipelineStage(_Scale(_SEND_DIM), rank, world_size, torch.device("cpu"), group=group)
+    schedule = dhelix_compile.helix_pipeline(
+        Schedule1F1B(stage, n_microbatches, loss_fn=lambda y, t: (y * t).mean()), **options
+    )
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(n_microbatches * _SEND_ROWS, _SEND_DIM, generator=gen)
+    target = torch.randn(n_microbatches * _SEND_ROWS, _SEND_DIM, generator=gen)
+
+    def step() -> Any:
+        args = (x,) if rank == 0 else ()
+        return schedule.step(*args, target=target if rank == world_size - 1 else None)
+
+    # the victim's (stage 0's) third backward: the last stage has received every input and
+    # waits on nothing but its last gradient send to the victim
+    return _Case(step, die_on_call=n_microbatches - 1)
+
+
 def _reshard(rank: int, world_size: int, group: Any, options: dict[str, Any]) -> _Case:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -304,11 +378,26 @@ def _data_parallel(rank: int, world_size: int, group: Any, options: dict[str, An
     return _Case(step, die_on_call=2)  # the second micro-batch's forward
 
 
+def _data_parallel_eager(rank: int, world_size: int, group: Any, options: dict[str, Any]) -> _Case:
+    import dhelix_compile
+
+    model = dhelix_compile.data_parallel(_seeded(_MLP()), _world_mesh(group, world_size, "dp"), "shard", **options)
+    microbatches = _inputs(2, 4, seed=10 + rank)
+
+    def step() -> None:
+        for x in microbatches:
+            model(x).pow(2).mean().backward()
+
+    return _Case(step, die_on_call=2)  # the second micro-batch's forward
+
+
 _BUILD: dict[CaseName, Callable[[int, int, Any, dict[str, Any]], _Case]] = {
     "helix": _helix,
     "pipeline": _pipeline,
+    "pipeline_sends": _pipeline_sends,
     "reshard": _reshard,
     "data_parallel": _data_parallel,
+    "data_parallel_eager": _data_parallel_eager,
 }
 
 
@@ -324,15 +413,22 @@ def die_mid_step(
     *,
     stop: bool = False,
     group: GroupKind = "default",
+    before_compiling: bool = False,
     **options: Any,
 ) -> None:
     """See the module docstring."""
     victim_record = Path(record_dir) / "victim.json"
     built = _BUILD[case](rank, world_size, _group(group, world_size), options)
-    built.step()  # compiles
-    if rank == victim:
-        _DEATH.arm(victim_record, built.die_on_call, signal.SIGSTOP if stop else signal.SIGKILL)
-    dist.barrier()  # every rank compiled: the victim dies in the step, not during a peer's compile
+    signum = signal.SIGSTOP if stop else signal.SIGKILL
+    if before_compiling:
+        dist.barrier()  # every rank built its case
+        if rank == victim:
+            die(victim_record, signum)
+    else:
+        built.step()  # compiles
+        if rank == victim:
+            _DEATH.arm(victim_record, built.die_on_call, signum)
+        dist.barrier()  # every rank compiled: the victim dies in the step, not during a peer's compile
     started = time.time()
     try:
         with built.victim_context() if rank == victim else nullcontext():
@@ -340,19 +436,31 @@ def die_mid_step(
     except Exception as exc:  # noqa: BLE001 - what a survivor's step raised is the record
         failed_at = time.time()
         frames = _dhelix_frames(traceback.extract_tb(exc.__traceback__))
-        error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        causes = _causes(exc)
         del exc  # its traceback holds the step's frames (and the tensors they hold)
         threads = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
         died_at = json.loads(victim_record.read_text())["at"] if victim_record.exists() else started
         record = {
             "rank": rank,
             "after_s": round(failed_at - died_at, 4),
-            "error": error,
+            "error": causes[0],
+            "causes": causes[1:],
             "frames": frames,
             "threads": threads,
         }
         raise PeerDiedError(RECORD_MARK + json.dumps(record)) from None
     raise AssertionError(f"rank {rank}: the step finished although rank {victim} was {'stopped' if stop else 'killed'}")
+
+
+def _causes(exc: BaseException) -> list[str]:
+    """``exc`` and each exception it was raised from (Dynamo's wrapping of a backend's error
+    included), in turn, each as its type and the first line of its message."""
+    causes: list[str] = []
+    current: BaseException | None = exc
+    while current is not None and len(causes) < 8:
+        causes.append(f"{type(current).__name__}: {(str(current).strip().splitlines() or [''])[0]}")
+        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
+    return causes
 
 
 def survivor_records(error: MultiRankError) -> dict[int, dict[str, Any]]:
