@@ -65,10 +65,11 @@ def compile_with_aot_autograd(
 
     ``joint_pass(graph)``: run on the joint graph before it is partitioned (Inductor's
     ``joint_custom_pre_pass``, after any the user set), e.g. to mark nodes for recompute.
+    :func:`tie_opaque_tangents` runs on it first, always.
     """
     patches = dict(inductor_config_patches or {})
-    if joint_pass is not None:
-        patches["joint_custom_pre_pass"] = _JointPass(joint_pass, _inductor_config.joint_custom_pre_pass)
+    passes = (tie_opaque_tangents,) if joint_pass is None else (tie_opaque_tangents, joint_pass)
+    patches["joint_custom_pre_pass"] = _JointPass(passes, _inductor_config.joint_custom_pre_pass)
     with _functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
         compiled = _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     # compile_fx returns source paths or weights only when compiling ahead of time (AOTInductor)
@@ -77,19 +78,56 @@ def compile_with_aot_autograd(
 
 
 class _JointPass(_CustomGraphPass):
-    """A joint-graph pass in Inductor's custom-pass form (its ``uuid`` keys Inductor's caches)."""
+    """Joint-graph passes in Inductor's custom-pass form (its ``uuid`` keys Inductor's caches):
+    ``before`` (the user's), then ``fns`` in order."""
 
-    def __init__(self, fn: Callable[[torch.fx.Graph], object], before: Any) -> None:
-        self.fn, self.before = fn, before
+    def __init__(self, fns: Sequence[Callable[[torch.fx.Graph], object]], before: Any) -> None:
+        self.fns, self.before = tuple(fns), before
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.before is not None:
             self.before(graph)
-        self.fn(graph)
+        for fn in self.fns:
+            fn(graph)
 
     def uuid(self) -> Any:
         before = self.before.uuid() if isinstance(self.before, _CustomGraphPass) else self.before
-        return (f"{self.fn.__module__}.{self.fn.__qualname__}", before)
+        return (tuple(f"{fn.__module__}.{fn.__qualname__}" for fn in self.fns), before)
+
+
+def tie_opaque_tangents(graph: torch.fx.Graph) -> int:
+    """Give every use of a tangent placeholder holding an opaque object (a ``DeviceMesh``) the
+    primal placeholder holding an equal one; returns how many tangents it tied.
+
+    torch 2.13 traces a ``DeviceMesh`` into the joint graph as an opaque object: the forward
+    output of a DTensor takes its mesh from whichever placeholder holds that very mesh object,
+    and where the tangent's is the object and the primal's an equal copy, the forward returns the
+    tangent (``return [tanh, tangents_2, ...]``) and the partitioner fails ("Node tangents_2 was
+    invalid, but is output"). Which object each side holds depends on the DeviceMesh objects the
+    process made before: on 4 gloo ranks, a two-stage pipeline whose stage 0 hands over a
+    ``Shard(2)`` DTensor compiled (plain Inductor too) after one whose stage modules were only
+    built, and not after none (``tests/test_helix_pipeline.py``). An opaque object carries no
+    gradient, and the two are equal: the forward and backward then read the primal's.
+    """
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    def opaque(node: torch.fx.Node) -> Any:
+        value = node.meta.get("val")
+        return object.__getattribute__(value, "real_obj") if isinstance(value, FakeScriptObject) else None
+
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    tangents = [node for node in placeholders if "tangents" in str(node.target)]  # AOTAutograd's names
+    primals = [(node, opaque(node)) for node in placeholders if node not in tangents and opaque(node) is not None]
+    tied = 0
+    for tangent in tangents:
+        value = opaque(tangent)
+        if value is None:
+            continue
+        equal = next((node for node, held in primals if type(held) is type(value) and held == value), None)
+        if equal is not None and tangent.users:
+            tangent.replace_all_uses_with(equal)
+            tied += 1
+    return tied
 
 
 def annotated(annotation: dict[str, Any]) -> contextlib.AbstractContextManager[None]:

@@ -180,9 +180,7 @@ def test_stage_meshes_listed_out_of_order_equal_eager() -> None:
     it at its ``get_coordinate()``, 1). Losses and full gradients equal eager. Every pair with
     DHELIX_TEST_FULL=1."""
     # first a case whose stage 0 communicates (stage 1's compile waits for the CPU measurement rank 0
-    # makes when it compiles a graph with a collective: estimation.agreed_cpu_device), the refused
-    # ones last (a compile after a refused helix_pipeline call in the process can fail in AOTAutograd's
-    # partitioner: "Node tangents_2 was invalid, but is output", on an ascending mesh too)
+    # makes when it compiles a graph with a collective: estimation.agreed_cpu_device)
     pairs = sorted(itertools.product(BOUNDARY_PLACEMENTS, repeat=2), key=lambda pair: pair[1] == "S1")
     cases = pairs if FULL else [("S1", "R"), ("S2", "S2"), ("R", "S1")]
     options = {"codegen": "eager", "fallback": "error", "timeout_s": 400}
@@ -196,6 +194,21 @@ def test_stage_meshes_listed_out_of_order_equal_eager() -> None:
         check_boundary_cases, 4, [("S2", "R")], mesh_ranks=[[1, 0], [3, 2]], replicated_first=True, **options
     )
     assert results == [[]] * 4, results
+
+
+def test_a_refused_boundary_leaves_the_next_pipelines_compiling() -> None:
+    """A refused ``helix_pipeline`` call (stage 1 on ``[3, 2]`` taking ``Shard(1)`` of 5 rows),
+    then two valid pipelines in the same processes: stage 0 handing over ``Shard(1)``, then
+    ``Shard(2)``; both equal eager. Without ``_torch_compat.tie_opaque_tangents`` the last one's
+    forward fails to compile in AOTAutograd's partitioner ("Node tangents_2 was invalid, but is
+    output"; plain Inductor's too), as it does after a first case that only builds its stage
+    modules and never calls ``helix_pipeline``, and not after none: its joint graph returns the
+    tangent's ``DeviceMesh`` as the output's."""
+    cases = [("R", "S1"), ("S1", "R"), ("S2", "S2")]
+    options = {"codegen": "eager", "fallback": "error", "timeout_s": 400}
+    results = run_on_ranks(check_boundary_cases, 4, cases, mesh_ranks=[[0, 1], [3, 2]], **options)
+    for problems in results:
+        assert len(problems) == 1 and problems[0].startswith("R->S1: refused:"), problems
 
 
 def test_bad_input_gets_a_helix_error_that_names_the_problem() -> None:

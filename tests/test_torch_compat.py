@@ -88,6 +88,22 @@ def test_joint_pass_sees_annotated_nodes_and_its_recompute_marks_reach_the_parti
     torch.testing.assert_close(x.grad, x.cos() - x * x.sin())
 
 
+def test_a_tangent_holding_an_opaque_object_equal_to_a_primals_is_tied_to_the_primal() -> None:
+    """The joint graph ``tie_opaque_tangents`` mends: a forward output reading a tangent's opaque
+    object (``return [tanh, tangents_2, ...]``) reads the primal's equal one; a tangent whose
+    object no primal holds stays."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    graph = torch.fx.Graph()
+    mesh, x, tangent, other = (graph.placeholder(n) for n in ("primals_1", "primals_2", "tangents_1", "tangents_2"))
+    for node, value in ((mesh, ("tp", 2)), (tangent, ("tp", 2)), (other, ("dp", 4))):
+        node.meta["val"] = FakeScriptObject(None, "DeviceMesh", value)
+    graph.output((graph.call_function(torch.tanh, (x,)), tangent, other))
+    assert compat.tie_opaque_tangents(graph) == 1
+    (outputs,) = graph.output_node().args
+    assert list(outputs)[1:] == [mesh, other] and not tangent.users
+
+
 def test_eager_partition_is_boxed() -> None:
     gm = torch.fx.symbolic_trace(lambda a, b: a + b)
     fn = compat.eager_partition(gm)
