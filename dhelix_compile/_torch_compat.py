@@ -647,6 +647,7 @@ class PipelineSteps:
         self.return_outputs = True
         self.loss_kwargs: dict[str, Any] | None = None
         self.p2p_timeout_s = p2p_timeout_s
+        self._deferred: dict[str, Callable[[], None]] | None = None
 
     def install(
         self, forward: Callable[..., None], backward: Callable[..., None], overlap: Callable[..., None]
@@ -720,7 +721,8 @@ class PipelineSteps:
         )
         self.schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb, self.loss_kwargs)
         if index + 1 in stages:
-            stages[index + 1].set_local_fwd_input(output, mb)
+            following = stages[index + 1]
+            self._hand_over("forward", lambda: following.set_local_fwd_input(output, mb))
 
     def backward(self, action: Any) -> Callable[[], None]:
         """Wait for the stage's output gradient; return the backward itself, to run anywhere."""
@@ -741,9 +743,33 @@ class PipelineSteps:
         def run() -> None:
             stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
             if previous is not None:
-                previous.set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+                grads = stage.get_local_bwd_output(mb)
+                self._hand_over("backward", lambda: previous.set_local_bwd_input(grads, mb))
 
         return run
+
+    @contextlib.contextmanager
+    def hand_overs_after(self) -> Iterator[None]:
+        """Within: what a forward or backward hands to a stage on this rank (``set_local_fwd_input``,
+        ``set_local_bwd_input``, where a boundary converts the tensor on the stages' mesh, perhaps
+        with a collective) waits, and runs when the block ends without an error: the backward's,
+        then the forward's. A forward and a backward run together on two threads, and their
+        collectives on the one mesh would be issued in another order on each rank."""
+        deferred: dict[str, Callable[[], None]] = {}
+        self._deferred = deferred
+        try:
+            yield
+        finally:
+            self._deferred = None
+        for kind in ("backward", "forward"):
+            if kind in deferred:
+                deferred[kind]()
+
+    def _hand_over(self, kind: str, hand_over: Callable[[], None]) -> None:
+        if self._deferred is None:
+            hand_over()
+        else:
+            self._deferred[kind] = hand_over
 
 
 class DeclaredDTensor(NamedTuple):

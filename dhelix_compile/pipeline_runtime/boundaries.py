@@ -18,7 +18,8 @@ point-to-point sends in torch's own ``SEND_F`` / ``RECV_F`` steps
 (``resharding.point_to_point``), and the gradient goes back the same way at ``SEND_B`` /
 ``RECV_B`` by the reverse plan. What a stage hands over in other placements than it declared (a
 ``Partial()`` gradient among them) is redistributed on its own mesh first. Two stages on one
-rank (the middle of a V-schedule) share a mesh: their boundary is a ``redistribute`` on it.
+rank (the middle of a V-schedule) share a mesh: their boundary is a ``redistribute`` on it
+(on a mesh listed out of order, the tensor gathered whole and this rank's tile cut out, as below).
 Tensors declared as plain tensors, and pipelines without static metadata, keep torch's sends.
 
 A stage mesh may list its ranks in any order (stage 1 on ``[3, 2]``): the plan gives each rank
@@ -311,8 +312,18 @@ def _redistribute(t: Transfer, stage: Any) -> Callable[[Any], Any]:
         )
 
     def convert(tensor: Any) -> Any:
-        if not isinstance(tensor, DTensor):
+        if not isinstance(tensor, DTensor) or tuple(tensor.placements) == t.dest.layout.placements:
             return tensor
-        return tensor.redistribute(tensor.device_mesh, t.dest.layout.placements)
+        mesh = tensor.device_mesh
+        if not _listed_out_of_order(mesh):
+            return tensor.redistribute(mesh, t.dest.layout.placements)
+        # torch 2.13's Replicate() -> Shard(d) would keep the chunk at get_coordinate() (as in
+        # _as_source): gathered whole instead, and this rank's tile of the plan's destination cut out
+        whole = tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        tile = t.plan.dest_tiles[dist.get_rank()]
+        local = whole[tile.within(Box((0,) * whole.ndim, tuple(whole.shape)))].contiguous()
+        return DTensor.from_local(
+            local, mesh, t.dest.layout.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
 
     return convert

@@ -230,7 +230,8 @@ class _HelixStages:
         assert subs is not None, "an overlap holds a forward and a backward"
         forward, backward = subs
         run_backward = self.steps.backward(backward)  # its output gradient is here before F starts
-        self.strands.run_together(run_backward, lambda: self.forward(forward, ctx))
+        with self.steps.hand_overs_after():  # in one order on every rank, not the two threads'
+            self.strands.run_together(run_backward, lambda: self.forward(forward, ctx))
 
 
 def _raising_helix_errors(step: Callable[..., Any], n_microbatches: int) -> Callable[..., Any]:
