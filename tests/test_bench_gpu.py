@@ -11,7 +11,7 @@ import torch
 from dhelix_compile.bench.gpu.contention import check_contention
 from dhelix_compile.bench.gpu.layer_ops import LayerShape, check_ops
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
 
 
 def test_the_ops_check_prices_and_times_every_compute_node_of_a_grouped_query_layer() -> None:

@@ -149,7 +149,7 @@ def test_model_returning_loss_attribute_with_dict_microbatches() -> None:
 
 
 def test_hugging_face_model_if_installed() -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
     config = transformers.GPT2Config(
         n_layer=1,
         n_embd=32,

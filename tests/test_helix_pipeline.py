@@ -137,7 +137,7 @@ def test_a_split_hugging_face_llama_equals_its_eager_run() -> None:
     """``LlamaForCausalLM`` (from a config) cut into decoder-layer chunks with Hugging Face's own
     causal mask and rotary embedding in every chunk; the folded schedule by default, all three
     (and PP=2 x TP=2 with the decoder layers' TP plan) with DHELIX_TEST_FULL=1."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
     kinds = ["dualpipev", "1f1b", "interleaved_1f1b"] if FULL else ["dualpipev"]
     _assert_no_problems(run_on_ranks(check_pipelines, 2, kinds, 4, model="hf_llama", codegen="eager", timeout_s=300))
     if FULL:

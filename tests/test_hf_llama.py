@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
 
 from dhelix_compile.testing.multirank import run_on_ranks
 

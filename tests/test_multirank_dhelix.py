@@ -19,7 +19,7 @@ from dhelix_compile.testing.multirank import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
-#: DHELIX_TEST_FULL=1: every kind on 4 ranks too, through both codegens (minutes on 2 cores).
+#: DHELIX_TEST_FULL=1: every kind on 4 ranks too (through Inductor: INDUCTOR_FULL_KINDS; minutes on 2 cores).
 FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
 
 
@@ -53,11 +53,14 @@ def test_eager_codegen_on_reference_models(world_size: int, monkeypatch, tmp_pat
     _assert_all_passed(run_on_ranks(check_all, world_size, kinds, "dhelix", timeout_s=240), tmp_path)
 
 
-#: Inductor's C++ compile costs seconds per graph per rank; the default suite runs two kinds on
-#: 2 ranks (every kind runs through eager codegen above; 4 ranks through Inductor:
-#: tests/test_multirank_helix.py's merged graphs). DHELIX_TEST_FULL=1 runs every kind on 2 and 4.
+#: Inductor's C++ compile costs seconds per graph per rank; the default suite runs TP+SP on 2 ranks
+#: (every kind runs through eager codegen above; 4 ranks through Inductor:
+#: tests/test_multirank_helix.py's merged graphs). DHELIX_TEST_FULL=1 runs every kind on 2 ranks and
+#: TP+SP and the MoE layer on 4 (every kind runs on 4 ranks through eager codegen above; all four
+#: through Inductor on 4 ranks took 232 s on a loaded 2-core machine).
 INDUCTOR_WORLD_SIZES = [2, 4] if FULL else [2]
 INDUCTOR_DEFAULT_KINDS = ("tp_sp",)
+INDUCTOR_FULL_KINDS = {2: MODEL_KINDS, 4: ("tp_sp", "moe")}
 
 
 @pytest.mark.inductor
@@ -67,6 +70,6 @@ def test_inductor_codegen_on_reference_models(world_size: int, monkeypatch, tmp_
     monkeypatch.setenv("DHELIX_CODEGEN", "inductor")
     monkeypatch.setenv("DHELIX_FALLBACK", "error")
     monkeypatch.setenv("DHELIX_DUMP_DIR", str(tmp_path))
-    kinds = MODEL_KINDS if FULL else INDUCTOR_DEFAULT_KINDS
+    kinds = INDUCTOR_FULL_KINDS[world_size] if FULL else INDUCTOR_DEFAULT_KINDS
     results = run_on_ranks(check_all, world_size, kinds, "dhelix", timeout_s=600)
     _assert_all_passed(results, tmp_path)

@@ -25,10 +25,10 @@ from dhelix_compile.testing.multirank import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
-#: 2 ranks: every kind, n = 1, 2 and 5, float32 and bfloat16 (DHELIX_TEST_FULL=1; by default one case
-#: per kind: the suite's time budget); 4 ranks the same with FULL, by default the MoE layer (its
-#: all-to-alls with 3 peers; a transformer case takes a minute or more on 4 ranks of 2 cores, and
-#: 4-rank transformers run by default in the pipeline tests). tp_sp with 3 micro-batches below.
+#: 2 ranks: every kind, n = 1 to 5, float32 and bfloat16 (DHELIX_TEST_FULL=1; by default one case
+#: per kind: the suite's time budget); 4 ranks: one case per kind with FULL, by default the MoE layer
+#: (its all-to-alls with 3 peers; a transformer case takes a minute or more on 4 ranks of 2 cores,
+#: and 4-rank transformers run by default in the pipeline tests). tp_sp with 3 micro-batches below.
 FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
 CASES = [
     ("tp", 2, "float32"),
@@ -39,8 +39,21 @@ CASES = [
     ("tp_sp", 3, "float32", {"helix_schedule": "paired_ends"}),
     ("tp_sp", 4, "float32", {"helix_schedule": "same_phase"}),
     ("moe", 5, "bfloat16"),
+    ("moe", 3, "bfloat16"),  # the default suite's MoE case: FULL runs every default case too
     ("tp", 2, "bfloat16"),
 ]
+#: Micro-batch counts, dtypes and schedules vary on 2 ranks; on 4 ranks, where each kind's collectives
+#: have 3 peers, one case per kind (all of CASES on 4 ranks ran over pytest's 300 s on a loaded 2-core
+#: machine).
+FULL_CASES = {
+    2: CASES,
+    4: [
+        ("tp", 2, "float32"),
+        ("functional_sp", 2, "float32"),
+        ("moe", 2, "float32"),
+        ("tp_sp", 3, "float32", {"helix_schedule": "paired_ends"}),
+    ],
+}
 DEFAULT_CASES = {
     2: [
         ("tp", 2, "bfloat16"),
@@ -63,12 +76,13 @@ def _assert_passed(results: list[dict]) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.timeout(450)  # after run_on_ranks' own 400 s, which names the ranks that did not finish
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_helix_equals_eager_loop_on_reference_models(world_size: int, tmp_path: Path) -> None:
     results = run_on_ranks(
         check_helix_cases,
         world_size,
-        CASES if FULL else DEFAULT_CASES[world_size],
+        FULL_CASES[world_size] if FULL else DEFAULT_CASES[world_size],
         codegen="eager",
         fallback="error",
         dump_dir=str(tmp_path),
