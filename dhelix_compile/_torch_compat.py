@@ -92,7 +92,14 @@ class _JointPass(_CustomGraphPass):
 
     def uuid(self) -> Any:
         before = self.before.uuid() if isinstance(self.before, _CustomGraphPass) else self.before
-        return (tuple(f"{fn.__module__}.{fn.__qualname__}" for fn in self.fns), before)
+        return (tuple(_pass_key(fn) for fn in self.fns), before)
+
+
+def _pass_key(fn: Callable[[torch.fx.Graph], object]) -> Any:
+    """What names a joint pass in Inductor's cache key: its own ``uuid()`` (a list of passes), or
+    the function's qualified name."""
+    uuid = getattr(fn, "uuid", None)
+    return uuid() if callable(uuid) else f"{fn.__module__}.{fn.__qualname__}"
 
 
 def tie_opaque_tangents(graph: torch.fx.Graph) -> int:

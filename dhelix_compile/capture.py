@@ -2,7 +2,7 @@
 
 Data flow for one Dynamo graph::
 
-    Dynamo FX graph ──► AOTAutograd (Inductor's decompositions, joint graph, min-cut partition)
+    Dynamo FX graph ──► AOTAutograd (Inductor's decompositions, joint graph + graph_passes.joint, min-cut partition)
                           ├─► forward graph   ─► compile_partition(phase="fwd")
                           ├─► backward graph  ─► compile_partition(phase="bwd")   (at first backward)
                           └─► inference graph ─► compile_partition(phase="inference")  (no grad)
@@ -48,8 +48,7 @@ from dhelix_compile.pass_options import pass_options
 from graph_passes import PassContext, PassError, Phase, run_pipeline
 from graph_passes.gloo_collectives import PASS_NAME as GLOO_COLLECTIVES
 from graph_passes.gloo_collectives import GlooCollectiveOptions
-from graph_passes.regather import mark_regathers
-from graph_passes.vocab_parallel_loss import shard_gathered_losses
+from graph_passes.joint import JointPasses, joint_passes
 
 if TYPE_CHECKING:  # observe/ is imported only when a dump or a profile is asked for
     from dhelix_compile.observe.dumps import GraphDumper
@@ -78,17 +77,10 @@ def capture(
     )
 
 
-def _joint_passes(graph: torch.fx.Graph) -> None:
-    """The joint-graph passes with ``vocab_parallel_loss`` on."""
-    rewritten = shard_gathered_losses(graph)
-    if rewritten:
-        log.info("dhelix: %d loss(es) over gathered logits computed from this rank's vocabulary shard", rewritten)
-    mark_regathers(graph)
-
-
-def joint_pass(config: DHelixConfig) -> Callable[[torch.fx.Graph], object]:
-    """What runs on AOTAutograd's joint graph before it is partitioned (``graph_passes`` README)."""
-    return _joint_passes if config.vocab_parallel_loss else mark_regathers
+def joint_pass(config: DHelixConfig) -> JointPasses:
+    """What runs on AOTAutograd's joint graph before it is partitioned: ``graph_passes.joint``'s
+    list, ``vocab_parallel_loss`` only with the option of that name (``graph_passes`` README)."""
+    return joint_passes(disabled=() if config.vocab_parallel_loss else ("vocab_parallel_loss",))
 
 
 def compile_partition(

@@ -53,7 +53,7 @@ def test_aot_autograd_cache_never_bypasses_our_inner_compile() -> None:
 def test_joint_pass_sees_annotated_nodes_and_its_recompute_marks_reach_the_partitioner() -> None:
     """``annotated`` tags survive Dynamo and AOTAutograd into the joint graph that ``joint_pass``
     sees, and a ``MUST_RECOMPUTE`` it sets there makes the partitioner recompute the node in the
-    backward (what ``graph_passes.regather`` relies on)."""
+    backward (what ``graph_passes.joint.regather`` relies on)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     tagged: list[str] = []

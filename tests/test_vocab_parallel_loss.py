@@ -34,13 +34,15 @@ def _compare(
     rank: int, world_size: int, plan: str, codegen: str, return_logits: bool, ignored: int, head: str = "all"
 ) -> dict[str, Any]:
     import copy
+    import dataclasses
 
-    import dhelix_compile.capture as capture
+    import graph_passes.joint.pass_list as joint_pass_list
     from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
     from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
 
     seen: list[dict[str, Any]] = []
-    original = capture.shard_gathered_losses
+    (entry,) = [p for p in joint_pass_list.JOINT_PASSES if p.name == "vocab_parallel_loss"]
+    original = entry.fn
 
     def recording(graph: torch.fx.Graph) -> int:
         before = _gathers_and_reductions(graph)
@@ -48,7 +50,9 @@ def _compare(
         seen.append({"rewritten": rewritten, "before": before, "after": _gathers_and_reductions(graph)})
         return rewritten
 
-    capture.shard_gathered_losses = recording
+    joint_pass_list.JOINT_PASSES = tuple(
+        dataclasses.replace(p, fn=recording) if p is entry else p for p in joint_pass_list.JOINT_PASSES
+    )
     config = ModelConfig(dim=32, n_heads=4, n_layers=1, ffn_hidden=64, vocab_size=96, max_seq_len=16)
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     parallelize = parallelize_tp if plan == "tp" else parallelize_tp_sp
@@ -129,7 +133,7 @@ def test_a_strided_slice_of_the_logits_keeps_the_gather() -> None:
 def test_the_option_turns_the_pass_off() -> None:
     from dhelix_compile.capture import joint_pass
     from dhelix_compile.config import DHelixConfig
-    from graph_passes.regather import mark_regathers
+    from graph_passes.joint.regather import mark_regathers
 
-    assert joint_pass(DHelixConfig(vocab_parallel_loss=False)) is mark_regathers
-    assert joint_pass(DHelixConfig()) is not mark_regathers
+    assert [p.fn for p in joint_pass(DHelixConfig(vocab_parallel_loss=False)).passes] == [mark_regathers]
+    assert [p.fn for p in joint_pass(DHelixConfig()).passes] != [mark_regathers]

@@ -46,7 +46,7 @@ Gathering again in the backward (``reshard_after_forward``, FSDP2's name): by de
 graph keeps each gathered weight from the forward to the backward (AOTAutograd's partitioner saves
 it, or the transpose its matmul's backward reads), which costs one gathered copy of the model's
 weights per micro-batch in flight. ``reshard_after_forward=True`` traces the gathers annotated,
-and dhelix's capture (``graph_passes.regather``, a joint-graph pass) has the partitioner
+and dhelix's capture (``graph_passes.joint.regather``, a joint-graph pass) has the partitioner
 recompute them: the backward all-gathers each weight again from the stored shard, as FSDP2 does,
 and the passes schedule those gathers like any collective. Only dhelix's backends (``backend="dhelix"``,
 ``helix``, ``helix_pipeline``) do this; eager code and plain Inductor keep the gathered weights.

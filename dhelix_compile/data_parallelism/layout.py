@@ -17,7 +17,7 @@ block of the TP tile, as FSDP2 lays it out (``_StridedShard``), so the forward g
 tile with one all-gather over the DP ranks.
 
 Computed (``ParamLayout.compute``): the stored local tensor gathered over the DP ranks (or used as
-is, when replicated; with ``regather``, the gather is traced annotated ``graph_passes.regather.REGATHER``
+is, when replicated; with ``regather``, the gather is traced annotated ``graph_passes.joint.regather.REGATHER``
 and dhelix's capture gathers it again in the backward instead of keeping it) and, for a TP parameter, wrapped back into the DTensor on the TP mesh that
 the TP plan's modules expect. The gradient flows back through the same two steps: reduced over
 the DP ranks (reduce-scatter or all-reduce, averaged), so ``param.grad`` is a DTensor of the
@@ -40,7 +40,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.data_parallelism.collectives import gather_shards, replicate_with_reduced_grad
 from dhelix_compile.ops.accumulated_grad import accumulator_slot
-from graph_passes.regather import REGATHER
+from graph_passes.joint.regather import REGATHER
 
 if TYPE_CHECKING:
     from dhelix_compile._torch_compat import GroupName

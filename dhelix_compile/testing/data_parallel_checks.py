@@ -480,7 +480,7 @@ def graph_collectives(
     rank: int, world_size: int, modes: list[Literal["shard", "replicate"]], reshard_after_forward: bool = False
 ) -> list[dict[str, dict[str, int]]]:
     """For each mode, the collectives (and ``dhelix::with_accumulated_grad``) in the partitions
-    dhelix's capture (AOTAutograd with dhelix's joint pass, ``graph_passes.regather``) makes of a
+    dhelix's capture (AOTAutograd with dhelix's joint pass, ``graph_passes.joint.regather``) makes of a
     ``data_parallel`` reference model over two micro-batches, gradient sync off for the first:
     ``"forward"``, ``"backward_accumulating"`` (the first micro-batch's backward) and
     ``"backward"`` (the last's), by op name."""
@@ -492,7 +492,7 @@ def _graph_collectives(
 ) -> dict[str, dict[str, int]]:
     from dhelix_compile import _torch_compat as compat
     from dhelix_compile.data_parallelism import data_parallel
-    from graph_passes.regather import mark_regathers
+    from graph_passes.joint.regather import mark_regathers
 
     torch._dynamo.reset()
     mesh = _mesh(world_size, 1)
