@@ -4,19 +4,20 @@ A CPU rank computes on its own thread; gloo moves its transfers on threads of it
 ``pt_gloo_runloop`` workers run each collective, gloo's ``gloo_tcp_loop`` moves the bytes). A
 transfer needs those threads several times on its way (to send, to receive, to mark the work
 done), and with every core computing, each time it waits for the scheduler. On this project's
-2-core machine (BENCHMARKS.md, 2026-11-26) a 512 KiB all-to-all took 0.6 ms alone and
+2-core machine (2026-11-26, an AMD EPYC) a 512 KiB all-to-all took 0.6 ms alone and
 3.1-4.3 ms while both ranks ran matmuls, on loopback and over a 1.4 Gbit/s link alike, and a
 lower priority for the compute thread (nice 10 or 19, ``SCHED_BATCH``) did not change
 that. With gloo's threads at real-time priority it took 0.6 ms under the matmuls too, and
-``helix``'s step on the reference model went from 1.31x to 1.07x of the machine's ceiling.
+``helix``'s step on the reference model ran at 1.07x of the machine's ceiling, against 1.31x
+with gloo's threads at normal priority.
 
 **Why a deadline and not a fixed real-time priority.** Gloo's threads spin-wait for each other
 in both directions: the event loop, woken for a pair whose lock a worker holds, skips it
 (``try_lock``) and is woken again at once; a worker that frees a buffer the loop still holds
-calls ``sched_yield`` until the loop lets go. Under ``SCHED_FIFO`` (this module's policy until
-2026-11-27) a spinner keeps its core until what it waits for has run, and a yield gives the core
-to no one of lower priority: with two spinners on two cores, what they wait for ran only in the
-kernel's real-time throttling slack (5% of each second). A 2-rank replay of the reference model's
+calls ``sched_yield`` until the loop lets go. Under ``SCHED_FIFO`` a spinner keeps its core
+until what it waits for has run, and a yield gives the core to no one of lower priority: with
+two spinners on two cores, what they wait for ran only in the kernel's real-time throttling slack
+(5% of each second). A 2-rank replay of the reference model's
 collectives that takes 0.22 s took 1.2-7.2 s in 3 launches of 6 (2026-11-27, 1.5 Gbit/s link;
 ``gdb`` showed ``gloo_tcp_loop`` and ``pt_gloo_runloop`` in those loops); 4 ranks on 2 cores hung
 outright. Under ``SCHED_DEADLINE`` each gloo thread runs ahead of every normal and real-time

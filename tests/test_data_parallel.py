@@ -54,7 +54,7 @@ def test_helix_runs_a_sharded_model() -> None:
     """helix's merged graphs hold the reduce-scatters of one micro-batch beside the all-gathers of
     the next (eager codegen here; through Inductor under DHELIX_TEST_FULL=1)."""
     if not _FULL:
-        pytest.skip("DHELIX_TEST_FULL=1: the default suite's time budget (CI measured 17:48 on a slow day)")
+        pytest.skip("DHELIX_TEST_FULL=1: the default suite's time budget (CI measured 17:48)")
     _run(2, [{"mode": "shard", "runner": "helix", "codegen": "eager"}])
 
 

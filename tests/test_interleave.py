@@ -383,9 +383,8 @@ def test_emit_follows_the_path() -> None:
 
 def test_the_memory_budget_scales_what_an_order_adds_not_the_parameters() -> None:
     """The budget compares the bytes an order holds above the inputs it never frees: a large
-    parameter the graph reads (the MoE layer's experts) must not dilute it. Before, every
-    candidate's peak counted the parameters, and a 1.25 budget let an order through that added
-    78% to the MoE layer's held bytes."""
+    parameter the graph reads (the MoE layer's experts) must not dilute it. Counting the
+    parameters, a 1.25 budget lets an order through that adds 78% to the MoE layer's held bytes."""
 
     def run(padding_bytes: int) -> tuple[dict[str, float], list[str]]:
         gm = _merged_tp_graph()

@@ -10,9 +10,9 @@ Contract
   calibration (another process, or another estimator), lowest first; an entry is *settled*
   (:func:`settled`) once it has them all, and its time is the lowest (:func:`cached_seconds`).
   Why: a measurement only ever errs high (the other rank's compile, a start-up on the same
-  cores), and one such time used to stay in the cache for good: a piece's ``bmm`` cached at
-  3.19 ms that takes 1.99 ms made ``dhelix``'s predicted MoE step 1.22x the measured one, and
-  1.01x with the cache empty (``BENCHMARKS.md``, 2026-11-26). A second calibration
+  cores), and one such time kept for good misprices every later plan: a piece's ``bmm`` cached at
+  3.19 ms that takes 1.99 ms made ``dhelix``'s predicted MoE step 1.22x the measured one, against
+  1.01x with the cache empty (2026-11-26, 2 gloo ranks on a 2-core AMD EPYC). A second calibration
   measures again and keeps the lower;
 * a version-2 file (one number per signature) loads as entries of one measurement each, so the
   next calibration measures them again;

@@ -16,10 +16,10 @@ Contract
            receives without adding -- on CPU the two take very different CPU per byte. An
            all-to-all is what a graph on gloo sends for every move (its all-gathers and
            reduce-scatters, graph_passes.gloo_collectives, and its exchanges, dhelix::exchange):
-           every rank sends and receives at once. Broadcasts from each rank in turn, the
-           stand-in until 2026-11-27, carry one direction at a time: on the 539 Mbit/s link a
-           2-rank probe's bmm ran 1.01-1.23x slower beside them and 1.27-1.45x beside
-           all-to-alls of the same size (BENCHMARKS.md, thirteenth session)
+           every rank sends and receives at once. Broadcasts from each rank in turn
+           carry one direction at a time: on a 539 Mbit/s link a 2-rank probe's bmm ran
+           1.01-1.23x slower beside them and 1.27-1.45x beside all-to-alls of the same size
+           (2026-11-27, a 2-core Intel Xeon; BENCHMARKS.md, "Mixture of experts")
     key    "contention|<op signature>|bytes=..|iters=..|backend=..|size=..|in_flight=..|<xfer>"
            (``cache`` is the caller's in-process memo: the key cannot name the link, so a factor
            never goes to the disk cache; see cost_model.profile.estimator)

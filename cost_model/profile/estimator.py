@@ -71,7 +71,7 @@ except that a node whose *signature* has been measured gets the measured time.
              1 MiB all-to-alls slows the compute more. On this project's 2-core machine the
              reference transformer's many smaller collectives kept gloo's threads busy 68 ms per
              step beside 278 ms of compute thread, and its merged graph ran about 93 ms per call
-             against 67.6 predicted without this (BENCHMARKS.md, thirteenth session)
+             against 67.6 predicted without this (2026-11-27, `f544563`, a 2-core Intel Xeon)
     write the compute ops' measurements to the cache (JSON, one file per device, atomically
              replaced; ``cost_model.profile.cache``)
     progress bar (cost_model.progress): rank 0 only; ``progress=None`` shows it when stderr
@@ -80,9 +80,9 @@ except that a node whose *signature* has been measured gets the measured time.
 Collectives are never cached on disk: their time depends on the link, which nothing in
 the key names (the same shapes on NVLink, InfiniBand or a rate-limited veth). Nor are contention
 factors, for the same reason: a transfer's CPU per second grows with its rate, so a factor
-measured over loopback (a test's) is not the one on a 1 Gbit/s link. They were cached until
-2026-11-25: a bench on the link recorded 1.0 for both kinds, where compute under a 1 MiB all-reduce
-on that link measured 1.2-1.3x slower. Both are measured once per process
+measured over loopback (a test's) is not the one on a 1 Gbit/s link: a cached factor gave a bench
+on the link 1.0 for both kinds, where compute under a 1 MiB all-reduce on that link measured
+1.2-1.3x slower (2026-11-25). Both are measured once per process
 (``self.measurements``, ``_contention_cache``).
 
 P2P exchanges (``dhelix::exchange``, which the decompose pass creates and hands to

@@ -38,7 +38,7 @@ TOLERANCE = 0.08
 #: ... or after this many timed rates.
 MAX_PROBES = 4
 #: The rates ``next_rate`` keeps to (bit/s): below 10 Mbit/s a step takes minutes; above
-#: 20 Gbit/s ``tbf`` no longer limits a veth pair on this kind of machine.
+#: 20 Gbit/s ``tbf`` does not limit a veth pair on this kind of machine.
 MIN_RATE, MAX_RATE = 10e6, 20e9
 
 _UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}

@@ -144,7 +144,7 @@ def _cpu_and_idle(
     step_s: float, cpu_samples: list[float] | None, gloo_samples: list[float] | None = None
 ) -> dict[str, float | None]:
     """The median CPU time per step, ``idle = step - CPU`` and the median CPU time of gloo's
-    threads per step (None without samples; runs before 2026-11-27 did not record gloo's)."""
+    threads per step (None without samples, as for a result file that holds none of gloo's)."""
     gloo = statistics.median(gloo_samples) if gloo_samples else None
     if not cpu_samples:
         return {"cpu_s_median": None, "idle_s": None, "gloo_cpu_s_median": gloo}
