@@ -14,9 +14,9 @@ from torch import nn
 import dhelix_compile
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.helix_runtime.merged_candidates import leanest_of_the_fastest
 from dhelix_compile.helix_runtime.schedule import SCHEDULE_KINDS, merged_graph_dirs
 from dhelix_compile.helix_runtime.step import HelixError
-from dhelix_compile.helix_runtime.strands import leanest_of_the_fastest
 from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.moe import MoEConfig, ReferenceMoE
 
@@ -230,12 +230,12 @@ def test_backward_graphs_add_parameter_gradients_into_grad(monkeypatch: pytest.M
     """``helix_grads_in_graph``: every backward graph (alone and merged) routes each parameter's
     gradient through ``dhelix::grad_total``; the step still equals the eager loop, onto existing
     gradients and across steps, and a tensor hook still sees each micro-batch's gradient alone."""
-    import dhelix_compile.helix_runtime.strands as strands
+    import dhelix_compile.helix_runtime.merged_candidates as merged_candidates
 
     routed: list[int] = []
-    original = strands.add_grads_in_graph
+    original = merged_candidates.add_grads_in_graph
     monkeypatch.setattr(
-        strands, "add_grads_in_graph", lambda gm, parts: routed.append(original(gm, parts)) or routed[-1]
+        merged_candidates, "add_grads_in_graph", lambda gm, parts: routed.append(original(gm, parts)) or routed[-1]
     )
     config = ModelConfig(n_layers=1)
     model = Transformer(config)

@@ -27,7 +27,7 @@ from torch import nn
 
 import dhelix_compile
 from cost_model.op_kinds import op_name
-from dhelix_compile.helix_runtime import strands
+from dhelix_compile.helix_runtime import strand_handoff
 from dhelix_compile.helix_runtime.random_ops import RNG_STATE_WRAPPERS, draws_random_numbers, random_ops
 from dhelix_compile.helix_runtime.step import HelixError
 from dhelix_compile.testing.checkpointing import CHECKPOINT_KINDS, Checkpointed, CheckpointKind, checkpoint_blocks
@@ -160,7 +160,7 @@ def partitions(monkeypatch: pytest.MonkeyPatch) -> Iterator[Partitions]:
     each phase: the merged graphs go through the same compiler later); an RNG-state wrapper
     counts as itself and as the op it wraps."""
     seen: Partitions = {}
-    compile_partition = strands.compile_partition
+    compile_partition = strand_handoff.compile_partition
 
     def recording(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         counts: collections.Counter[str] = collections.Counter()
@@ -174,7 +174,7 @@ def partitions(monkeypatch: pytest.MonkeyPatch) -> Iterator[Partitions]:
         seen.setdefault("bwd" if kwargs.get("is_backward") else "fwd", counts)
         return compile_partition(gm, example_inputs, **kwargs)
 
-    monkeypatch.setattr(strands, "compile_partition", recording)
+    monkeypatch.setattr(strand_handoff, "compile_partition", recording)
     yield seen
 
 

@@ -18,8 +18,8 @@ from unittest import mock
 import pytest
 
 from dhelix_compile.config import DHelixConfig
+from dhelix_compile.helix_runtime.merged_candidates import leanest_of_the_fastest
 from dhelix_compile.helix_runtime.schedule import MERGED_GRAPH_KINDS, merged_graph_dirs
-from dhelix_compile.helix_runtime.strands import leanest_of_the_fastest
 from dhelix_compile.testing.helix_checks import check_helix_cases
 from dhelix_compile.testing.multirank import run_on_ranks
 
@@ -261,7 +261,7 @@ def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path, dumps: boo
 
 def _compiled_candidate(records: dict[str, float], labels: tuple[str, ...]) -> str:
     """The merged candidate the records say was compiled: the leanest of the fastest (predicted
-    times here: analytic costs), as ``strands.leanest_of_the_fastest`` picks."""
+    times here: analytic costs), as ``merged_candidates.leanest_of_the_fastest`` picks."""
     times = [records[f"{label}_strands_s"] for label in labels]
     peaks = [
         (records[f"{label}_strands_peak_bytes"], records[f"{label}_strands_sequential_peak_bytes"]) for label in labels

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dhelix_compile.helix_runtime.strands import HelixError
+from dhelix_compile.helix_runtime.strand_handoff import HelixError
 from dhelix_compile.pipeline_runtime.boundaries import Declared, StageDeclarations, plan_boundaries
 from dhelix_compile.resharding.plan import MeshLayout
 

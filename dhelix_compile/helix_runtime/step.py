@@ -15,7 +15,7 @@ Contract
       by the last backward (gradient sync is off for the other micro-batches' forwards).
     - Execution: the strand calls F(i) (micro-batch i's forward) and B(i) (its backward) in the
       steps of ``helix_runtime.schedule``, two calls of a step as one merged graph ordered by the
-      ``interleave`` pass (``helix_runtime.strands`` explains the mechanics). The default
+      ``interleave`` pass (``helix_runtime.strand_handoff`` explains the mechanics). The default
       (``helix_schedule="forward_backward"``): F0 | B0+F1 | ... | B(n-1). n = 1 is F then B.
       Forwards of a ``data_parallel`` model's last micro-batch (gradient sync on) are a graph
       of their own: paired with another forward, the two run one after the other.
@@ -52,7 +52,7 @@ from dhelix_compile.helix_runtime.schedule import (
     helix_schedule,
     write_schedule,
 )
-from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
+from dhelix_compile.helix_runtime.strand_handoff import HelixError, Strands, find_helix_error
 from dhelix_compile.own_code import with_own_code
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.helix_runtime.strands import HelixError
+from dhelix_compile.helix_runtime.strand_handoff import HelixError
 from dhelix_compile.mesh_positions import collective_positions, mesh_ranks
 from dhelix_compile.resharding import layout_of, plan_move
 from dhelix_compile.resharding.groups import member_group

@@ -20,7 +20,7 @@ What runs
     forward         the stage's compiled forward F
     full backward   the stage's compiled backward B (input and weight gradients in one graph)
     overlap         F of one stage and micro-batch and B of another as one merged graph,
-                    ordered by the interleave pass (``helix_runtime.strands``): one strand's
+                    ordered by the interleave pass (``helix_runtime.strand_handoff``): one strand's
                     collectives (TP, SP, EP inside the stage) run under the other's compute
     ==============  ===========================================================================
 
@@ -44,7 +44,7 @@ Stage boundaries: a DTensor whose two sides are declared in the stages' static m
 (``input_args`` / ``output_args`` / ``input_grads`` / ``output_grads``) moves by a resharding
 plan, in any layout on either side, its gradient back by the reverse plan (``boundaries``).
 
-Refused with :class:`~dhelix_compile.helix_runtime.strands.HelixError`: another schedule type
+Refused with :class:`~dhelix_compile.helix_runtime.strand_handoff.HelixError`: another schedule type
 (the message names the supported ones), a stage module already compiled, a stage module with
 dropout in training mode (random ops found only when compiling fail the first step the same
 way), a step whose batch does not split into equal micro-batches (a count torch rejects at
@@ -67,7 +67,7 @@ from dhelix_compile.compiler import resolve_config
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.data_parallelism import gradient_sync_on_last
 from dhelix_compile.group_timeouts import bound_group_timeouts, p2p_timeout_s
-from dhelix_compile.helix_runtime.strands import HelixError, Strands, find_helix_error
+from dhelix_compile.helix_runtime.strand_handoff import HelixError, Strands, find_helix_error
 from dhelix_compile.own_code import in_own_frame
 from dhelix_compile.pipeline_runtime.boundaries import install_boundaries
 from dhelix_compile.pipeline_runtime.pairing import (

@@ -144,7 +144,7 @@ def _run_case(
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from dhelix_compile import helix_pipeline
-    from dhelix_compile.helix_runtime.strands import HelixError
+    from dhelix_compile.helix_runtime.strand_handoff import HelixError
 
     w0, w1, batches = _data(steps)
     tp, stage_index = mesh["tp"], mesh["pp"].get_local_rank()
