@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.fx
@@ -552,10 +552,10 @@ def register_work(tensor: torch.Tensor, work: Any) -> None:
 # ``_PipelineScheduleRuntime`` runs a per-rank list of ``_Action``s; a compute-only order is
 # lowered to sends and receives by ``_prepare_schedule_with_comms``. ``register_custom_function``
 # replaces one computation type's step, but the default steps live in a closure of
-# ``_step_microbatches`` that a custom function cannot call: :class:`PipelineSteps` does what
-# that closure does for FORWARD and FULL_BACKWARD (wait for the received input, run the stage,
-# compute the loss, hand tensors to a neighbouring stage on the same rank), in two halves for
-# the backward so that helix_pipeline can run it on its backward thread.
+# ``_step_microbatches`` that a custom function cannot call: ``pipeline_runtime.steps`` does what
+# that closure does, through the shims below (every underscore name of the runtime and of
+# ``PipelineStage`` it needs); ``pipeline_runtime.stage_transfers`` replaces a stage's sends and
+# receives through them.
 # ---------------------------------------------------------------------------------------------
 
 #: (kind, stage, micro-batch, sub-actions) of a compute action; kind is "F", "B", "I", "W" or
@@ -637,146 +637,73 @@ def schedule_num_stages(schedule: Any) -> int:
     return int(schedule._num_stages)
 
 
-class PipelineSteps:
-    """FORWARD and FULL_BACKWARD of a ``_PipelineScheduleRuntime``, as its own loop runs them.
+def install_pipeline_steps(
+    schedule: Any,
+    forward: Callable[..., None],
+    backward: Callable[..., None],
+    overlap: Callable[..., None],
+    around_step: Callable[[bool, dict[str, Any] | None], contextlib.AbstractContextManager[None]],
+) -> None:
+    """Make ``forward``, ``backward`` and ``overlap`` a runtime schedule's FORWARD, FULL_BACKWARD
+    and OVERLAP_F_B steps, and run each ``step``'s micro-batches within
+    ``around_step(return_outputs, loss_kwargs)`` (the custom functions' context does not carry them)."""
+    schedules = _pipelining_schedules()
+    schedule.register_custom_function(schedules.FORWARD, forward)
+    schedule.register_custom_function(schedules.FULL_BACKWARD, backward)
+    schedule.register_custom_function(schedules.OVERLAP_F_B, overlap)
+    step_microbatches = schedule._step_microbatches
 
-    ``install`` registers ``forward(action, ctx)``, ``backward(action, ctx)`` and
-    ``overlap(action, ctx)`` as the schedule's custom functions, and records the
-    ``return_outputs`` / ``loss_kwargs`` of each ``step`` (the custom functions' context
-    does not carry them). ``p2p_timeout_s``: how long a step waits for a stage's input or
-    output gradient, and for each send the runtime waits for (at the end of the step: while a
-    step runs, torch's ``_wait_batch_p2p`` is this class's, process-wide); ``None``: each
-    transfer's own timeout.
-    """
+    def recording(
+        arg_mbs: Any = None,
+        kwarg_mbs: Any = None,
+        target_mbs: Any = None,
+        losses: Any = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        with around_step(return_outputs, loss_kwargs):
+            return step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
 
-    def __init__(self, schedule: Any, p2p_timeout_s: float | None = None) -> None:
-        self.schedule = schedule
-        self.return_outputs = True
-        self.loss_kwargs: dict[str, Any] | None = None
-        self.p2p_timeout_s = p2p_timeout_s
-        self._deferred: dict[str, Callable[[], None]] | None = None
+    schedule._step_microbatches = recording
 
-    def install(
-        self, forward: Callable[..., None], backward: Callable[..., None], overlap: Callable[..., None]
-    ) -> None:
-        schedules = _pipelining_schedules()
-        schedule = self.schedule
-        schedule.register_custom_function(schedules.FORWARD, forward)
-        schedule.register_custom_function(schedules.FULL_BACKWARD, backward)
-        schedule.register_custom_function(schedules.OVERLAP_F_B, overlap)
-        step_microbatches = schedule._step_microbatches
 
-        def recording(
-            arg_mbs: Any = None,
-            kwarg_mbs: Any = None,
-            target_mbs: Any = None,
-            losses: Any = None,
-            return_outputs: bool = True,
-            loss_kwargs: dict[str, Any] | None = None,
-        ) -> Any:
-            self.return_outputs, self.loss_kwargs = return_outputs, loss_kwargs
-            with self._torch_waits_bounded():
-                return step_microbatches(
-                    arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
-                )
+@contextlib.contextmanager
+def pipeline_transfer_waits(wait: Callable[[list[Any]], None]) -> Iterator[None]:
+    """Within: torch's runtime waits for its transfers (``_wait_batch_p2p``, process-wide) with ``wait``."""
+    schedules = _pipelining_schedules()
+    torchs = schedules._wait_batch_p2p
+    schedules._wait_batch_p2p = wait
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = torchs
 
-        schedule._step_microbatches = recording
 
-    @contextlib.contextmanager
-    def _torch_waits_bounded(self) -> Iterator[None]:
-        """torch's runtime waiting for its transfers (``_wait_batch_p2p``) with ``p2p_timeout_s``."""
-        if self.p2p_timeout_s is None:
-            yield
-            return
-        schedules = _pipelining_schedules()
-        torchs = schedules._wait_batch_p2p
-        schedules._wait_batch_p2p = self._wait_transfers
-        try:
-            yield
-        finally:
-            schedules._wait_batch_p2p = torchs
+def wait_pipeline_transfers(works: list[Any]) -> None:
+    """Wait for transfers as torch's runtime does (``_wait_batch_p2p``)."""
+    _pipelining_schedules()._wait_batch_p2p(works)
 
-    def _stages(self) -> dict[int, Any]:
-        return {stage.stage_index: stage for stage in self.schedule._stages}
 
-    def _wait_received(self, works: list[Any]) -> None:
-        """Wait for the receives of a stage's input or output gradient."""
-        self._wait_transfers(works)
+def runtime_stages(schedule: Any) -> dict[int, Any]:
+    """The stages a runtime schedule runs on this rank, by stage index."""
+    return {stage.stage_index: stage for stage in schedule._stages}
 
-    def _wait_transfers(self, works: list[Any]) -> None:
-        if self.p2p_timeout_s is None:
-            _pipelining_schedules()._wait_batch_p2p(works)
-            return
-        from datetime import timedelta
 
-        for work in works:
-            work.wait(timedelta(seconds=self.p2p_timeout_s))
+def check_stage_unsharded(schedule: Any, stage: Any) -> None:
+    """The runtime's check that an FSDP stage module's parameters are gathered."""
+    schedule._assert_unsharded(stage)
 
-    def forward(self, action: Any, ctx: Any) -> None:
-        """Wait for the stage's input, run its forward, compute the loss on the last stage."""
-        stages = self._stages()
-        index, mb = action.stage_index, action.microbatch_index
-        stage = stages[index]
-        self.schedule._assert_unsharded(stage)
-        if not stage.is_first and index - 1 not in stages:
-            works = self.schedule.fwd_recv_ops.pop((index, mb), None)
-            if works is None:
-                raise RuntimeError(f"helix_pipeline: {action} runs before its input was received")
-            self._wait_received(works)
-        output = stage.forward_one_chunk(
-            mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=self.return_outputs
-        )
-        self.schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb, self.loss_kwargs)
-        if index + 1 in stages:
-            following = stages[index + 1]
-            self._hand_over("forward", lambda: following.set_local_fwd_input(output, mb))
 
-    def backward(self, action: Any) -> Callable[[], None]:
-        """Wait for the stage's output gradient; return the backward itself, to run anywhere."""
-        stages = self._stages()
-        index, mb = action.stage_index, action.microbatch_index
-        stage = stages[index]
-        self.schedule._assert_unsharded(stage)
-        if not stage.is_last and index + 1 not in stages:
-            works = self.schedule.bwd_recv_ops.pop((index, mb), None)
-            if works is None:
-                raise RuntimeError(f"helix_pipeline: {action} runs before its output gradient was received")
-            self._wait_received(works)
-        loss = self.schedule._maybe_get_loss(stage, mb)
-        self.schedule.backward_counter[index] += 1
-        last_backward = self.schedule.backward_counter[index] == self.schedule._n_microbatches
-        previous = stages.get(index - 1)
+def compute_stage_loss(
+    schedule: Any, stage: Any, output: Any, target_mbs: Any, microbatch: int, loss_kwargs: dict[str, Any] | None
+) -> None:
+    """The runtime's loss of a last stage's output (kept by the runtime; nothing on other stages)."""
+    schedule._maybe_compute_loss(stage, output, target_mbs, microbatch, loss_kwargs)
 
-        def run() -> None:
-            stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
-            if previous is not None:
-                grads = stage.get_local_bwd_output(mb)
-                self._hand_over("backward", lambda: previous.set_local_bwd_input(grads, mb))
 
-        return run
-
-    @contextlib.contextmanager
-    def hand_overs_after(self) -> Iterator[None]:
-        """Within: what a forward or backward hands to a stage on this rank (``set_local_fwd_input``,
-        ``set_local_bwd_input``, where a boundary converts the tensor on the stages' mesh, perhaps
-        with a collective) waits, and runs when the block ends without an error: the backward's,
-        then the forward's. A forward and a backward run together on two threads, and their
-        collectives on the one mesh would be issued in another order on each rank."""
-        deferred: dict[str, Callable[[], None]] = {}
-        self._deferred = deferred
-        try:
-            yield
-        finally:
-            self._deferred = None
-        for kind in ("backward", "forward"):
-            if kind in deferred:
-                deferred[kind]()
-
-    def _hand_over(self, kind: str, hand_over: Callable[[], None]) -> None:
-        if self._deferred is None:
-            hand_over()
-        else:
-            self._deferred[kind] = hand_over
+def stage_loss(schedule: Any, stage: Any, microbatch: int) -> Any:
+    """The loss the runtime kept for a last stage's micro-batch (``None`` on other stages)."""
+    return schedule._maybe_get_loss(stage, microbatch)
 
 
 class DeclaredDTensor(NamedTuple):
@@ -826,114 +753,30 @@ def stage_group(stage: Any) -> Any:
     return stage.group or dist.distributed_c10d._get_default_group()
 
 
-#: ``(micro-batch, tensor) -> P2P ops``: the sends of one output (or one input's gradient).
-SendOps = Callable[[int, Any], list[Any]]
+def stage_recv_ops(stage: Any, infos: tuple[Any, ...]) -> Any:
+    """A ``PipelineStage``'s receive ops for ``infos`` (its ``args_recv_info`` or ``grad_recv_info``)."""
+    return stage._get_recv_ops(infos)
 
 
-class Receiving(Protocol):
-    """The receives of one input (or one output's gradient): posted at its receive step, written
-    into the stage's buffer of that micro-batch before the stage reads it."""
+def stage_grad_send_info(stage: Any) -> Any:
+    """Where a ``PipelineStage`` sends its input gradients (made from its inputs' receive info at
+    the first call, as the stage does)."""
+    if stage.grad_send_info is None:
+        stage.grad_send_info = stage._create_grad_send_info(stage.args_recv_info[0])
+    return stage.grad_send_info
 
-    def ops(self, microbatch: int) -> list[Any]: ...
 
-    def fill(self, microbatch: int, buffer: torch.Tensor) -> None: ...
+RetrieveReceived = Callable[[int], Any]
 
 
-class StageTransfers:
-    """Some inputs and outputs of a ``PipelineStage`` moved by the caller's point-to-point ops
-    instead of torch's (each rank's local tile to the rank of the next stage at the same pipeline
-    position); the others keep torch's. Indices are the stage's output or input positions.
+def stage_retrievals(stage: Any) -> tuple[RetrieveReceived, RetrieveReceived]:
+    """How a ``PipelineStage`` reads a micro-batch's received activations and gradients."""
+    return stage._retrieve_recv_activations, stage._retrieve_recv_grads
 
-    Installed on the stage object: its send and receive ops for the runtime's ``SEND_F``,
-    ``RECV_F``, ``SEND_B`` and ``RECV_B`` steps, and the retrieval of received activations and
-    gradients (where the received pieces are written into torch's buffers first). ``local_inputs``
-    converts what a stage on the same rank hands over (V-schedules), ``local_output_grads`` the
-    gradients handed back to it.
-    """
 
-    def __init__(self, stage: Any) -> None:
-        self.stage = stage
-
-    def install(
-        self,
-        *,
-        send_outputs: dict[int, SendOps],
-        recv_inputs: dict[int, Receiving],
-        send_input_grads: dict[int, SendOps],
-        recv_output_grads: dict[int, Receiving],
-        local_inputs: dict[int, Callable[[Any], Any]],
-        local_output_grads: dict[int, Callable[[Any], Any]],
-    ) -> None:
-        stage = self.stage
-        get_fwd_send_ops, get_bwd_send_ops = stage.get_fwd_send_ops, stage.get_bwd_send_ops
-        retrieve_activations, retrieve_grads = stage._retrieve_recv_activations, stage._retrieve_recv_grads
-        set_local_fwd_input, set_local_bwd_input = stage.set_local_fwd_input, stage.set_local_bwd_input
-
-        def fwd_send_ops(mb: int) -> list[Any]:
-            outputs = stage.fwd_cache[mb][0]
-            ops = [op for idx, send in send_outputs.items() for op in send(mb, outputs[idx])]
-            torch_sends = stage.act_send_info
-            stage.act_send_info = {i: [None] if i in send_outputs else d for i, d in torch_sends.items()}
-            try:
-                return ops + get_fwd_send_ops(mb)
-            finally:
-                stage.act_send_info = torch_sends
-
-        def bwd_send_ops(mb: int) -> list[Any]:
-            if not stage.has_backward or stage.is_first:
-                return []
-            grads = stage.bwd_cache[mb]
-            ops = [op for idx, send in send_input_grads.items() for op in send(mb, grads[idx])]
-            if stage.grad_send_info is None:
-                stage.grad_send_info = stage._create_grad_send_info(stage.args_recv_info[0])
-            torch_sends = stage.grad_send_info
-            stage.grad_send_info = [None if i in send_input_grads else d for i, d in enumerate(torch_sends)]
-            stage.bwd_cache[mb] = tuple(None if i in send_input_grads else g for i, g in enumerate(grads))
-            try:
-                return ops + get_bwd_send_ops(mb)
-            finally:
-                stage.grad_send_info = torch_sends
-
-        def recv_ops(infos: tuple[Any, ...], mb: int, receiving: dict[int, Receiving]) -> list[Any]:
-            ops = [op for receive in receiving.values() for op in receive.ops(mb)]
-            return ops + stage._get_recv_ops(tuple(info for i, info in enumerate(infos) if i not in receiving))
-
-        def fwd_recv_ops(mb: int) -> list[Any]:
-            return recv_ops(stage.args_recv_info[mb], mb, recv_inputs)
-
-        def bwd_recv_ops(mb: int) -> list[Any]:
-            if not stage.has_backward or stage.is_last:
-                return []
-            return recv_ops(stage.grad_recv_info[mb], mb, recv_output_grads)
-
-        def activations(mb: int) -> Any:
-            for idx, receive in recv_inputs.items():
-                receive.fill(mb, stage.args_recv_info[mb][idx].buffer)
-            return retrieve_activations(mb)
-
-        def grads(mb: int) -> Any:
-            for idx, receive in recv_output_grads.items():
-                receive.fill(mb, stage.grad_recv_info[mb][idx].buffer)
-            return retrieve_grads(mb)
-
-        def local_fwd_input(outputs: Any, mb: int) -> None:
-            if isinstance(outputs, tuple | list):
-                outputs = tuple(local_inputs[i](o) if i in local_inputs else o for i, o in enumerate(outputs))
-            elif 0 in local_inputs:
-                outputs = local_inputs[0](outputs)
-            set_local_fwd_input(outputs, mb)
-
-        def local_bwd_input(next_grads: tuple[Any, ...], mb: int) -> None:
-            converted = tuple(
-                local_output_grads[i](g) if i in local_output_grads and g is not None else g
-                for i, g in enumerate(next_grads)
-            )
-            set_local_bwd_input(converted, mb)
-
-        stage.get_fwd_send_ops, stage.get_bwd_send_ops = fwd_send_ops, bwd_send_ops
-        stage.get_fwd_recv_ops, stage.get_bwd_recv_ops = fwd_recv_ops, bwd_recv_ops
-        stage._retrieve_recv_activations, stage._retrieve_recv_grads = activations, grads
-        stage.set_local_fwd_input, stage.set_local_bwd_input = local_fwd_input, local_bwd_input
+def set_stage_retrievals(stage: Any, activations: RetrieveReceived, grads: RetrieveReceived) -> None:
+    """Make ``stage`` read a micro-batch's received activations and gradients with these."""
+    stage._retrieve_recv_activations, stage._retrieve_recv_grads = activations, grads
 
 
 def compiled_module(module: torch.nn.Module) -> bool:

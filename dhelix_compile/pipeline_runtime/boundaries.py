@@ -53,6 +53,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.helix_runtime.strand_handoff import HelixError
 from dhelix_compile.mesh_positions import collective_positions, mesh_ranks
+from dhelix_compile.pipeline_runtime.stage_transfers import Receiving, SendOps, StageTransfers
 from dhelix_compile.resharding import layout_of, plan_move
 from dhelix_compile.resharding.groups import member_group
 from dhelix_compile.resharding.plan import Box, MeshLayout, ReshardPlan
@@ -213,8 +214,8 @@ def _install(
     rank: int,
 ) -> None:
     index = stage.stage_index
-    sends: dict[bool, dict[int, compat.SendOps]] = {False: {}, True: {}}
-    receives: dict[bool, dict[int, compat.Receiving]] = {False: {}, True: {}}
+    sends: dict[bool, dict[int, SendOps]] = {False: {}, True: {}}
+    receives: dict[bool, dict[int, Receiving]] = {False: {}, True: {}}
     converts: dict[bool, dict[int, Callable[[Any], Any]]] = {False: {}, True: {}}
     for t in transfers:
         same_rank = t.from_stage in local and t.to_stage in local
@@ -224,7 +225,7 @@ def _install(
             sends[t.backward][t.index] = _sender(t, rank, groups, stage.device)
         elif not same_rank and t.to_stage == index:
             receives[t.backward][t.index] = _Receiver(t, rank, groups, stage.device)
-    compat.StageTransfers(stage).install(
+    StageTransfers(stage).install(
         send_outputs=sends[False],
         recv_inputs=receives[False],
         send_input_grads=sends[True],
@@ -271,7 +272,7 @@ def _listed_out_of_order(mesh: DeviceMesh) -> bool:
     return any(positions[rank] != coordinate for rank, coordinate in zip(ranks, listed, strict=True))
 
 
-def _sender(t: Transfer, rank: int, groups: dict[tuple[int, ...], dist.ProcessGroup], device: Any) -> compat.SendOps:
+def _sender(t: Transfer, rank: int, groups: dict[tuple[int, ...], dist.ProcessGroup], device: Any) -> SendOps:
     group = _group_of(t, groups)
 
     def send(microbatch: int, tensor: Any) -> list[Any]:

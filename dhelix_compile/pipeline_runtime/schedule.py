@@ -79,6 +79,7 @@ from dhelix_compile.pipeline_runtime.pairing import (
     one_f_one_b,
     pair_forwards_with_backwards,
 )
+from dhelix_compile.pipeline_runtime.steps import PipelineSteps
 
 __all__ = ["SUPPORTED_SCHEDULES", "helix_pipeline"]
 
@@ -181,7 +182,7 @@ class _HelixStages:
 
     def __init__(self, runtime: Any, stages: list[Any], config: DHelixConfig, last_backwards: dict[int, int]) -> None:
         self.strands = Strands(config, runtime, merge_across_graphs=True)
-        self.steps = compat.PipelineSteps(runtime, p2p_timeout_s(map(compat.stage_group, stages)))
+        self.steps = PipelineSteps(runtime, p2p_timeout_s(map(compat.stage_group, stages)))
         for stage in stages:
             _compile_stage_module(stage.submod, self.strands.backend)
         self.steps.install(self.forward, self.backward, self.overlap)
