@@ -42,19 +42,20 @@ class DHelixConfig:
 
     codegen: Codegen = _option(
         "inductor",
-        "How the scheduled graphs become code: 'inductor' (compile_fx_inner, the default) or "
-        "'eager' (run the FX graph as is; for debugging and fast tests).",
+        "How the scheduled graphs become code: 'inductor' or 'eager'. 'inductor' (the default) "
+        "compiles them with compile_fx_inner; 'eager' runs the FX graph as is, for debugging and fast tests.",
         env="DHELIX_CODEGEN",
     )
     fallback: Fallback = _option(
         "inductor",
-        "What happens when a dhelix pass raises: 'inductor' logs a warning naming the pass and "
-        "compiles the untouched graph with plain Inductor; 'error' re-raises (tests use it).",
+        "What happens when a dhelix pass raises: 'inductor' falls back to plain Inductor, 'error' re-raises. "
+        "'inductor' logs a warning naming the pass and compiles the untouched graph; the tests use 'error'.",
         env="DHELIX_FALLBACK",
     )
     dump_dir: str | None = _option(
         None,
-        "Folder for graph dumps (each graph before/after every pass, op-count diffs). None disables dumps.",
+        "Folder for graph dumps; None disables them. Each compiled graph gets a folder with the graph "
+        "before and after every pass, op-count diffs, pictures and timelines (docs/observability.md).",
         env="DHELIX_DUMP_DIR",
     )
     disable_passes: tuple[str, ...] = _option(
@@ -64,25 +65,25 @@ class DHelixConfig:
     )
     cost_model: CostModelKind = _option(
         "auto",
-        "Where op and collective costs come from: 'profile' (measured on the live device and "
-        "process group, agreed across ranks, compute ops cached on disk; the first compile of a "
-        "graph pays for it, see the README), 'analytic' (roofline + alpha-beta tables: no "
-        "measuring, but blind to the link actually in use), or 'auto' (profile when a real "
-        "process group of several ranks is live, since only then is there a link to measure; "
-        "analytic otherwise).",
+        "Where op and collective costs come from: 'profile' (measured), 'analytic' (tables) or 'auto'. "
+        "'profile' measures on the live device and process group, agreed across ranks, compute ops "
+        "cached on disk; the first compile of a graph pays for it (docs/backend.md). 'analytic' "
+        "(roofline + alpha-beta tables) measures nothing but is blind to the link actually in use. "
+        "'auto' profiles when a real process group of several ranks is live, the only case with a "
+        "link to measure, and is analytic otherwise.",
         env="DHELIX_COST_MODEL",
     )
     device: str = _option(
         "auto",
-        "Device of the cost model: a name from cost_model.DEVICES (h100_sxm, h200, a100_80gb, "
-        "a800, a40, cpu) or 'auto' (the CUDA device's entry, else this CPU, measured once).",
+        "Device of the cost model: a name from cost_model.DEVICES, or 'auto'. The names: h100_sxm, "
+        "h200, a100_80gb, a800, a40, cpu; 'auto' is the CUDA device's entry, else this CPU, measured once.",
         env="DHELIX_DEVICE",
     )
     link: str = _option(
         "auto",
-        "Link collectives use, for the cost model: a name from cost_model.LINKS (nvlink4, ib_ndr, "
-        "eth_100g, loopback, ...) or 'auto' (the emulated cluster's link under dhelix_compile.emulate, else nvlink4 "
-        "on CUDA, loopback on CPU).",
+        "Link collectives use, for the cost model: a name from cost_model.LINKS, or 'auto'. The names "
+        "include nvlink4, ib_ndr, eth_100g, loopback; 'auto' is the emulated cluster's link under "
+        "dhelix_compile.emulate, else nvlink4 on CUDA, loopback on CPU.",
         env="DHELIX_LINK",
     )
     cache_dir: str = _option(
@@ -92,9 +93,9 @@ class DHelixConfig:
     )
     memory_budget_ratio: float = _option(
         1.0,
-        "Reordering may raise a graph's predicted peak live bytes above its parameters and other "
-        "inputs it never frees (a backward frees its saved activations) to at most this multiple "
-        "of the original order's (>= 1); where the reordered graph does not fit, compute it ran "
+        "Reordering may raise a graph's predicted peak memory to at most this multiple of the "
+        "original order's (>= 1). The peak counted is the live bytes above the graph's parameters and "
+        "other inputs it never frees (a backward frees its saved activations). Where the reordered graph does not fit, compute it ran "
         "early is run later until it does, else the original order stays. 1.0 (the default): no "
         "higher. The prediction counts Inductor's fused and in-place kernels but not a kernel "
         "that writes several outputs at once: at 1.25 the MLP block's backward was predicted "
@@ -104,18 +105,18 @@ class DHelixConfig:
     max_in_flight: int = _option(2, "At most this many collectives issued and not yet waited on (>= 1).")
     bucket_mb: float = _option(
         0.0,
-        "Parameter all-gathers and gradient reductions (data_parallel's) of one group and dtype are "
-        "moved in buckets of at most this many MB, as DDP's buckets: one collective's fixed cost "
-        "instead of one per parameter, issued when its last input exists. 0 (the default: measured "
-        "faster with gloo on 2 CPU cores, BENCHMARKS.md) keeps one collective per parameter.",
+        "Largest bucket, in MB, of data_parallel's parameter all-gathers and gradient reductions; 0 "
+        "keeps one collective per parameter. A bucket holds one group's and dtype's collectives, as "
+        "DDP's buckets: one collective's fixed cost instead of one per parameter, issued when its last "
+        "input exists. 0 is the default: measured faster with gloo on 2 CPU cores (BENCHMARKS.md).",
     )
     max_issue_distance: int = _option(
         512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."
     )
     vocab_parallel_loss: bool = _option(
         True,
-        "A loss over all-gathered logits (a column-wise LM head with replicated output, then the "
-        "cross-entropy) is computed from each rank's vocabulary shard: the softmax's max and sum "
+        "Compute a loss over all-gathered logits from each rank's vocabulary shard. Where a "
+        "column-wise LM head with replicated output feeds the cross-entropy, the softmax's max and sum "
         "and the target's logit become three all-reduces of one number per token instead of the "
         "gather, and the backward computes only this rank's part of the logits' gradient "
         "(Megatron's vocab-parallel cross-entropy; graph_passes.vocab_parallel_loss). Sums of "
@@ -123,9 +124,9 @@ class DHelixConfig:
     )
     decompose: DecomposeMode = _option(
         "auto",
-        "Collective decomposition (all-gather->matmul, matmul->reduce-scatter, matmul->all-reduce, "
-        "all-to-all<->bmm as per-peer P2P steps or k chunks over partitioned matmuls): 'auto' (the "
-        "default) rewrites a site only where it is faster that way (with cost_model='profile': the "
+        "Collective decomposition into per-peer steps or chunks: 'auto', 'per_peer', 'chunked' or 'off'. "
+        "The sites (all-gather->matmul, matmul->reduce-scatter, matmul->all-reduce, all-to-all<->bmm) "
+        "become per-peer P2P steps or k chunks over partitioned matmuls: 'auto' (the default) rewrites a site only where it is faster that way (with cost_model='profile': the "
         "site and its rewrites run on the live group; else predicted), "
         "'per_peer' / 'chunked' force that family wherever it applies, 'off' leaves every site alone.",
         env="DHELIX_DECOMPOSE",
@@ -140,33 +141,32 @@ class DHelixConfig:
     )
     decompose_pieces: int = _option(
         0,
-        "How many pieces each per-peer transfer is split into, so that the compute on one piece "
-        "runs while the next is in flight: 1..16 forces it; 0 (the default) picks 1, 2 or 4 per "
-        "site: with cost_model='profile' by running each candidate on the live group (pieces "
+        "How many pieces each per-peer transfer is split into: 1..16 forces it, 0 picks 1, 2 or 4 per site. "
+        "The compute on one piece runs while the next is in flight. 0 (the default) chooses with cost_model='profile' by running each candidate on the live group (pieces "
         "measured faster on a dim-512 MLP block, slower on a dim-256 model, where the per-op "
         "model cannot tell them apart; see BENCHMARKS.md), else by prediction.",
     )
     decompose_chains: bool = _option(
         False,
-        "Rewrite an all-gather -> row-wise compute -> reduce-scatter (sequence parallelism's MLP "
-        "block, forward and backward) as one per-peer pipeline: each peer's rows go through the "
+        "Rewrite an all-gather -> row-wise compute -> reduce-scatter as one per-peer pipeline. "
+        "On sequence parallelism's MLP block, forward and backward, each peer's rows go through the "
         "whole block as they land and go straight back as its partial, where the cost model "
         "predicts the whole graph faster that way than with the two collectives decomposed on their own. "
-        "Off by default: measured slower than those on the MLP block, and the model cannot yet "
+        "Off by default: measured slower than those on the MLP block, and the model does not "
         "tell them apart reliably (BENCHMARKS.md).",
     )
     decompose_all_to_all_chains: bool = _option(
         True,
         "Rewrite an MoE layer's dispatch all-to-all -> experts -> combine all-to-all as one per-peer "
-        "pipeline: each peer's tokens go through the experts as they land and go straight back, "
+        "pipeline. Each peer's tokens go through the experts as they land and go straight back, "
         "where that saves more than the two all-to-alls decomposed on their own (measured where the "
         "candidates run, else predicted). A helix merged graph is also planned from strands without "
         "it, and the faster is compiled.",
     )
     decompose_min_gain_ratio: float = _option(
         0.02,
-        "decompose='auto' rewrites a site only if its time (measured where the candidates run, else "
-        "predicted) drops by at least this fraction ([0, 1)); of the variants within this fraction "
+        "decompose='auto' rewrites a site only if its time drops by at least this fraction ([0, 1)). "
+        "The time is measured where the candidates run, else predicted; of the variants within this fraction "
         "of the fastest, the one with the fewest pieces is chosen.",
     )
     helix_schedule: HelixSchedule = _option(
@@ -181,8 +181,8 @@ class DHelixConfig:
     )
     helix_grads_in_graph: bool = _option(
         True,
-        "helix: each backward graph adds each parameter's gradient into its .grad as soon as it is "
-        "computed (dhelix::grad_total) and returns the sum for autograd to store, instead of "
+        "helix: each backward graph adds each parameter's gradient into its .grad where it is computed. "
+        "The graph (dhelix::grad_total) returns the sum for autograd to store, instead of "
         "returning the micro-batch's gradient for autograd to add after the graph, which a merged "
         "graph holds while micro-batch i+1's forward runs. The interleave pass's memory budget "
         "then counts the gradients as freed. On the MoE layer: step 210.6 ms instead of 233.1, "
@@ -194,17 +194,17 @@ class DHelixConfig:
     )
     interleave_memory_budget_ratio: float = _option(
         1.25,
-        "helix: the merged forward+backward graph's order may raise its predicted peak live bytes "
-        "above its parameters and other inputs it never frees (what the step adds to the memory "
-        "it already holds) to at most this multiple of the backward-then-forward order's (>= 1). "
-        "Until 2026-11-27 the parameters counted too, which let the MoE layer's plan add 78% to "
-        "what the step holds: 1.31-1.45x the eager accumulation loop's peak, against 0.87x now "
-        "(its step 6-10% slower; BENCHMARKS.md).",
+        "helix: the merged graph's order may raise its predicted peak memory to at most this multiple "
+        "of the backward-then-forward order's (>= 1). The peak counted is the live bytes above the "
+        "graph's parameters and other inputs it never frees: what the step adds to the memory it "
+        "already holds. On the MoE layer the default leaves out an order that sends the forward's "
+        "all-to-all first: 6-10% faster, but it holds both micro-batches' expert activations, "
+        "1.31-1.45x the eager accumulation loop's peak (2.0 lets it in; BENCHMARKS.md).",
     )
     interleave_defer_weight_grads: tuple[int, ...] = _option(
         (1,),
-        "helix: for each distance d, the strand plan also tries a backward whose weight gradients "
-        "(work no later transfer depends on) run d segments later (a list of ints >= 1, or "
+        "helix: for each distance d, the strand plan also tries a backward whose weight gradients run "
+        "d segments later. Weight gradients are work no later transfer depends on (a list of ints >= 1, or "
         "'1,2'; () turns it off).",
     )
     interleave_refine_evals: int = _option(
@@ -213,21 +213,23 @@ class DHelixConfig:
     )
     interleave_slice_ratio: float = _option(
         0.5,
-        "helix: the strand plan also cuts each strand's long stretches of compute into slices of "
-        "at most this times the merged graph's median transfer, so that a strand whose transfer "
-        "lands in the middle of the other strand's stretch goes on there (planned by the timed DP; "
-        "the simulator judges it beside the other orders; 0 turns it off; >= 0).",
+        "helix: the strand plan also cuts long stretches of compute into slices of at most this times "
+        "the median transfer (0 turns it off). A strand whose transfer lands in the middle of the "
+        "other strand's stretch then goes on there (planned by the timed DP; the simulator judges it "
+        "beside the other orders; >= 0).",
     )
     interleave_timed_width: int = _option(
         0,
-        "helix: partial paths each cell of the strand plan's timed DP keeps (the DP over simulated "
-        "clocks that lets a long transfer run under several segments; e.g. 4; 0, the default, turns "
-        "it off: on this CPU machine its plans were predicted faster and measured level; >= 0).",
+        "helix: partial paths each cell of the strand plan's timed DP keeps; 0 (the default) turns it off. "
+        "The timed DP runs over simulated clocks, which lets a long transfer run under several "
+        "segments (try 4); on the 2-core CPU machine its plans were predicted faster and measured "
+        "level (>= 0).",
     )
     gloo_thread_priority: GlooThreadPriority = _option(
         "realtime",
-        "On gloo, the process's communication threads (torch's pt_gloo_runloop, gloo's "
-        "gloo_tcp_loop) run ahead of the compute under SCHED_DEADLINE, each for at most 30% of "
+        "On gloo, run the communication threads ahead of the compute ('realtime') or leave them alone ('normal'). "
+        "The process's communication threads (torch's pt_gloo_runloop, gloo's "
+        "gloo_tcp_loop) run under SCHED_DEADLINE, each for at most 30% of "
         "every millisecond, from the first compile of a graph with communication: at normal "
         "priority a transfer in flight waits for the scheduler each time it needs its threads while "
         "every core computes (a 512 KiB all-to-all: 0.6 ms alone, 3-4 ms under matmuls), and under "
@@ -241,20 +243,20 @@ class DHelixConfig:
     )
     consistency_timeout_s: float = _option(
         300.0,
-        "How long a rank waits at compile time for the others' collective sequences (and for the "
-        "CPU device the first rank to ask measures for all) before failing with an error that names "
-        "the missing rank (> 0); the timeout of the graph's process groups (group_timeout_s, else "
+        "How long a rank waits at compile time for the others before failing with an error that names "
+        "the missing rank (> 0). It waits for their collective sequences and for the CPU device the "
+        "first rank to ask measures for all; the timeout of the graph's process groups (group_timeout_s, else "
         "the default group's) ends the wait where shorter. The c10d store sees no death: a rank "
         "that dies while the others compile fails them here.",
     )
     group_timeout_s: float | None = _option(
         None,
-        "How long a transfer dhelix runs (its compiled graphs' collectives, helix_pipeline's sends "
-        "and receives) waits for a peer that does not answer before it fails, in seconds (> 0): each "
+        "How long a transfer dhelix runs waits for a peer that does not answer before it fails, in seconds (> 0). "
+        "The transfers are its compiled graphs' collectives and helix_pipeline's sends and receives; each "
         "process group they run on gets it, as torch keeps one timeout per group (its other "
         "transfers get it too). It bounds a step only where a peer's death is not seen: its machine "
         "lost, a network partition, a process stopped or hung. A rank that dies on a machine that "
-        "stays up fails its peers' transfers at once (README, 'A rank that dies'). None (the "
+        "stays up fails its peers' transfers at once (docs/failures.md). None (the "
         "default): the default process group's timeout (init_process_group(timeout=...); torch's "
         "default is 30 minutes on gloo), for every such group whose own is longer: torch 2.13 makes "
         "a DeviceMesh's subgroups and new_group's groups with its default whatever that timeout "
@@ -262,8 +264,8 @@ class DHelixConfig:
     )
     profile_steps: int = _option(
         0,
-        "With dump_dir: after one warm-up call, profile N calls of every compiled graph with "
-        "torch.profiler and write the measured timeline (measured.trace.json, measured.svg) and predicted vs "
+        "With dump_dir: profile N calls of every compiled graph and write measured against predicted times. "
+        "After one warm-up call, N calls run under torch.profiler, which writes the measured timeline (measured.trace.json, measured.svg) and predicted vs "
         "measured time per communication segment (predicted_vs_measured.json, summary.json, "
         "index.html) into the graph's dump folder; later calls run unprofiled. 0 disables it; "
         "a positive value without dump_dir is an error (>= 0).",
@@ -345,17 +347,29 @@ class DHelixConfig:
     # ------------------------------------------------------------------ documentation
 
     @classmethod
-    def describe(cls) -> str:
-        """The options table (markdown): name, default, environment variable, meaning."""
+    def describe(cls, *, brief: bool = False) -> str:
+        """The options table (markdown): name, default, environment variable, meaning.
+
+        ``brief=True`` gives each option's summary (the first sentence of its doc; the README's
+        table), else its whole doc and its choices (``docs/options.md``).
+        """
         rows = ["| option | default | env var | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            choices = _literal_choices(f.name)
             doc = f.metadata["doc"]
-            if choices:
+            choices = _literal_choices(f.name)
+            if brief:
+                doc = option_summary(doc)
+            elif choices:
                 doc += " Choices: " + ", ".join(f"`{c}`" for c in choices) + "."
             env = f"`{f.metadata['env']}`" if f.metadata.get("env") else ""
             rows.append(f"| `{f.name}` | `{f.default!r}` | {env} | {doc} |")
         return "\n".join(rows)
+
+
+def option_summary(doc: str) -> str:
+    """An option's summary: its doc up to the first full stop followed by a space (or the end)."""
+    end = doc.find(". ")
+    return doc if end < 0 else doc[: end + 1]
 
 
 def ranks_from_fork_server() -> bool:

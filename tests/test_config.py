@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dhelix_compile
-from dhelix_compile.config import ConfigError, DHelixConfig, option_names
+from dhelix_compile.config import ConfigError, DHelixConfig, option_names, option_summary
 
 
 def test_defaults() -> None:
@@ -94,8 +94,18 @@ def test_backend_factory_validates_immediately() -> None:
 
 
 def test_readme_options_table_is_current() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert DHelixConfig.describe() in readme, "regenerate the README table from DHelixConfig.describe()"
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert DHelixConfig.describe(brief=True) in readme, "regenerate the README table: DHelixConfig.describe(brief=True)"
+    options_page = (root / "docs" / "options.md").read_text()
+    assert DHelixConfig.describe() in options_page, "regenerate docs/options.md's table: DHelixConfig.describe()"
+
+
+def test_each_option_summary_is_one_short_sentence() -> None:
+    """The README's table gives each option's first sentence: one line, not a paragraph."""
+    for f in dataclasses.fields(DHelixConfig):
+        summary = option_summary(f.metadata["doc"])
+        assert summary.endswith(".") and len(summary) <= 160, f"{f.name}: {summary!r}"
 
 
 def test_dhelix_env_vars_are_read_only_in_config_module() -> None:
