@@ -31,7 +31,7 @@ import math
 import re
 from collections.abc import Sequence
 
-#: Where ``--rate auto`` starts: the rate of most of BENCHMARKS.md's tables.
+#: Where ``--rate auto`` starts: the rate of the fixed-rate tables in BENCHMARKS.md.
 PROBE_RATE = "1gbit"
 #: Calibration stops when T_comm is within this share of T_compute ...
 TOLERANCE = 0.08
