@@ -20,6 +20,7 @@ A library that knows nothing of passes: passes receive an :class:`Estimator` and
     symbolic        sympy sizes and their hints
     cluster/        the DHelix paper's settings at cluster scale (``dhelix simulate``)
     units           numbers as text: format_ms, format_pct, format_ratio
+    timing          timing a call (host clock, device synchronized, CUDA events): every measurement's clock
     progress        the progress bar (tqdm)
 
 The names below load with their submodule on first use: ``import cost_model.units`` (or

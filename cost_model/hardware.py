@@ -26,10 +26,8 @@ import dataclasses
 import functools
 import json
 import pathlib
-import statistics
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -47,6 +45,7 @@ from cost_model.datasheets import (
     TERA,
 )
 from cost_model.links import LINKS, Link, UnknownHardwareError, get_link, register_link
+from cost_model.timing import median_run_s, time_samples_s
 
 aten = torch.ops.aten
 
@@ -270,25 +269,10 @@ def load_hardware_file(path: str | pathlib.Path, *, overwrite: bool = False) -> 
 # --------------------------------------------------------------------------- cpu
 
 
-def _time_samples_s(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    samples: list[float] = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return samples
-
-
-def _median_time_s(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    return statistics.median(_time_samples_s(fn, repeats, warmup))
-
-
 def _best_time_s(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     """The fastest run: a peak (FLOP/s, bandwidth) is what the machine can do, and a busy
     machine (a compile in the background, the other rank) only ever makes runs slower."""
-    return min(_time_samples_s(fn, repeats, warmup))
+    return min(time_samples_s(fn, repeats, warmup))
 
 
 @dataclass
@@ -334,15 +318,15 @@ def measure_cpu_device(name: str = "cpu") -> Device:
     x = torch.ones(1)
     y = torch.ones(1)
     out = torch.empty(1)
-    t_launch = _median_time_s(lambda: torch.add(x, y, out=out), repeats=200, warmup=20)
+    t_launch = median_run_s(lambda: torch.add(x, y, out=out), warmup=20, repeats=200, device=None)
 
     a32 = torch.randn(n, n)
-    t_alone = _median_time_s(lambda: torch.mm(a32, a32), repeats=5)
+    t_alone = median_run_s(lambda: torch.mm(a32, a32), warmup=1, repeats=5, device=None)
     copier = _Copier(nbytes=8 * 2**20)
     thread = threading.Thread(target=copier.run, daemon=True)
     thread.start()
     try:
-        t_busy = _median_time_s(lambda: torch.mm(a32, a32), repeats=5)
+        t_busy = median_run_s(lambda: torch.mm(a32, a32), warmup=1, repeats=5, device=None)
     finally:
         copier.stop.set()
         thread.join()

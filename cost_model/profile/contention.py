@@ -58,10 +58,11 @@ import torch.fx
 
 from cost_model.comm_nodes import describe_comm, resolve_group_size
 from cost_model.nodes import call_target
-from cost_model.profile.running import device_of_nodes, real_args, synchronize
+from cost_model.profile.running import device_of_nodes, real_args
 from cost_model.profile.threads import gloo_thread_ids, threads_cpu_s
 from cost_model.rank_agreement import agree_max, backend_name, comm_device
 from cost_model.symbolic import evaluate, size_hints
+from cost_model.timing import synchronize
 
 MIN_BYTES: int = 1 << 20
 MAX_BYTES: int = 64 << 20

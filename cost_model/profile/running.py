@@ -6,8 +6,9 @@ Contract
   node becomes a random tensor of its ``meta["val"]``'s shape, strides, dtype and device at the
   size hints (:func:`materialize`: normal floats, zero integers -- valid indices and masks);
   given a live ``group``, a collective's ``group_name`` argument names that group.
-* :func:`median_run_s` -- ``warmup`` untimed calls, then the median wall time of ``repeats``
-  calls, the device synchronized after each; :func:`median_runs_interleaved_s` -- the same for
+* :func:`median_run_s` (``cost_model.timing``, where every clock reading is taken) -- ``warmup``
+  untimed calls, then the median wall time of ``repeats`` calls, the device synchronized after
+  each; :func:`median_runs_interleaved_s` -- the same for
   candidates to compare, their calls interleaved round by round, after a barrier on a group
   that runs them together, NaN for one that raises (the profiler's failure value);
   :func:`median_run_or_nan_s` -- that for one function.
@@ -41,6 +42,7 @@ from cost_model.comm_nodes import resolve_process_group
 from cost_model.nodes import call_target
 from cost_model.rank_agreement import backend_name
 from cost_model.symbolic import concretize, hinted_shape, hinted_stride, tensors_in
+from cost_model.timing import median_run_s, synchronize
 
 _C10D = torch.ops._c10d_functional
 
@@ -134,26 +136,6 @@ def device_of_nodes(nodes: Iterable[torch.fx.Node]) -> torch.device:
         for t in tensors_in(node.meta.get("val")):
             return torch.device(t.device)
     return torch.device("cpu")
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_run_s(fn: Callable[[], object], warmup: int, repeats: int, device: torch.device) -> float:
-    """Median wall time of ``repeats`` calls of ``fn`` after ``warmup`` calls (device synchronized)."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    samples: list[float] = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def median_runs_interleaved_s(

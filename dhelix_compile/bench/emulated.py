@@ -33,6 +33,7 @@ import torch
 
 from cost_model.collectives import collective_time_s
 from cost_model.hardware import Link
+from cost_model.timing import synchronize
 from cost_model.units import format_ms
 
 EMULATED_PREFIX = "emulated:"
@@ -78,20 +79,15 @@ def parse_emulated_link(spec: str) -> EmulatedLink | None:
     return EmulatedLink(link, ranks, traffic)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], None], device: torch.device, host: list[float] | None = None) -> float:
     """Seconds of ``fn()`` until the device is done; ``host`` gets the seconds until ``fn``
     returned (the host's own time for the step: launches, Python, waits it blocks in)."""
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     fn()
     if host is not None:
         host.append(time.perf_counter() - start)
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 

@@ -16,10 +16,10 @@ Timing is measured here, never asserted in a test.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.collectives import collective_time_s
+from cost_model.timing import one_call_s
 from dhelix_compile import _torch_compat as compat
 
 SIZES_BYTES: tuple[int, ...] = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
@@ -56,18 +57,8 @@ def _issue(op: str, nbytes: int, n: int, device: torch.device) -> Callable[[], A
 
 
 def _elapsed_s(run: Callable[[], None], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        compat.cuda_delay(4_000_000)  # ~2 ms of GPU work first: the host issues ahead, as in a training step
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1e3
-    began = time.perf_counter()
-    run()
-    return time.perf_counter() - began
+    # on CUDA behind ~2 ms of GPU work: the host issues ahead, as in a training step
+    return one_call_s(run, device, lead_in=functools.partial(compat.cuda_delay, 4_000_000))
 
 
 def _issue_and_wait(issue: Callable[[], Any]) -> Callable[[], None]:

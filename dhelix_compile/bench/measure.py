@@ -37,8 +37,8 @@ import torch
 import torch.fx
 
 from cost_model.op_kinds import is_comm, kind_of
-from cost_model.profile import median_run_s
 from cost_model.profile.running import run_node, transfer_tensors
+from cost_model.timing import back_to_back_s, median_run_s
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.comm_threads import gloo_threads_cpu_s
 
@@ -173,9 +173,7 @@ class _Matmuls:
 
     def seconds_each(self, count: int = 50) -> float:
         self.run(5)
-        start = time.perf_counter()
-        self.run(count)
-        return (time.perf_counter() - start) / count
+        return back_to_back_s(lambda: self.run(1), count)
 
 
 def ceiling_steps(

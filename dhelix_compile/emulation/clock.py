@@ -34,6 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from cost_model.timing import cuda_window_s, time_samples_s
 from dhelix_compile import _torch_compat as compat
 
 #: ``wait`` sleeps until this long before the deadline, then spins (Linux timer slack and the
@@ -92,12 +93,7 @@ class CpuQueues:
     def calibrate(self, round_trip: Callable[[], None], repeats: int = 50) -> None:
         """Set :attr:`host_overhead_s` to the fastest of ``repeats`` issue-and-wait round trips of
         an operation that takes no time."""
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            round_trip()
-            times.append(time.perf_counter() - start)
-        self.host_overhead_s = min(times)
+        self.host_overhead_s = min(time_samples_s(round_trip, repeats, warmup=0))
 
 
 class _DelayKernel:
@@ -118,13 +114,7 @@ class _DelayKernel:
     def _timed(cycles: int) -> float:
         """GPU seconds of one delay kernel, queued behind ~1 ms of GPU work (so the host's launch
         runs ahead and the events time the kernel, not the launch)."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        compat.cuda_delay(2_000_000)
-        start.record()
-        compat.cuda_delay(cycles)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return cuda_window_s(lambda: compat.cuda_delay(cycles), lead_in=lambda: compat.cuda_delay(2_000_000))
 
     def sleep(self, seconds: float) -> None:
         """Enqueue a kernel on the current stream that runs ``seconds`` (at least its fixed cost)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cost_model.profile.running import median_run_s, synchronize
+from cost_model.timing import median_run_s, synchronize
 
 Report = dict[str, Any]
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dhelix_compile.bench.gpu.timing import cuda_window_s, time_each_s
+from cost_model.timing import cuda_window_s, time_each_s
+from dhelix_compile import _torch_compat as compat
 
 Report = dict[str, Any]
+
+#: About 0.5 ms of spinning on the stream ahead of a timed window: it opens with the calls queued.
+_LEAD_IN = functools.partial(compat.cuda_delay, 1_000_000)
 
 
 def alone_and_beside_s(
@@ -25,16 +30,16 @@ def alone_and_beside_s(
     measured in alternation (trial by trial), so that the clocks, which fall under a long
     full-power load, are the same for both."""
     stream = torch.cuda.Stream(device)
-    main_s = cuda_window_s(main, reps, lead_in=True)
+    main_s = cuda_window_s(main, reps, lead_in=_LEAD_IN)
     queued = max(2, int(2 * main_s * reps / side_s) + 2)  # outlasts the timed window
     alone, beside = [], []
     for _ in range(trials):
-        alone.append(cuda_window_s(main, reps, lead_in=True))
+        alone.append(cuda_window_s(main, reps, lead_in=_LEAD_IN))
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(queued):
                 side()
-        beside.append(cuda_window_s(main, reps, lead_in=True))
+        beside.append(cuda_window_s(main, reps, lead_in=_LEAD_IN))
         torch.cuda.synchronize(device)
     return statistics.median(alone), statistics.median(beside)
 

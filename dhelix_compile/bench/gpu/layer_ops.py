@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dhelix_compile.bench.gpu.timing import time_each_s
+from cost_model.timing import time_each_s
 
 Report = dict[str, Any]
 
