@@ -6,7 +6,7 @@ See ``graph_passes/README.md`` for the ``node.meta`` contract and the invariants
 from __future__ import annotations
 
 from graph_passes.context import PassContext, PassObserver, Phase
-from graph_passes.pipeline import (
+from graph_passes.pass_list import (
     PASSES,
     GraphPass,
     PassError,

@@ -1,4 +1,4 @@
-"""The pipeline benchmark workload (``bench.pipeline``): its transfers follow the schedule's stage
+"""The pipeline benchmark workload (``bench.pipeline_parallel``): its transfers follow the schedule's stage
 layout, and on two gloo ranks every variant trains the same gradients and the P2P replay completes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from dhelix_compile.bench.pipeline import P2PReplay, Transfer, build_pipeline, run_pipeline_variants
+from dhelix_compile.bench.pipeline_parallel import P2PReplay, Transfer, build_pipeline, run_pipeline_variants
 from dhelix_compile.testing.multirank import run_on_ranks
 
 
@@ -41,7 +41,7 @@ def test_transfers_pair_the_ranks_torchs_schedule_runs_the_stages_on(kind: str, 
     from torch.distributed.pipelining import PipelineStage
 
     from cost_model.testing import fake_world
-    from dhelix_compile.testing.pipeline import build_schedule, stage_layout
+    from dhelix_compile.testing.pipeline_checks import build_schedule, stage_layout
 
     owners = []
     for rank in range(pp):

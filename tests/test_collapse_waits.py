@@ -12,7 +12,7 @@ from cost_model.testing import fake_world, trace_aten
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
 from graph_passes.collapse_waits import collapse_waits_pass
-from graph_passes.pipeline import pass_names
+from graph_passes.pass_list import pass_names
 from graph_passes.verify import VerifyError, verify_pass
 
 c10d = torch.ops._c10d_functional

@@ -19,7 +19,7 @@ from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
 from graph_passes.combine_all_reduces import PASS, combine_all_reduces_pass, find_summed_all_reduces
-from graph_passes.pipeline import pass_names
+from graph_passes.pass_list import pass_names
 from graph_passes.verify import verify_pass
 
 aten = torch.ops.aten

@@ -67,7 +67,7 @@ def test_disable_passes_accepts_list_and_rejects_garbage() -> None:
 
 
 def test_unknown_pass_name_is_rejected_by_the_backend() -> None:
-    from graph_passes.pipeline import pass_names
+    from graph_passes.pass_list import pass_names
 
     names = ", ".join(pass_names())
     assert "reorder" in pass_names()

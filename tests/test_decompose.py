@@ -803,7 +803,7 @@ def test_exchange_leaves_no_stale_work_registration(world_size: int) -> None:
 def test_pass_runs_after_annotate_before_reorder_and_the_backend_decides_per_site() -> None:
     from dhelix_compile.config import DHelixConfig
     from dhelix_compile.pass_options import pass_options
-    from graph_passes.pipeline import pass_names
+    from graph_passes.pass_list import pass_names
 
     names = pass_names()
     assert names.index("annotate") < names.index("decompose") < names.index("reorder")

@@ -22,7 +22,7 @@ from dhelix_compile.testing.multirank import run_on_ranks
 from graph_passes import PassContext
 from graph_passes.annotate import annotate_pass
 from graph_passes.gloo_collectives import GlooCollectiveOptions, gloo_collectives_pass
-from graph_passes.pipeline import pass_names
+from graph_passes.pass_list import pass_names
 from graph_passes.verify import verify_pass
 
 c10d = torch.ops._c10d_functional

@@ -12,7 +12,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import graph_passes.pipeline as pipeline
+import graph_passes.pass_list as pass_list
 from dhelix_compile.testing.toy_models import MLP
 from graph_passes import GraphPass, PassContext, PassError, UnknownPassError, pass_names, run_pipeline
 from graph_passes.annotate import annotate_pass
@@ -248,7 +248,7 @@ def test_disable_passes_option_skips_them(tmp_path) -> None:
 
 @pytest.fixture
 def failing_pipeline(monkeypatch):
-    monkeypatch.setattr(pipeline, "PASSES", (*pipeline.PASSES, GraphPass("boom", _boom_pass, "")))
+    monkeypatch.setattr(pass_list, "PASSES", (*pass_list.PASSES, GraphPass("boom", _boom_pass, "")))
 
 
 @pytest.mark.inductor

@@ -3,7 +3,7 @@ same schedules run eagerly (losses of the last stage, every parameter gradient, 
 bad input gets a HelixError that names the problem.
 
 The reference transformer (and a Hugging Face Llama) is cut into stage chunks, or stage modules
-are torch's own classes (``dhelix_compile.testing.pipeline``): one
+are torch's own classes (``dhelix_compile.testing.pipeline_checks``): one
 stage per rank for Schedule1F1B, two per rank for ScheduleInterleaved1F1B (looped) and
 ScheduleDualPipeV (folded, its OVERLAP_F_B steps merged).
 """
@@ -19,7 +19,7 @@ import pytest
 from dhelix_compile.pipeline_runtime.schedule import SUPPORTED_SCHEDULES
 from dhelix_compile.testing.boundary_checks import BOUNDARY_PLACEMENTS, check_boundary_cases, check_folded_boundary
 from dhelix_compile.testing.multirank import run_on_ranks
-from dhelix_compile.testing.pipeline import check_pipelines, helix_pipeline_errors
+from dhelix_compile.testing.pipeline_checks import check_pipelines, helix_pipeline_errors
 
 pytestmark = pytest.mark.multirank
 
@@ -49,7 +49,7 @@ def test_every_supported_schedule_equals_its_eager_run_on_two_ranks() -> None:
 
 def test_stages_of_torchs_own_module_classes_equal_their_eager_run(tmp_path: Path) -> None:
     """Stage modules that are an ``nn.Sequential`` or a bare ``nn.Linear``, whose forwards are in
-    Dynamo's skipfiles (``testing.pipeline.torch_module_chunks``): every supported schedule equals
+    Dynamo's skipfiles (``testing.pipeline_checks.torch_module_chunks``): every supported schedule equals
     its eager run, and each rank merges F of one such stage with B of another into one graph."""
     results = run_on_ranks(
         check_pipelines,

@@ -3,7 +3,7 @@ schedules, the data-parallel modes, and the models with their sizes.
 
 Plain data, no torch: the command line builds its parsers from these (``dhelix bench --help``
 lists them) without loading torch. The modules that build and run each thing take its names
-from here: ``variants`` and ``steps`` (step variants), ``pipeline`` and ``testing.pipeline``
+from here: ``variants`` and ``steps`` (step variants), ``pipeline_parallel`` and ``testing.pipeline_checks``
 (pipeline variants, schedules), ``data_parallel`` (its variants and modes), ``workloads``
 (the models).
 """
@@ -34,9 +34,9 @@ HELIX_VARIANTS: dict[str, dict[str, Any]] = {"helix": {}, "helix_decompose": {"d
 #: Every variant of a training step (``--variants``).
 STEP_VARIANTS: tuple[str, ...] = (*VARIANTS, *HELIX_VARIANTS)
 
-#: The pipeline benchmark's variants (``--pipeline``; ``bench.pipeline``).
+#: The pipeline benchmark's variants (``--pipeline``; ``bench.pipeline_parallel``).
 PIPELINE_VARIANTS: tuple[str, ...] = ("pipeline_eager", "pipeline_inductor", "helix_pipeline")
-#: torch.distributed.pipelining schedules the pipeline benchmark builds (``testing.pipeline.build_schedule``).
+#: torch.distributed.pipelining schedules the pipeline benchmark builds (``testing.pipeline_checks.build_schedule``).
 ScheduleKind = Literal["1f1b", "interleaved_1f1b", "dualpipev"]
 SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
 

@@ -11,7 +11,7 @@ TP+SP reference model by default) on gloo ranks (``testing.multirank``; on loopb
 bench``'s run at that rate: a plan, and its memory, follows the link) and prints, per variant,
 the peak bytes resident during one step above what was resident before it (sampled, see
 ``peak_allocated_bytes``): the eager accumulation loop, the Inductor loop, dhelix single
-strand, and helix. With ``--pipeline``, the model as a pipeline (``bench.pipeline``) under each
+strand, and helix. With ``--pipeline``, the model as a pipeline (``bench.pipeline_parallel``) under each
 schedule named: torch's schedule eager, with Inductor-compiled stages, and ``helix_pipeline``.
 With ``--data-parallel shard`` (or ``replicate``), the reference model data-parallel over the
 ranks: torch's own eager FSDP2 ``fully_shard`` (DDP for ``replicate``) beside ``data_parallel``
@@ -98,7 +98,7 @@ def _rank_peaks(
 def _pipeline_peaks(
     rank: int, world_size: int, model: str, microbatches: int, kinds: list[str], variants: list[str]
 ) -> dict[str, int]:
-    from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS, build_pipeline
+    from dhelix_compile.bench.pipeline_parallel import PIPELINE_VARIANTS, build_pipeline
     from dhelix_compile.bench.steps import split_variant
 
     peaks = {}
@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants", default=None, help=f"default: {', '.join(MEMORY_VARIANTS)}, or every pipeline variant"
     )
-    parser.add_argument("--pipeline", default=None, help="comma-separated schedules (bench.pipeline.SCHEDULE_KINDS)")
+    parser.add_argument(
+        "--pipeline", default=None, help="comma-separated schedules (bench.pipeline_parallel.SCHEDULE_KINDS)"
+    )
     parser.add_argument("--data-parallel", choices=("shard", "replicate"), default=None)
     parser.add_argument(
         "--rate",
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     # the ranks start cold (forked=False), as a user's processes do, not forked from a server's heap
     run = functools.partial(run_on_ranks, timeout_s=args.timeout_s, forked=False, link=LinkSpec(rate=args.rate))
     if args.pipeline:
-        from dhelix_compile.bench.pipeline import PIPELINE_VARIANTS
+        from dhelix_compile.bench.pipeline_parallel import PIPELINE_VARIANTS
 
         kinds = [k for k in args.pipeline.split(",") if k]
         variants = parse_variants(args.variants or ",".join(PIPELINE_VARIANTS))

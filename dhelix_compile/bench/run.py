@@ -433,7 +433,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SCHEDULE_KINDS,
         default=None,
         help="run the model as a pipeline under this torch.distributed.pipelining schedule, one stage group "
-        f"over the ranks (variants {', '.join(PIPELINE_VARIANTS)}; bench.pipeline)",
+        f"over the ranks (variants {', '.join(PIPELINE_VARIANTS)}; bench.pipeline_parallel)",
     )
     parser.add_argument(
         "--data-parallel",

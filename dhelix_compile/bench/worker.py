@@ -50,7 +50,7 @@ from dhelix_compile.bench.measure import (
     replay_collectives,
     time_interleaved,
 )
-from dhelix_compile.bench.pipeline import P2PReplay, build_pipeline
+from dhelix_compile.bench.pipeline_parallel import P2PReplay, build_pipeline
 from dhelix_compile.bench.progress_file import ProgressFile
 from dhelix_compile.bench.steps import parse_variants, split_variant, step_function
 from dhelix_compile.bench.variants import overlap_scheduler_on_cpu
@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pipeline",
         choices=SCHEDULE_KINDS,
         default=None,
-        help="the model as a pipeline under this torch schedule (bench.pipeline), its variants",
+        help="the model as a pipeline under this torch schedule (bench.pipeline_parallel), its variants",
     )
     parser.add_argument(
         "--data-parallel",

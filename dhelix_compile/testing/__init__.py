@@ -8,7 +8,7 @@
 * ``moe``                ``ReferenceMoE``, ``ExpertParallelMoE`` (static-split all-to-all).
 * ``hf_llama``           a Hugging Face ``LlamaForCausalLM`` from a config (the ``hf`` extra),
                          parallelized with PyTorch's TP or TP+SP plan.
-* ``pipeline``           the reference transformer cut into stage chunks; torch's pipeline
+* ``pipeline_checks``    the reference transformer cut into stage chunks; torch's pipeline
                          schedules eager against ``helix_pipeline`` (PP, PP x TP).
 * ``sharding``           map local shards and gradients to slices of the reference's.
 * ``checks``             rank-side checks of each parallel model (eager, compiled) vs reference.

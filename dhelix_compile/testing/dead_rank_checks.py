@@ -258,7 +258,7 @@ def _pipeline(rank: int, world_size: int, group: Any, options: dict[str, Any]) -
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     import dhelix_compile
-    from dhelix_compile.testing.pipeline import TORCH_MODULES_VOCAB, torch_module_chunks
+    from dhelix_compile.testing.pipeline_checks import TORCH_MODULES_VOCAB, torch_module_chunks
 
     chunk = torch_module_chunks(world_size)[rank]
     module = nn.Sequential(chunk, DeathPoint()) if rank < world_size - 1 else nn.Sequential(DeathPoint(), chunk)

@@ -4,7 +4,7 @@ Contract
     A joint pass is a function ``name(graph: torch.fx.Graph) -> int``. It runs on the aten joint
     forward-backward graph (``tangents_*`` placeholders feed the backward) before the min-cut
     partitioner splits it, rewrites ``graph`` in place, and returns how many sites it rewrote or
-    marked (0: the graph is as it was). The partition passes (``graph_passes.pipeline.PASSES``)
+    marked (0: the graph is as it was). The partition passes (``graph_passes.pass_list.PASSES``)
     run later, on each partition.
 
 Driver (:class:`JointPasses`, built by :func:`joint_passes` with the passes turned off by

@@ -1,7 +1,7 @@
 """regather: parameters gathered again in the backward, as FSDP2's ``reshard_after_forward=True``.
 
 A joint-graph pass (forward and backward in one graph, before AOTAutograd's min-cut partitioner
-splits it), not one of the partition passes of ``pipeline.PASSES``. ``data_parallel`` with
+splits it), not one of the partition passes of ``pass_list.PASSES``. ``data_parallel`` with
 ``reshard_after_forward=True`` traces each parameter's all-gather inside
 ``torch.fx.traceback.annotate(REGATHER)``, so those nodes carry ``meta["custom"]``. Left alone,
 the partitioner saves the gathered weight (or its transpose, which a matmul's backward reads) for

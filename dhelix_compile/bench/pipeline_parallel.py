@@ -2,8 +2,8 @@
 
     dhelix bench --model small --pipeline dualpipev --microbatches 8 --rate 1gbit
 
-The reference transformer of ``--model`` is cut into stage chunks (``testing.pipeline.chunks``)
-laid out over the ranks as the schedule wants them (``testing.pipeline.stage_layout``: DualPipeV
+The reference transformer of ``--model`` is cut into stage chunks (``testing.pipeline_checks.chunks``)
+laid out over the ranks as the schedule wants them (``testing.pipeline_checks.stage_layout``: DualPipeV
 folds four chunks over two ranks, ``r`` and ``2 pp - 1 - r``); a step is one ``schedule.step``
 over ``microbatches`` micro-batches of the model's batch each. Variants:
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.bench.choices import PIPELINE_VARIANTS, SCHEDULE_KINDS, ScheduleKind
 from dhelix_compile.testing.llama import Transformer, lm_loss
-from dhelix_compile.testing.pipeline import build_schedule, chunks, stage_layout
+from dhelix_compile.testing.pipeline_checks import build_schedule, chunks, stage_layout
 
 
 @dataclasses.dataclass
