@@ -119,7 +119,7 @@ class DHelixConfig:
         "column-wise LM head with replicated output feeds the cross-entropy, the softmax's max and sum "
         "and the target's logit become three all-reduces of one number per token instead of the "
         "gather, and the backward computes only this rank's part of the logits' gradient "
-        "(Megatron's vocab-parallel cross-entropy; graph_passes.vocab_parallel_loss). Sums of "
+        "(Megatron's vocab-parallel cross-entropy; graph_passes.joint.vocab_parallel_loss). Sums of "
         "exponentials are added in another order than eager's.",
     )
     decompose: DecomposeMode = _option(
