@@ -12,6 +12,7 @@ name). ``dhelix_compile.testing`` uses Dynamo's debug backends and counters in i
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
@@ -309,8 +310,57 @@ def _donating_placeholder(self: Any, target: str, args: Any, kwargs: Any) -> Any
 
 
 def eager_partition(gm: torch.fx.GraphModule | Callable[..., Any]) -> Callable[..., Any]:
-    """Run the FX graph as is (or a function of its inputs), with AOTAutograd's boxed calling convention."""
-    return _make_boxed_func(gm.forward if isinstance(gm, torch.fx.GraphModule) else gm)
+    """Run the FX graph as is (or a function of its inputs), with AOTAutograd's boxed calling
+    convention; a graph's Inductor random prims draw from their seeds (:func:`seeded_random_prims`)."""
+    if isinstance(gm, torch.fx.GraphModule):
+        return _make_boxed_func(seeded_random_prims(gm).forward)
+    return _make_boxed_func(gm)
+
+
+def seeded_random_prims(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm``, or a copy of it whose ``prims.inductor_random`` / ``prims.inductor_randint`` calls
+    draw from a generator seeded with their seed argument.
+
+    Inductor's joint-graph passes (the capture is ``compile_fx``'s) turn every random op into
+    ``inductor_random(size, seed, mode)`` with a seed the forward draws and saves, and a backward
+    that recomputes the op (activation checkpointing; the partitioner's recompute) calls it again
+    with that seed. Inductor's kernels are a function of the seed; torch 2.13's eager
+    implementations of these prims ignore it and draw from the default generator, so a graph run
+    eagerly would recompute another dropout mask than its forward drew.
+    """
+    targets = _seeded_prims()
+    if not any(node.op == "call_function" and node.target in targets for node in gm.graph.nodes):
+        return gm
+    seeded = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    for node in seeded.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            node.target = targets[node.target]
+    seeded.recompile()
+    return seeded
+
+
+def _seeded_prims() -> dict[Any, Callable[..., torch.Tensor]]:
+    import torch._inductor.inductor_prims
+
+    return {
+        torch.ops.prims.inductor_random.default: _seeded_random,
+        torch.ops.prims.inductor_randint.default: _seeded_randint,
+    }
+
+
+def _seeded_generator(seed: torch.Tensor) -> torch.Generator:
+    generator = torch.Generator(device=seed.device)
+    generator.manual_seed(int(seed.item()))
+    return generator
+
+
+def _seeded_random(size: Sequence[int], seed: torch.Tensor, mode: str, *, align_dtype: Any = None) -> torch.Tensor:
+    draw = torch.rand if mode == "rand" else torch.randn
+    return draw(list(size), device=seed.device, dtype=torch.float32, generator=_seeded_generator(seed))
+
+
+def _seeded_randint(low: int, high: int, size: Sequence[int], seed: torch.Tensor) -> torch.Tensor:
+    return torch.randint(low, high, list(size), device=seed.device, generator=_seeded_generator(seed))
 
 
 def inductor_mode_options(mode: str | None) -> dict[str, Any]:

@@ -111,6 +111,34 @@ def test_eager_partition_is_boxed() -> None:
     torch.testing.assert_close(fn([torch.ones(2), torch.ones(2)]), torch.full((2,), 2.0))
 
 
+def test_eager_partition_draws_inductors_random_prims_from_their_seeds() -> None:
+    """torch's eager ``prims.inductor_random`` ignores its seed; run by ``eager_partition`` a call
+    with one seed gives one tensor (a backward recomputing a dropout mask gets its forward's)."""
+    import torch._inductor.inductor_prims
+
+    prims = torch.ops.prims
+
+    def draws(seeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        first = prims.inductor_lookup_seed.default(seeds, 0)
+        second = prims.inductor_lookup_seed.default(seeds, 1)
+        return (
+            prims.inductor_random.default([64], first, "rand"),
+            prims.inductor_random.default([64], first, "randn"),
+            prims.inductor_random.default([64], second, "rand"),
+            prims.inductor_randint.default(0, 1000, [64], first),
+            prims.inductor_random.default([64], first, "rand"),
+        )
+
+    gm = torch.fx.symbolic_trace(draws)
+    seeds = torch.tensor([123, 456])
+    rand, randn, other, randint, again = compat.eager_partition(gm)([seeds])
+    assert torch.equal(rand, again) and not torch.equal(rand, other)
+    assert randn.min() < 0 and rand.min() >= 0 and rand.max() < 1 and rand.dtype == torch.float32
+    assert randint.dtype == torch.int64 and randint.min() >= 0 and randint.max() < 1000
+    assert torch.equal(compat.eager_partition(gm)([seeds])[0], rand)  # a function of the seed alone
+    assert any(n.target is prims.inductor_random.default for n in gm.graph.nodes), "gm itself is not rewritten"
+
+
 def test_mode_options() -> None:
     assert compat.inductor_mode_options(None) == {}
     assert compat.inductor_mode_options("default") == {}

@@ -77,6 +77,7 @@ class Strand:
     chained: bool = False  # the decompose pass rewrote an all-to-all chain of ``gm``
     grad_slots: Slots = ()  # B: its outputs' parameters (grad_accumulation); empty: .grad added after it
     donated: tuple[int, ...] = ()  # B: its inputs AOTAutograd donates (saved activations it frees first)
+    draws: bool = False  # it advances the default generator (random_ops.draws_from_the_stream)
 
 
 @dataclasses.dataclass(frozen=True)

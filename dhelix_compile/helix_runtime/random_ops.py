@@ -1,8 +1,15 @@
-"""Which nodes of a graph draw random numbers: the ops ``helix`` refuses.
+"""Which nodes of a graph draw random numbers, and which of those advance the generator's stream.
 
-A helix step runs micro-batch i+1's forward in one graph with micro-batch i's backward, and
-helix does not reproduce eager's per-micro-batch RNG stream, so a forward graph that draws
-random numbers is refused. Whether a call draws is decided from the op *and its arguments*:
+``helix`` runs models that draw random numbers (dropout in training mode) with the random
+stream of the accumulation loop through the same code generator: every forward draws what it
+would draw in that loop, in micro-batch order. Two strand calls merge into one graph only when
+at most one of them advances the default generator (:func:`draws_from_the_stream`): then the
+merged graph consumes the stream in that strand's own order. Two forwards that both draw (the
+paired schedules' F+F steps) run one after the other. A backward that replays a checkpointed
+region's saved RNG state (``run_with_rng_state``, below) sets the generator to that state and
+restores it afterwards: it draws the forward's numbers again and leaves the stream as it was.
+
+Whether a call draws is decided from the op *and its arguments*:
 
 * An op tagged ``nondeterministic_seeded`` (or one of the random ops named in
   :data:`RANDOM_OP_NAMES`) draws, unless its drop probability is a literal 0 or its ``train``
@@ -75,6 +82,10 @@ RNG_STATE_WRAPPERS: Mapping[str, int] = {
     "graphsafe_run_with_rng_state": 0,
 }
 
+#: The wrappers that run their op under a saved state and set the generator back to its own state
+#: afterwards (``torch._prims.rng_prims``): the stream is left as it was.
+REPLAYING_WRAPPERS = frozenset({"run_with_rng_state"})
+
 #: Arguments that make a random op deterministic when they are literal: drop probability 0 (``p``
 #: of the ops named ``*dropout``; these of the attention and RNN kernels), train off.
 _PROBABILITY_ARGS = ("dropout_p", "dropout")
@@ -89,6 +100,17 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
         if node.op == "call_function" and draws_random_numbers(node.target, node.args, node.kwargs):
             found.append(_qualified(node))
     return found
+
+
+def draws_from_the_stream(gm: torch.fx.GraphModule) -> bool:
+    """Whether running ``gm`` advances the default generator: a node draws random numbers, other
+    than under :data:`REPLAYING_WRAPPERS` (each restores the generator's state after its op)."""
+    return any(
+        node.op == "call_function"
+        and op_name(node) not in REPLAYING_WRAPPERS
+        and draws_random_numbers(node.target, node.args, node.kwargs)
+        for node in gm.graph.nodes
+    )
 
 
 def draws_random_numbers(target: object, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

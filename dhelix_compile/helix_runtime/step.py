@@ -23,10 +23,11 @@ Contract
       error. Micro-batches of another shape compile their own graphs; a forward and a
       backward of different shapes run one after the other instead of merged.
     - Refused with :class:`HelixError` (naming the problem): an empty list, an item of another
-      type, no parameter requiring grad, a loss that is not a scalar or does not require grad,
-      and models that draw random numbers (dropout with p > 0 in training mode): helix does
-      not reproduce eager's per-micro-batch RNG stream (``helix_runtime.random_ops`` decides
-      from each op's arguments).
+      type, no parameter requiring grad, a loss that is not a scalar or does not require grad.
+    - Random ops (dropout in training mode): every backward uses the mask its forward drew, and
+      the step draws the random numbers of the accumulation loop through the same code
+      generator (``helix_runtime.random_ops``: two calls that both advance the generator run
+      one after the other).
     - Activation checkpointing (non-reentrant: ``torch.utils.checkpoint.checkpoint``, Hugging
       Face's ``gradient_checkpointing_enable``, ``checkpoint_wrapper``, selective checkpointing)
       runs as Inductor runs it: the recompute is in B. The RNG-state wrappers it puts around

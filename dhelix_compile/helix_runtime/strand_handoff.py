@@ -66,7 +66,7 @@ from dhelix_compile.helix_runtime.merged_candidates import (
     adding_grads,
     compile_merged,
 )
-from dhelix_compile.helix_runtime.random_ops import random_ops
+from dhelix_compile.helix_runtime.random_ops import draws_from_the_stream, random_ops
 from graph_passes import PassContext
 from graph_passes.context import Phase
 from graph_passes.decompose import A2A_CHAIN
@@ -115,6 +115,12 @@ class StrandPair:
         # across graphs only a forward and a backward (a pipeline's stages): never two of one phase
         mergeable = same_graph or (self.exchange.merge_across_graphs and phase != parked_phase)
         first, second = self.strand(phase), parked.strand(parked_phase)
+        if first is not None and second is not None and first.draws and second.draws:
+            # each draws from the default generator as the accumulation loop does, in call order
+            log.info(
+                "helix: a %s and a %s call that both draw random numbers run one after the other", phase, parked_phase
+            )
+            mergeable = False
         if mergeable and first is not None and second is not None:
             try:
                 merged = compile_merged(
@@ -360,15 +366,12 @@ def compile_strand_partition(
             "helix needs a loss that requires grad: no parameter of the model requires grad, or the "
             "loss does not depend on one (the graph was captured as inference)"
         )
-    if not inductor_kwargs.get("is_backward"):
-        found = random_ops(gm)
-        if found:
-            raise HelixError(
-                "helix does not run models that draw random numbers (found "
-                f"{', '.join(sorted(set(found)))}): micro-batch i+1's forward runs together with "
-                "micro-batch i's backward, and helix does not reproduce eager's RNG stream. Set dropout "
-                "to 0 (or use model.eval() for the dropout layers)."
-            )
+    draws = draws_from_the_stream(gm)
+    if draws and pair.exchange.merge_across_graphs:
+        raise HelixError(
+            f"helix_pipeline runs stage modules that draw no random numbers (found {', '.join(sorted(set(random_ops(gm))))}): "
+            "set dropout to 0 or call .eval() on the dropout layers (helix runs models with dropout)"
+        )
     scheduled: list[tuple[torch.fx.GraphModule, PassContext]] = []
     grad_slots = pair.grad_slots if inductor_kwargs.get("is_backward") else ()
     if grad_slots:
@@ -401,6 +404,7 @@ def compile_strand_partition(
         chained,
         grad_slots,
         compat.donated_input_indices() if inductor_kwargs.get("is_backward") else (),
+        draws,
     )
     if strand.phase == "fwd":
         pair.forward = strand
