@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
-from cost_model import Estimator, PlannedCosts
+from cost_model import Estimator, PlannedCosts, compile_clock
 from cost_model.estimator import STAND_IN_KEY
 from cost_model.op_kinds import op_name
 from cost_model.profile import ProfiledEstimator
@@ -123,17 +123,21 @@ def compile_partition(
         if planned is not None and ctx is planned[1]:
             scheduled = planned[0]
         else:
-            scheduled = run_pipeline(copy_graph_module(gm), ctx, disabled=config.disable_passes)
+            with compile_clock.phase("passes"):
+                scheduled = run_pipeline(copy_graph_module(gm), ctx, disabled=config.disable_passes)
     except PassError as exc:
         if config.fallback == "error":
             raise
         log.warning("%s; falling back to plain Inductor on the untouched graph", exc)
         # if a pass failed on some ranks only, their orders differ: fail clearly, never hang
-        check_rank_consistency(gm, name, graph_wait_s(gm, config.consistency_timeout_s))
+        with compile_clock.phase("agreement"):
+            check_rank_consistency(gm, name, graph_wait_s(gm, config.consistency_timeout_s))
         if dumper is not None:
             dumper.write_summary(ctx, fallback=str(exc), profile_steps=config.profile_steps)
         plan = _measurement_plan(gm, name, dumper, config)  # before codegen: Inductor rewrites its graph
-        return _profiled(compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs), plan, dumper, config)
+        with compile_clock.phase("codegen"):
+            compiled = compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
+        return _profiled(compiled, plan, dumper, config)
     if on_scheduled is not None:
         on_scheduled(scheduled, ctx)
     if finish is not None or donated:
@@ -142,7 +146,8 @@ def compile_partition(
         finish(scheduled)
     if donated:
         compat.mark_donated(scheduled, donated)
-    check_rank_consistency(scheduled, name, graph_wait_s(scheduled, config.consistency_timeout_s))
+    with compile_clock.phase("agreement"):
+        check_rank_consistency(scheduled, name, graph_wait_s(scheduled, config.consistency_timeout_s))
     if dumper is not None:
         stand_ins = [n.meta[STAND_IN_KEY] for n in scheduled.graph.nodes if STAND_IN_KEY in n.meta]
         if ctx.estimator is not None and stand_ins:  # the final timeline prices them (PlannedCosts)
@@ -153,7 +158,9 @@ def compile_partition(
         )
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
     plan = _measurement_plan(scheduled, name, dumper, config)  # before codegen: Inductor rewrites its graph
-    return _profiled(generate(scheduled, example_inputs, config.codegen, inductor_kwargs), plan, dumper, config)
+    with compile_clock.phase("codegen"):
+        compiled = generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
+    return _profiled(compiled, plan, dumper, config)
 
 
 def plan_partition(
@@ -168,7 +175,8 @@ def plan_partition(
     what the passes predicted, for a caller that weighs candidate graphs before compiling one.
     Raises :class:`PassError` when a pass fails."""
     ctx = _pass_context(gm, example_inputs, config, graph_name, phase, None)
-    scheduled = run_pipeline(copy_graph_module(gm), ctx, disabled=config.disable_passes)
+    with compile_clock.phase("passes"):
+        scheduled = run_pipeline(copy_graph_module(gm), ctx, disabled=config.disable_passes)
     return scheduled, ctx
 
 
@@ -267,7 +275,8 @@ def _estimator(
     if not has_communication(gm):
         return None
     if resolve_cost_model(config, gm) == "profile":
-        check_rank_consistency(gm, name, graph_wait_s(gm, config.consistency_timeout_s))
+        with compile_clock.phase("agreement"):
+            check_rank_consistency(gm, name, graph_wait_s(gm, config.consistency_timeout_s))
     return build_estimator(config, gm, example_inputs)
 
 

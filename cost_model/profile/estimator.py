@@ -128,6 +128,7 @@ import sympy
 import torch
 import torch.fx
 
+from cost_model import compile_clock
 from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size, resolve_process_group
 from cost_model.estimator import Estimator, EstimatorBase, NodeCost
 from cost_model.memory import is_schema_view
@@ -364,12 +365,14 @@ class ProfiledEstimator(EstimatorBase):
         through ``runner``; every rank must call it with the same signatures, in the same order."""
         return self.runner(lambda: self.calibrate(nodes)) if self.runner is not None else self.calibrate(nodes)
 
+    @compile_clock.timed("profiling")
     def segment_pair_times(
         self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
     ) -> dict[Pair, float]:
         """Measured co-execution time of segment pairs (:mod:`cost_model.profile.pairs`)."""
         return segment_pair_times(self, fwd, bwd, runner=self.runner)
 
+    @compile_clock.timed("profiling")
     def segment_times(self, segments: Sequence[Sequence[torch.fx.Node]]) -> list[float | None]:
         """Measured seconds of each segment run with its dataflow (:mod:`cost_model.profile.segments`)."""
         return segment_times(self, segments, runner=self.runner)
@@ -470,6 +473,7 @@ class ProfiledEstimator(EstimatorBase):
 
     # ------------------------------------------------------------------ calibration
 
+    @compile_clock.timed("profiling")
     def calibrate(self, gm: NodesLike) -> CalibrationReport:
         """Measure the graph's ops and collectives; see the module docstring."""
         t_start = time.perf_counter()
