@@ -31,9 +31,13 @@ class ConfigError(ValueError):
     """An unknown option or an invalid option value."""
 
 
-def _option(default: Any, doc: str, env: str | None = None) -> Any:
-    """A dataclass field carrying its documentation and, optionally, its environment variable."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "env": env})
+def _option(default: Any, doc: str, env: str | None = None, *, experimental: bool = False) -> Any:
+    """A dataclass field carrying its documentation and, optionally, its environment variable.
+
+    ``experimental``: the option turns on a variant that measured slower than the default or level
+    with it (its doc says where); it stays so that the measurement can be repeated.
+    :meth:`DHelixConfig.describe` lists these last, marked ``(experimental)``."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "env": env, "experimental": experimental})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,7 @@ class DHelixConfig:
         "keeps one collective per parameter. A bucket holds one group's and dtype's collectives, as "
         "DDP's buckets: one collective's fixed cost instead of one per parameter, issued when its last "
         "input exists. 0 is the default: measured faster with gloo on 2 CPU cores (BENCHMARKS.md).",
+        experimental=True,
     )
     max_issue_distance: int = _option(
         512, "At most this many graph nodes between a collective's issue and its wait (>= 1)."
@@ -138,6 +143,7 @@ class DHelixConfig:
         "whole collective call whose CPU and latency the per-site prediction misses; on the TP+SP "
         "reference model auto picked chunks for a few percent predicted and ran about 12% slower "
         "than per-peer steps (BENCHMARKS.md).",
+        experimental=True,
     )
     decompose_pieces: int = _option(
         0,
@@ -154,6 +160,7 @@ class DHelixConfig:
         "predicts the whole graph faster that way than with the two collectives decomposed on their own. "
         "Off by default: measured slower than those on the MLP block, and the model does not "
         "tell them apart reliably (BENCHMARKS.md).",
+        experimental=True,
     )
     decompose_all_to_all_chains: bool = _option(
         True,
@@ -178,6 +185,7 @@ class DHelixConfig:
         "default on the bench's TP+SP and MoE workloads: a strand alone already hides much of its "
         "communication behind its own per-peer steps, and two forwards (or backwards) complement "
         "each other less than a forward and a backward (helix_runtime.schedule; BENCHMARKS.md).",
+        experimental=True,
     )
     helix_grads_in_graph: bool = _option(
         True,
@@ -224,6 +232,7 @@ class DHelixConfig:
         "The timed DP runs over simulated clocks, which lets a long transfer run under several "
         "segments (try 4); on the 2-core CPU machine its plans were predicted faster and measured "
         "level (>= 0).",
+        experimental=True,
     )
     gloo_thread_priority: GlooThreadPriority = _option(
         "realtime",
@@ -351,10 +360,11 @@ class DHelixConfig:
         """The options table (markdown): name, default, environment variable, meaning.
 
         ``brief=True`` gives each option's summary (the first sentence of its doc; the README's
-        table), else its whole doc and its choices (``docs/options.md``).
+        table), else its whole doc and its choices (``docs/options.md``). The experimental options
+        come last, each marked ``(experimental)``.
         """
         rows = ["| option | default | env var | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
+        for f in sorted(dataclasses.fields(cls), key=lambda f: bool(f.metadata["experimental"])):
             doc = f.metadata["doc"]
             choices = _literal_choices(f.name)
             if brief:
@@ -362,7 +372,8 @@ class DHelixConfig:
             elif choices:
                 doc += " Choices: " + ", ".join(f"`{c}`" for c in choices) + "."
             env = f"`{f.metadata['env']}`" if f.metadata.get("env") else ""
-            rows.append(f"| `{f.name}` | `{f.default!r}` | {env} | {doc} |")
+            marker = "(experimental) " if f.metadata["experimental"] else ""
+            rows.append(f"| `{f.name}` | `{f.default!r}` | {env} | {marker}{doc} |")
         return "\n".join(rows)
 
 
@@ -377,6 +388,11 @@ def ranks_from_fork_server() -> bool:
     has imported torch once (the default) or, with ``0``, starts every rank cold. Not an option
     of the backend: it only changes how the test harness starts processes."""
     return os.environ.get("DHELIX_FORKSERVER", "1") != "0"
+
+
+def experimental_option_names() -> tuple[str, ...]:
+    """Names of the options marked experimental (``_option(experimental=True)``), in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(DHelixConfig) if f.metadata["experimental"])
 
 
 def option_names() -> tuple[str, ...]:

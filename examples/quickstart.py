@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dhelix_compile.testing.toy_models import GPT, lm_loss
+from dhelix_compile.models import GPT, lm_loss
 
 
 def main() -> None:

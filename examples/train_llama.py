@@ -43,7 +43,7 @@ def build(size: str, sequence_parallel: bool, mesh: Any) -> tuple[Callable[[], t
         import transformers  # noqa: F401  # the optional extra: only its presence is checked here
     except ImportError:
         return _reference(size, sequence_parallel, mesh)
-    from dhelix_compile.testing.hf_llama import build_hf_llama, hf_llama_batches, hf_llama_loss, parallelize_hf_llama
+    from dhelix_compile.models import build_hf_llama, hf_llama_batches, hf_llama_loss, parallelize_hf_llama
 
     def make() -> torch.nn.Module:
         return parallelize_hf_llama(build_hf_llama(size), mesh, sequence_parallel=sequence_parallel)
@@ -56,8 +56,7 @@ def build(size: str, sequence_parallel: bool, mesh: Any) -> tuple[Callable[[], t
 
 
 def _reference(size: str, sequence_parallel: bool, mesh: Any) -> tuple[Callable, Callable, Callable]:
-    from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
-    from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
+    from dhelix_compile.models import ModelConfig, Transformer, lm_loss, parallelize_tp, parallelize_tp_sp
 
     dim, layers, seq, batch = {"tiny": (64, 2, 32, 2), "bench": (512, 2, 256, 2)}[size]
     config = ModelConfig(dim=dim, n_heads=8, n_layers=layers, ffn_hidden=3 * dim, vocab_size=2048, max_seq_len=seq)

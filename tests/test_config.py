@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dhelix_compile
-from dhelix_compile.config import ConfigError, DHelixConfig, option_names, option_summary
+from dhelix_compile.config import ConfigError, DHelixConfig, experimental_option_names, option_names, option_summary
 
 
 def test_defaults() -> None:
@@ -101,6 +101,25 @@ def test_readme_options_table_is_current() -> None:
     assert DHelixConfig.describe() in options_page, "regenerate docs/options.md's table: DHelixConfig.describe()"
 
 
+def test_experimental_options_are_marked_and_listed_last() -> None:
+    """The options whose own docs measure them slower or level with the default: one flag marks
+    them, and both tables list them last, marked."""
+    assert experimental_option_names() == (
+        "bucket_mb",
+        "decompose_auto_chunked",
+        "decompose_chains",
+        "helix_schedule",
+        "interleave_timed_width",
+    )
+    for brief in (True, False):
+        rows = DHelixConfig.describe(brief=brief).splitlines()[2:]
+        names = [row.split("`")[1] for row in rows]
+        count = len(experimental_option_names())
+        assert sorted(names[-count:]) == sorted(experimental_option_names())
+        for row, name in zip(rows, names):
+            assert ("| (experimental) " in row) == (name in experimental_option_names()), row
+
+
 def test_each_option_summary_is_one_short_sentence() -> None:
     """The README's table gives each option's first sentence: one line, not a paragraph."""
     for f in dataclasses.fields(DHelixConfig):
@@ -146,6 +165,34 @@ def test_every_pass_option_is_a_config_field() -> None:
     for name, (_, fields) in FIELDS.items():
         for source in fields.values():
             assert source in option_names(), f"{name}: {source} is not a DHelixConfig field"
+
+
+def test_every_pass_options_class_defaults_to_the_config() -> None:
+    """One set of defaults: a pass's options built from DHelixConfig() equal the class's own
+    defaults, field by field (copied and derived fields alike)."""
+    from dhelix_compile.pass_options import FIELDS, pass_options
+
+    built = pass_options(DHelixConfig())
+    differ = [
+        f"{name}.{f.name}: {getattr(cls(), f.name)!r} (class) != {getattr(built[name], f.name)!r} (config)"
+        for name, (cls, _) in FIELDS.items()
+        for f in dataclasses.fields(cls)
+        if getattr(cls(), f.name) != getattr(built[name], f.name)
+    ]
+    assert differ == []
+
+
+def test_a_pass_not_asked_for_does_nothing() -> None:
+    """No options for decompose in the context: the pass is off (its class defaults to 'auto')."""
+    import torch
+
+    from graph_passes.context import PassContext
+    from graph_passes.decompose import decompose_pass
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    ctx = PassContext("test", "fwd")
+    decompose_pass(gm, ctx)
+    assert ctx.stats["decompose"] == {"off": 1}
 
 
 @pytest.mark.parametrize(

@@ -92,6 +92,8 @@ def _traced(fn, *shapes, world=2, rank=0):
 
 
 def _run(gm, estimator=SLOW_LINK, world=2, rank=0, **options) -> PassContext:
+    """The pass on ``gm`` with ``options``; one piece per transfer unless ``pieces`` says otherwise."""
+    options = {"pieces": 1, **options}
     ctx = PassContext("test", "fwd", estimator=estimator, pass_options={"decompose": DecomposeOptions(**options)})
     with fake_world(world, rank):
         decompose_pass(gm, ctx)
@@ -807,9 +809,8 @@ def test_pass_runs_after_annotate_before_reorder_and_the_backend_decides_per_sit
 
     names = pass_names()
     assert names.index("annotate") < names.index("decompose") < names.index("reorder")
-    assert DecomposeOptions().mode == "off"  # the pass alone does nothing unless asked
-    # the backend's default: per site, and pieces per site too
-    assert pass_options(DHelixConfig())["decompose"] == DecomposeOptions(mode="auto", pieces=0)
+    # the backend's default and the options' own: per site, and pieces per site too
+    assert pass_options(DHelixConfig())["decompose"] == DecomposeOptions() == DecomposeOptions(mode="auto", pieces=0)
     forced = pass_options(DHelixConfig.from_options({"decompose": "chunked", "decompose_max_chunks": 3}))["decompose"]
     assert forced == DecomposeOptions(mode="chunked", max_chunks=3, pieces=0)
     pieces = pass_options(DHelixConfig.from_options({"decompose": "per_peer", "decompose_pieces": 2}))["decompose"]
@@ -826,7 +827,9 @@ def test_pass_runs_after_annotate_before_reorder_and_the_backend_decides_per_sit
 
 def test_rewritten_graph_is_annotated_again() -> None:
     gm = _traced(_row_out, (2, 8, 8), (8, 8))
-    ctx = PassContext("test", "bwd", estimator=SLOW_LINK, pass_options={"decompose": DecomposeOptions(mode="per_peer")})
+    ctx = PassContext(
+        "test", "bwd", estimator=SLOW_LINK, pass_options={"decompose": DecomposeOptions(mode="per_peer", pieces=1)}
+    )
     annotate_pass(gm, ctx)
     with fake_world(2):
         decompose_pass(gm, ctx)

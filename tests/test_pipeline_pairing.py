@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -34,6 +35,37 @@ def test_one_f_one_b_on_two_stages_pairs_nothing_it_would_serialize() -> None:
     forced = {0: [Compute("F", 0, 0), *(Overlap(Compute("F", 0, j + 1), Compute("B", 0, j)) for j in range(3))]}
     forced[0].append(Compute("B", 0, 3))
     assert makespan({**order, **forced}, 2) > makespan(order, 2)
+
+
+#: Merged steps per rank that helix_pipeline runs on Schedule1F1B: (stages, micro-batches) ->
+#: (torch's order, eager 1F1B's). docs/pipelines.md and the README say these numbers.
+ONE_F_ONE_B_MERGED = {
+    (2, 8): ([0, 0], [6, 0]),
+    (2, 16): ([0, 0], [14, 0]),
+    (4, 8): ([0, 0, 0, 0], [2, 4, 6, 0]),
+    (4, 16): ([0, 0, 0, 0], [10, 12, 14, 0]),
+}
+
+
+@pytest.mark.parametrize(("num_stages", "n"), sorted(ONE_F_ONE_B_MERGED))
+def test_how_many_steps_merge_on_one_f_one_b(num_stages: int, n: int) -> None:
+    """torch's 1F1B order keeps no pair: helix_pipeline runs every step of a Schedule1F1B on its
+    own. Eager 1F1B merges each steady-state F with the B after it on every stage but the last."""
+    torchs, eager = ONE_F_ONE_B_MERGED[num_stages, n]
+    for order, expected in ((one_f_one_b(num_stages, n), torchs), (one_f_one_b(num_stages, n, eager=True), eager)):
+        paired = pair_forwards_with_backwards(order, num_stages)
+        assert [sum(isinstance(step, Overlap) for step in paired[rank]) for rank in range(num_stages)] == expected
+
+
+def test_the_docs_say_how_many_steps_merge_on_one_f_one_b() -> None:
+    root = Path(__file__).resolve().parents[1]
+    row = next(line for line in (root / "docs" / "pipelines.md").read_text().splitlines() if "| `Schedule1F1B`" in line)
+    assert row.startswith("| `Schedule1F1B` | nothing, in torch's order") and "0 merged steps" in row
+    totals = {key: sum(eager) for key, (_, eager) in ONE_F_ONE_B_MERGED.items()}
+    assert f"{totals[2, 8]} and {totals[2, 16]} with 2 stages" in row
+    assert f"{totals[4, 8]} and {totals[4, 16]} with 4 stages" in row
+    readme = " ".join((root / "README.md").read_text().split())
+    assert "so `Schedule1F1B` runs each F and B on its own (compiled, none merged)" in readme
 
 
 def test_eager_one_f_one_b_leaves_room_for_pairs() -> None:

@@ -11,7 +11,9 @@ may run at once (``OVERLAP_F_B``, DualPipeV's steady state). Nothing here knows 
     pair_forwards_with_backwards(order, num_stages)
                                      each F followed on its rank by a B of another micro-batch
                                      becomes an Overlap (the DHelix pairing), unless that would
-                                     deadlock the pipeline
+                                     deadlock the pipeline or lengthen its makespan: in torch's
+                                     1F1B order every pair would, and none is made; eager
+                                     1F1B's are kept
     find_deadlock(order, num_stages) the steps no rank can start, or None
 
 Dependencies (one model cut into ``num_stages`` stages, micro-batches independent):

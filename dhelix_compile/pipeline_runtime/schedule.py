@@ -27,8 +27,11 @@ What runs
 Which schedules pair what (``pairing`` has the rules)
     ``ScheduleDualPipeV``         its own ``OVERLAP_F_B`` steps (F of one chunk with B of the
                                   other: the folded pipeline, both ranks merge in the steady state)
-    ``Schedule1F1B``              each steady-state F with the B that follows it on the rank: every
-                                  stage but the last (whose F and B are of one micro-batch)
+    ``Schedule1F1B``              nothing in torch's order: every steady-state F and the B after it
+                                  would lengthen the step (``makespan``), so each runs on its own;
+                                  with ``order="eager_1f1b"``, each steady-state F and the B after
+                                  it on every stage but the last (whose F and B are of one
+                                  micro-batch)
     ``ScheduleInterleaved1F1B``   each F followed by a B of another micro-batch on the rank,
                                   when the pipeline still completes with the two merged
     A schedule's split backwards (``I`` then ``W``: zero-bubble steps of DualPipeV) run as one

@@ -2,12 +2,13 @@
 
 * ``multirank``          ``run_on_ranks(fn, world_size, ...)``: spawn gloo ranks, collect results,
                          fail with the failing ranks' tracebacks, never hang.
-* ``llama``              the single-process Llama-style reference ``Transformer``, ``lm_loss``.
-* ``tensor_parallel``    ``parallelize_tp`` / ``parallelize_tp_sp``: DTensor plans.
+* ``llama``              the single-process Llama-style reference ``Transformer``, ``lm_loss``
+                         (``dhelix_compile.models.llama``'s, re-exported).
+* ``tensor_parallel``    ``parallelize_tp`` / ``parallelize_tp_sp``: DTensor plans (``models``').
 * ``sequence_parallel``  ``FunctionalSPTransformer``: Megatron-SP with functional collectives.
 * ``moe``                ``ReferenceMoE``, ``ExpertParallelMoE`` (static-split all-to-all).
 * ``hf_llama``           a Hugging Face ``LlamaForCausalLM`` from a config (the ``hf`` extra),
-                         parallelized with PyTorch's TP or TP+SP plan.
+                         parallelized with PyTorch's TP or TP+SP plan (``models``').
 * ``pipeline_checks``    the reference transformer cut into stage chunks; torch's pipeline
                          schedules eager against ``helix_pipeline`` (PP, PP x TP).
 * ``sharding``           map local shards and gradients to slices of the reference's.

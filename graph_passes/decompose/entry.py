@@ -2,8 +2,8 @@
 
 Contract
     Input: an annotated AOTAutograd partition (functional aten IR, ``meta["val"]`` on every
-    node) and ``ctx.pass_options["decompose"]`` (``DecomposeOptions``; mode ``"off"`` by
-    default: nothing happens but ``ctx.stats["decompose"]["off"]``). For each pattern in
+    node) and ``ctx.pass_options["decompose"]`` (``DecomposeOptions``; none, or mode ``"off"``:
+    nothing happens but ``ctx.stats["decompose"]["off"]``). For each pattern in
     ``options.patterns`` (``CHAIN`` first when enabled), for each match ``collective_matches``
     finds, in graph order: build the site (``site.Site``), build and price its variants and
     choose (``selection``), commit the choice or leave the site as it was. When anything was
@@ -204,7 +204,7 @@ class _Decomposer:
 
 def decompose_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     """Decompose collectives next to their matmuls; see the module docstring."""
-    options = ctx.pass_options.get(PASS, DecomposeOptions())
+    options = ctx.pass_options.get(PASS, DecomposeOptions(mode="off"))  # not asked for: off
     assert isinstance(options, DecomposeOptions)
     options.validate()
     if options.mode == "off":

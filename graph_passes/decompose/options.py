@@ -3,7 +3,9 @@
 Contract
     ``DecomposeOptions`` is frozen; ``validate()`` raises ``ValueError`` naming the bad field and
     returns the options. ``pass_options()["decompose"]`` (built by the backend from its config)
-    is one; a missing entry means the defaults (mode ``"off"``: the pass does nothing).
+    is one; a missing entry means the pass is not asked for and does nothing. The defaults are
+    the backend's (``DHelixConfig``'s ``decompose*`` fields; ``tests/test_config.py`` checks
+    that every pass's options default to the config's).
 """
 
 from __future__ import annotations
@@ -41,11 +43,10 @@ AUTO_PIECES: tuple[int, ...] = (1, 2, 4)
 class DecomposeOptions:
     """Knobs of the decompose pass (``pass_options()["decompose"]``)."""
 
-    mode: Mode = "off"
+    mode: Mode = "auto"
     """``"auto"``: per site, the cheapest per-peer variant (and chunked(k) with ``auto_chunked``),
     only if the cost model predicts a gain; ``"per_peer"`` / ``"chunked"``: that family wherever
-    it applies, gain or not (tests, benchmarks); ``"off"`` (the pass's own default; the backend's
-    is ``"auto"``): the pass does nothing."""
+    it applies, gain or not (tests, benchmarks); ``"off"``: the pass does nothing."""
     auto_chunked: bool = False
     """``"auto"`` also tries chunked(k). Off by default: k smaller collectives cost more than
     the site model sees (each is a whole collective call, with its CPU and latency, that the
@@ -54,15 +55,14 @@ class DecomposeOptions:
     slower than per-peer (BENCHMARKS.md)."""
     max_chunks: int = 4
     """Largest k tried by the chunked variant (k = 2..max_chunks that divide the shape)."""
-    pieces: int = 1
+    pieces: int = 0
     """How many pieces each per-peer transfer is split into: ``P >= 1`` forces P, ``0`` lets the
     cost model pick among ``AUTO_PIECES`` (those that divide the shape). The compute on piece p
     of a peer's shard runs while piece p+1 is in flight, and a remote partial's piece is sent as
     soon as it is computed. Measured, pieces pay on the dim-512 MLP block and cost more than they
     hide on the dim-256 TP+SP model, where the per-op model misses what transfers in pieces cost
     on CPU cores; with an estimator that measures (``Estimator.segment_times``) the candidates
-    are run and the measurements decide (``selection``). The backend's default is 0
-    (``DHelixConfig.decompose_pieces``); this dataclass keeps 1, what the pass does unmeasured."""
+    are run and the measurements decide (``selection``)."""
     min_gain_ratio: float = 0.02
     """``"auto"`` rewrites a site only if its time drops by at least this fraction; of variants
     within this fraction of the fastest, the one with the fewest pieces is chosen."""
