@@ -10,7 +10,9 @@ parsers imports no torch, the commands import it when they run):
                                over a rate-limited link: losses beside eager's, step times vs
                                Inductor and the ceiling
     simulate [--setting S]     cluster-scale predictions of the cost model for the DHelix
-                               paper's settings: sequential vs dhelix step time and MFU
+                               paper's settings: sequential vs dhelix step time and MFU;
+                               an emulated setting's bench variants; ``--from-bench FILE``:
+                               the predictions beside a recorded emulated bench run
     bench [--rate R] ...       every variant in one interleaved run beside T_compute, T_comm
                                and the limit max(T_compute, T_comm) (``dhelix_compile.bench.run``)
 """
@@ -75,6 +77,53 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
 
 
+def _run_simulate_bench(args: argparse.Namespace) -> int:
+    """``simulate --from-bench FILE...``: each recorded emulated run beside its predictions."""
+    from cost_model import cluster
+    from dhelix_compile.bench.recorded import load_bench
+
+    attention = cluster.MEASURED_ATTENTION_EFFICIENCY
+    print(
+        "Predictions of the cost model (cost_model/cluster/emulated.py) beside measurements of the emulated "
+        "cluster (dhelix bench --link emulated:...). Measured: the bench's step, host time, own compute and "
+        "communication, bytes and transfers. Assumed: elementwise ops at the datasheet's memory bandwidth, the "
+        "programs each variant's passes make (cost_model.cluster.emulated.VARIANT_PROGRAMS).\n"
+    )
+    for path in args.from_bench:
+        try:
+            setting, record = load_bench(path)
+            comparison = cluster.compare_bench(
+                setting, record, matmul_efficiency=_efficiency(args, cluster), attention_efficiency=attention
+            )
+        except (OSError, ValueError) as err:
+            print(f"dhelix simulate: {path}: {err}", file=sys.stderr)
+            return 2
+        print(cluster.format_bench_comparison(comparison, source=str(path)))
+    return 0
+
+
+def _run_simulate_emulated(args: argparse.Namespace) -> int:
+    """``simulate --setting <an emulated setting>``: its bench variants, predicted."""
+    from cost_model import cluster
+
+    setting = cluster.EMULATED_SETTINGS[args.setting]
+    matmul, attention = _efficiency(args, cluster), cluster.MEASURED_ATTENTION_EFFICIENCY
+    preds = [
+        cluster.predict_variant(setting, v, matmul_efficiency=matmul, attention_efficiency=attention)
+        for v in ("inductor", "dhelix", "helix")
+    ]
+    print(
+        "Predictions from the cost model (cost_model/cluster/emulated.py), not measurements; "
+        "`--from-bench FILE` sets them beside a recorded run.\n"
+    )
+    print(cluster.format_variant_predictions(setting, preds, matmul, attention))
+    return 0
+
+
+def _efficiency(args: argparse.Namespace, cluster: Any) -> float:
+    return float(cluster.MEASURED_MATMUL_EFFICIENCY if args.matmul_efficiency is None else args.matmul_efficiency)
+
+
 def _add_simulate(commands: argparse._SubParsersAction) -> None:
     """``simulate``: cluster-scale step predictions of the cost model (``cost_model.cluster``)."""
 
@@ -83,12 +132,15 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
 
         from cost_model import cluster
 
+        if args.from_bench:
+            return _run_simulate_bench(args)
+        if args.setting in cluster.EMULATED_SETTINGS:
+            return _run_simulate_emulated(args)
         names = None if args.setting == "all" else [args.setting]
         try:
-            efficiency = (
-                cluster.MEASURED_MATMUL_EFFICIENCY if args.matmul_efficiency is None else args.matmul_efficiency
+            preds = cluster.simulate_settings(
+                names, contention_factor=args.contention, matmul_efficiency=_efficiency(args, cluster)
             )
-            preds = cluster.simulate_settings(names, contention_factor=args.contention, matmul_efficiency=efficiency)
         except (cluster.UnknownSettingError, ValueError) as err:
             print(f"dhelix simulate: {err}", file=sys.stderr)
             return 2
@@ -125,7 +177,8 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
         "--setting",
         default="all",
         metavar="NAME|all",
-        help="one setting (e.g. a40-llama-8b; an unknown name lists them) or 'all' (default)",
+        help="one setting (e.g. a40-llama-8b, or an emulated one: h200-emulated-llama3_8b_gpu-tp8-ib400; an unknown "
+        "name lists them) or 'all' (default: the paper's settings)",
     )
     parser.add_argument(
         "--contention",
@@ -143,6 +196,15 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
         "1.0: roofline)",
     )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the predictions as JSON to OUT")
+    parser.add_argument(
+        "--from-bench",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a recorded emulated bench result (dhelix bench --link emulated:... --out FILE; e.g. docs/results/"
+        "2026-11-28-h200-emulated-tp8-ib400.json): its setting's predictions per variant beside the measured steps "
+        "(repeatable)",
+    )
     parser.set_defaults(handler=run)
 
 

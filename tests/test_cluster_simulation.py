@@ -20,6 +20,7 @@ from cost_model.cluster import (
     simulate_setting,
     strands,
 )
+from cost_model.cluster.strands import LOSS_STAT_REDUCES
 from cost_model.hardware import get_device
 from dhelix_compile.cli import main
 
@@ -56,7 +57,12 @@ def test_segments_end_at_tp_collectives() -> None:
     setting = get_setting("a40-llama-8b")  # tp 4 with sequence parallelism, pp 1
     fwd, bwd = strands(setting)
     per_layer = 4  # AG, RS, AG, RS
-    assert len(fwd) == len(bwd) == 1 + setting.model.layers * per_layer + 2  # embedding, layers, head (+loss)
+    layers = setting.model.layers * per_layer
+    # embedding RS, the layers, the head's AG, the three loss-statistics all-reduces, the loss
+    assert len(fwd) == 1 + layers + 1 + len(LOSS_STAT_REDUCES) + 1
+    assert [s.collective for s in fwd[-4:-1]] == [f"all_reduce (loss {stat})" for stat in LOSS_STAT_REDUCES]
+    # the head's RS (after the cross-entropy and logits), the layers, the embedding's AG, its lookup
+    assert len(bwd) == 1 + layers + 1 + 1
     assert fwd[1].collective is not None and fwd[1].collective.startswith("all_gather")
     assert fwd[2].collective is not None and fwd[2].collective.startswith("reduce_scatter")
     # the embedding's reduce-scatter becomes an all-gather of its gradient, then the lookup's backward
@@ -64,7 +70,7 @@ def test_segments_end_at_tp_collectives() -> None:
     assert bwd[-1].collective is None and bwd[-1].ops == ("embedding",)
     no_sp = dataclasses.replace(setting, parallel=dataclasses.replace(setting.parallel, sequence_parallel=False))
     fwd_ar, _ = strands(no_sp)
-    assert len(fwd_ar) == 1 + setting.model.layers * 2 + 1
+    assert len(fwd_ar) == 1 + setting.model.layers * 2 + len(LOSS_STAT_REDUCES) + 1
     assert all(s.collective is None or s.collective.startswith("all_reduce") for s in fwd_ar)
 
 

@@ -12,7 +12,11 @@ DP the interleave pass runs on FX graphs)::
     step_model       simulate_setting: the sequential and the dhelix step, MFU, the gap to the paper
     paper_settings   the paper's settings and model shapes (SETTINGS, MODELS), get_setting,
                      simulate_settings
-    report           format_prediction / format_summary: the markdown ``dhelix simulate`` prints
+    emulated         the emulated cluster's bench step per variant (inductor, dhelix, helix):
+                     predicted, and beside a recorded ``dhelix bench --link emulated:...`` run
+                     (``dhelix simulate --from-bench``); EMULATED_SETTINGS
+    report           format_prediction / format_summary / format_bench_comparison: the markdown
+                     ``dhelix simulate`` prints
 
 Contract
 --------
@@ -24,6 +28,14 @@ unknown setting name raises :class:`UnknownSettingError` listing the valid ones.
 
 from __future__ import annotations
 
+from cost_model.cluster.emulated import (
+    EMULATED_SETTINGS,
+    BenchComparison,
+    BenchRecord,
+    VariantPrediction,
+    compare_bench,
+    predict_variant,
+)
 from cost_model.cluster.paper_settings import (
     MODELS,
     PAPER_SUMMARY,
@@ -32,10 +44,17 @@ from cost_model.cluster.paper_settings import (
     get_setting,
     simulate_settings,
 )
-from cost_model.cluster.report import format_prediction, format_summary
+from cost_model.cluster.report import (
+    format_bench_comparison,
+    format_prediction,
+    format_summary,
+    format_variant_predictions,
+)
 from cost_model.cluster.setting import ClusterSetting, ModelShape, PaperReport, Parallelism
 from cost_model.cluster.step_model import (
+    ATTENTION_EFFICIENCY_SOURCE,
     MATMUL_EFFICIENCY_SOURCE,
+    MEASURED_ATTENTION_EFFICIENCY,
     MEASURED_MATMUL_EFFICIENCY,
     ClusterPrediction,
     SchedulePrediction,
@@ -45,11 +64,16 @@ from cost_model.cluster.step_model import (
 from cost_model.cluster.strands import ClusterSegment, attention_flops, elementwise_time_s, matmul_time_s, strands
 
 __all__ = [
+    "ATTENTION_EFFICIENCY_SOURCE",
+    "EMULATED_SETTINGS",
     "MATMUL_EFFICIENCY_SOURCE",
+    "MEASURED_ATTENTION_EFFICIENCY",
     "MEASURED_MATMUL_EFFICIENCY",
     "MODELS",
     "PAPER_SUMMARY",
     "SETTINGS",
+    "BenchComparison",
+    "BenchRecord",
     "ClusterPrediction",
     "ClusterSegment",
     "ClusterSetting",
@@ -58,13 +82,18 @@ __all__ = [
     "Parallelism",
     "SchedulePrediction",
     "UnknownSettingError",
+    "VariantPrediction",
     "attention_flops",
+    "compare_bench",
     "elementwise_time_s",
+    "format_bench_comparison",
     "format_prediction",
     "format_summary",
+    "format_variant_predictions",
     "get_setting",
     "matmul_time_s",
     "model_flops_per_step",
+    "predict_variant",
     "simulate_setting",
     "simulate_settings",
     "strands",

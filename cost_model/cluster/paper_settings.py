@@ -10,7 +10,8 @@ Contract
 * Each setting's ``paper`` holds the speedup and TFLOP/s/GPU the authors report and where they
   were read; ``assumed`` lists the fields chosen here. :data:`PAPER_SUMMARY` is printed with
   the results.
-* :func:`get_setting` raises :class:`UnknownSettingError` listing the valid names;
+* :func:`get_setting` also finds the emulated settings (``cluster.emulated``) and raises
+  :class:`UnknownSettingError` listing the valid names;
   :func:`simulate_settings` predicts several (all by default), in order.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cost_model.cluster.emulated import EMULATED_SETTINGS
 from cost_model.cluster.setting import ClusterSetting, ModelShape, PaperReport, Parallelism
 from cost_model.cluster.step_model import MEASURED_MATMUL_EFFICIENCY, ClusterPrediction, simulate_setting
 
@@ -223,9 +225,12 @@ SETTINGS: dict[str, ClusterSetting] = {
 
 
 def get_setting(name: str) -> ClusterSetting:
-    """A setting by name; :class:`UnknownSettingError` lists the valid names."""
+    """A setting by name (the paper's, or an emulated one: ``cluster.emulated.EMULATED_SETTINGS``);
+    :class:`UnknownSettingError` lists the valid names."""
+    if name in EMULATED_SETTINGS:
+        return EMULATED_SETTINGS[name]
     if name not in SETTINGS:
-        valid = ", ".join(SETTINGS)
+        valid = ", ".join([*SETTINGS, *EMULATED_SETTINGS])
         raise UnknownSettingError(f"unknown setting {name!r}; valid settings: {valid} (or 'all')")
     return SETTINGS[name]
 

@@ -7,6 +7,9 @@ Contract
   step's time goes, the paper's source and :meth:`ClusterPrediction.explain_gap`;
 * :func:`format_summary` -- every setting in one table (MFU of both schedules, predicted and
   paper speedups, the paper's MFU).
+* :func:`format_variant_predictions` -- an emulated setting's bench variants, predicted
+  (:mod:`cost_model.cluster.emulated`); :func:`format_bench_comparison` -- the same beside a
+  recorded bench run, with the ratios, which numbers are measured and which predictions are claimed.
 
 Text only: every number comes from the :class:`~cost_model.cluster.step_model.ClusterPrediction`,
 written with :mod:`cost_model.units` (milliseconds, percent, ``1.31x``); "n/a" / "not found"
@@ -17,7 +20,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cost_model.cluster.step_model import ClusterPrediction
+from cost_model.cluster.emulated import (
+    HOST_BOUND_SHARE,
+    TOLERANCE,
+    BenchComparison,
+    VariantComparison,
+    VariantPrediction,
+)
+from cost_model.cluster.setting import ClusterSetting
+from cost_model.cluster.step_model import (
+    ATTENTION_EFFICIENCY_SOURCE,
+    MATMUL_EFFICIENCY_SOURCE,
+    ClusterPrediction,
+)
 from cost_model.units import format_ms, format_pct, format_ratio
 
 
@@ -129,4 +144,93 @@ def format_summary(preds: Sequence[ClusterPrediction]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["format_prediction", "format_summary"]
+def _link_line(setting: ClusterSetting) -> str:
+    link = setting.tp_link
+    return (
+        f"Link: {link.name} ({link.bandwidth_bytes_per_s / 1e9:g} GB/s per direction, alpha "
+        f"{link.latency_s * 1e6:g} us), one queue per direction shared by every group, as the emulator's."
+    )
+
+
+def _model_line(matmul_efficiency: float, attention_efficiency: float, contention: float | None) -> str:
+    return (
+        f"Analytic: the variant's order on one compute stream and the link (cost_model.cluster.emulated), "
+        f"matmuls at {matmul_efficiency:g} of peak ({MATMUL_EFFICIENCY_SOURCE}), attention at "
+        f"{attention_efficiency:g} ({ATTENTION_EFFICIENCY_SOURCE}), elementwise ops at the datasheet's "
+        f"memory bandwidth (assumed), compute beside a transfer {contention or 1.0:g}x slower (measured on the "
+        "emulator), transfers by the link model (the emulator's own); nothing of the host."
+    )
+
+
+def format_variant_predictions(
+    setting: ClusterSetting,
+    preds: Sequence[VariantPrediction],
+    matmul_efficiency: float,
+    attention_efficiency: float,
+) -> str:
+    """An emulated setting's bench variants, predicted (no measurement)."""
+    lines = [
+        f"### {setting.name}",
+        "",
+        f"{setting.describe()}. {_link_line(setting)}",
+        _model_line(matmul_efficiency, attention_efficiency, setting.contention_factor),
+        "",
+        "| variant | program | step (ms) | own compute (ms) | own comm (ms) | MB sent/step | transfers/step |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in preds:
+        lines.append(
+            f"| {p.variant} | {p.program.description} | {format_ms(p.step_s)} | {format_ms(p.compute_s)} | "
+            f"{format_ms(p.comm_s)} | {p.wire_bytes / 1e6:.0f} | {p.transfers} |"
+        )
+    return "\n".join([*lines, ""])
+
+
+def _claim(row: VariantComparison) -> str:
+    within = abs(row.measured_inputs_ratio - 1.0) <= TOLERANCE
+    claims = [f"measured inputs{'' if within else ' (MISSED)'}"]
+    if row.analytic_claimed:
+        claims.append("analytic" if abs(row.analytic_ratio - 1.0) <= TOLERANCE else "analytic (MISSED)")
+    return ", ".join(claims)
+
+
+def format_bench_comparison(comparison: BenchComparison, source: str = "") -> str:
+    """Predicted beside measured, one row per modeled variant (markdown)."""
+    s, record = comparison.setting, comparison.record
+    inputs = (
+        "max(measured host time, analytic): the host issues the step ahead of the GPU, a wait does not block it"
+        if record.on_cuda
+        else "the analytic order with each segment's compute scaled so that a step's sums to the measured "
+        "t_compute (on CPU the compute is the host's own, and a wait blocks it)"
+    )
+    lines = [
+        f"### {s.name}" + (f" against {source}" if source else ""),
+        "",
+        f"{s.describe()}. {_link_line(s)}",
+        f"Measured (the bench run on {record.device}, {record.dtype}): step, host, own compute (link free), "
+        "own comm (its transfers' link time), bytes and transfers per step.",
+        _model_line(comparison.matmul_efficiency, comparison.attention_efficiency, s.contention_factor),
+        f"Measured inputs: {inputs}.",
+        f"Claimed within {format_pct(TOLERANCE, 0)}: the measured-inputs prediction; the analytic one on CUDA where "
+        f"the step is not host-bound (host below {format_pct(HOST_BOUND_SHARE, 0)} of the step).",
+        "",
+        "| variant | program | measured step (ms) | host (ms) | analytic (ms) | analytic / measured | "
+        "measured inputs (ms) | / measured | claimed | MB sent/step (predicted / measured) | "
+        "transfers | own comm (ms) | own compute (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in comparison.rows:
+        a, m = row.analytic, row.measured
+        lines.append(
+            f"| {row.variant} | {a.program.description} | {format_ms(m.step_s)} | {format_ms(m.host_s)}"
+            f"{' (host-bound)' if row.host_bound else ''} | {format_ms(a.step_s)} | {format_ratio(row.analytic_ratio)} | "
+            f"{format_ms(row.measured_inputs_s)} | {format_ratio(row.measured_inputs_ratio)} | {_claim(row)} | "
+            f"{a.wire_bytes / 1e6:.0f} / {m.wire_bytes / 1e6:.0f} | {a.transfers} / {m.transfers} | "
+            f"{format_ms(a.comm_s)} / {format_ms(m.t_comm_s)} | {format_ms(a.compute_s)} / {format_ms(m.t_compute_s)} |"
+        )
+    if comparison.not_modeled:
+        lines += ["", f"Not modeled (no program model): {', '.join(comparison.not_modeled)}."]
+    return "\n".join([*lines, ""])
+
+
+__all__ = ["format_bench_comparison", "format_prediction", "format_summary", "format_variant_predictions"]

@@ -6,8 +6,15 @@ A :class:`ClusterSetting` is one configuration ``dhelix simulate`` predicts: a d
 transformer (:class:`ModelShape`), its :class:`Parallelism` degrees, sequence and batch sizes,
 the device and links by their ``cost_model.hardware`` names, and what the DHelix paper reports
 for it (:class:`PaperReport`). ``validate()`` raises ``ValueError`` naming the first field that
-does not fit (heads % tp, layers % pp, seq_len % (cp * tp with SP), degrees < 1, ...) or an
-unknown device or link (``UnknownHardwareError``).
+does not fit (heads % tp, heads % kv_heads, kv_heads % tp, layers % pp, seq_len % (cp * tp with
+SP), degrees < 1, ...) or an unknown device or link (``UnknownHardwareError``).
+
+Besides the shape and the degrees, a setting says how the program is written where that changes
+what is sent: ``projection_reduces`` (without SP, one all-reduce of a layer input's gradient, as
+Megatron's fused QKV and gate/up projections need, or one per projection, as PyTorch's TP plan
+on separate q, k, v, gate and up issues) and ``loss`` (Megatron's vocab-parallel cross-entropy,
+or the logits all-gathered and the loss computed on all of them, as PyTorch's
+``ColwiseParallel(output_layouts=Replicate())`` head does).
 
 Ranks are ordered tp (fastest), cp, dp, pp, as in Megatron-LM; a group of ``size`` ranks
 ``stride`` apart stays inside a node when ``stride * size <= gpus_per_node`` and runs over the
@@ -32,11 +39,17 @@ import torch
 from cost_model.hardware import Link, get_device, get_link
 
 Family = Literal["llama", "gpt"]
+ProjectionReduces = Literal["fused", "per_projection"]
+Loss = Literal["vocab_parallel", "gathered_logits"]
+Dtype = Literal["bfloat16", "float32"]
+
+#: Bytes of one element of each :data:`Dtype`.
+DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer (multi-head attention, no GQA)."""
+    """A decoder-only transformer: multi-head attention, or grouped-query with ``kv_heads``."""
 
     name: str
     """Display name, e.g. ``"Llama-8B"``."""
@@ -49,18 +62,33 @@ class ModelShape:
     vocab: int
     source: str
     """Where the shape comes from ("assumed: ..." when the paper does not give it)."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention, e.g. 8 for Llama-3-8B); None: one per query head."""
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     @property
+    def key_value_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key projection (and of the value projection): ``kv_heads * head_dim``."""
+        return self.key_value_heads * self.head_dim
+
+    @property
     def mlp_matrices(self) -> int:
         return 3 if self.family == "llama" else 2
 
     def layer_matmul_params(self) -> int:
-        """Weights of one layer's matmuls: QKV + output projection + MLP (norms and biases left out)."""
-        return 4 * self.hidden * self.hidden + self.mlp_matrices * self.hidden * self.ffn_hidden
+        """Weights of one layer's matmuls: Q, K, V, output projection, MLP (norms and biases left out).
+
+        With grouped-query attention K and V are ``hidden x kv_dim`` each, so QKV + output is
+        ``2h^2 + 2h * kv_dim`` (``4h^2`` for multi-head attention)."""
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        return attention + self.mlp_matrices * self.hidden * self.ffn_hidden
 
     def params(self) -> int:
         """All matmul weights plus one (tied) embedding table."""
@@ -120,6 +148,19 @@ class ClusterSetting:
     paper: PaperReport
     assumed: tuple[str, ...] = ()
     """Fields the paper does not give (chosen here; printed as "assumed")."""
+    dtype: Dtype = "bfloat16"
+    """Weights' and activations' dtype: element bytes of every tensor and transfer, the peak FLOP/s."""
+    projection_reduces: ProjectionReduces = "fused"
+    """Without SP: ``"fused"`` reduces a layer input's gradient once (Megatron's fused QKV and
+    gate/up; dhelix's ``combine_all_reduces`` on PyTorch's plan); ``"per_projection"`` once per
+    column-parallel projection (PyTorch's TP plan on separate q, k, v and gate, up: five all-reduces
+    a layer), each issued after its projection's backward and all waited before their sum."""
+    loss: Loss = "vocab_parallel"
+    """``"vocab_parallel"``: Megatron's vocab-parallel cross-entropy (three all-reduces of one float32
+    per token: max, target logit, sum of exponentials; dhelix's ``vocab_parallel_loss``);
+    ``"gathered_logits"``: the logits all-gathered, the loss computed on all of them on every rank."""
+    contention_factor: float | None = None
+    """Compute slowdown while a transfer is in flight; None: the device's (``cost_model.hardware``)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that does not fit the model or cluster."""
@@ -131,6 +172,10 @@ class ClusterSetting:
             raise ValueError(f"{self.name}: hidden {m.hidden} is not a multiple of heads {m.heads}")
         if m.heads % p.tp:
             raise ValueError(f"{self.name}: {m.heads} heads do not split over tp={p.tp}")
+        if m.kv_heads is not None and (m.kv_heads < 1 or m.heads % m.kv_heads):
+            raise ValueError(f"{self.name}: {m.heads} heads do not split into groups of kv_heads {m.kv_heads}")
+        if m.key_value_heads % p.tp:
+            raise ValueError(f"{self.name}: {m.key_value_heads} key/value heads do not split over tp={p.tp}")
         if m.ffn_hidden % p.tp:
             raise ValueError(f"{self.name}: ffn_hidden {m.ffn_hidden} does not split over tp={p.tp}")
         if m.layers % p.pp:
@@ -141,6 +186,10 @@ class ClusterSetting:
             raise ValueError(f"{self.name}: micro_batch_size and micro_batches must be >= 1")
         if self.gpus_per_node < 1:
             raise ValueError(f"{self.name}: gpus_per_node must be >= 1")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"{self.name}: dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.contention_factor is not None and self.contention_factor < 1.0:
+            raise ValueError(f"{self.name}: contention_factor must be >= 1.0, got {self.contention_factor}")
         get_device(self.device)
         get_link(self.intra_node_link)
         get_link(self.inter_node_link)
@@ -170,6 +219,10 @@ class ClusterSetting:
         return self.group_link(p.tp * p.cp * p.dp, 2)
 
     @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
     def peak_bf16_tflops(self) -> float:
         """The device's peak bf16 rate in TFLOP/s (``cost_model.hardware``)."""
         return get_device(self.device).flops_per_s(torch.bfloat16) / 1e12
@@ -177,13 +230,24 @@ class ClusterSetting:
     def describe(self) -> str:
         m, p = self.model, self.parallel
         nodes = math.ceil(p.gpus / self.gpus_per_node)
+        kv = f" ({m.kv_heads} key/value)" if m.kv_heads is not None else ""
         return (
-            f"{m.name} ({m.params() / 1e9:.1f}B: {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
+            f"{m.name} ({m.params() / 1e9:.1f}B: {m.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, "
             f"FFN {m.ffn_hidden}, vocab {m.vocab}) on {p.gpus}x {self.device} ({nodes} nodes x "
             f"{self.gpus_per_node}, {self.intra_node_link} / {self.inter_node_link}); {p.label()}; "
             f"seq {self.seq_len}, micro-batch {self.micro_batch_size}, {self.micro_batches} micro-batches "
-            f"per step"
+            f"per step" + ("" if self.dtype == "bfloat16" else f", {self.dtype}")
         )
 
 
-__all__ = ["ClusterSetting", "Family", "ModelShape", "PaperReport", "Parallelism"]
+__all__ = [
+    "DTYPE_BYTES",
+    "ClusterSetting",
+    "Dtype",
+    "Family",
+    "Loss",
+    "ModelShape",
+    "PaperReport",
+    "Parallelism",
+    "ProjectionReduces",
+]

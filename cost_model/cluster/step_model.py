@@ -77,6 +77,15 @@ MEASURED_MATMUL_EFFICIENCY: float = 0.76
 MATMUL_EFFICIENCY_SOURCE: str = (
     "measured on an H200 (Llama-3-8B TP2 layer matmuls, bf16, 2026-11-27); assumed for other GPUs"
 )
+#: Achieved share of the datasheet's dense bf16 FLOP/s for causal attention, measured on the same
+#: H200 run: cuDNN SDPA forward + backward of that layer (16 query heads of 128, 4 key/value heads,
+#: 4096 tokens) took 0.613 ms for 3.5 x 68.7 GFLOP (the causal half of
+#: :func:`~cost_model.cluster.strands.attention_flops`, backward 2.5x): 392 TFLOP/s = 0.40 of
+#: 989.5 (BENCHMARKS.md, "The cost model against the H200's kernels", 2026-11-27). Used for the
+#: emulated H200 settings (``cluster.emulated``); ``simulate_setting`` prices attention at the matmul
+#: efficiency unless given one.
+MEASURED_ATTENTION_EFFICIENCY: float = 0.40
+ATTENTION_EFFICIENCY_SOURCE: str = "measured on an H200 (cuDNN SDPA fwd + bwd, Llama-3-8B TP2 layer, 2026-11-27)"
 
 
 @dataclass(frozen=True)
@@ -224,7 +233,7 @@ def _p2p_s(setting: ClusterSetting) -> float:
     if p.pp == 1:
         return 0.0
     tokens = setting.micro_batch_size * setting.seq_len // p.cp
-    nbytes = tokens * setting.model.hidden * BF16_BYTES / p.tp  # Megatron sends the TP-scattered tensor
+    nbytes = tokens * setting.model.hidden * setting.dtype_bytes / p.tp  # Megatron sends the TP-scattered tensor
     return 2 * collective_time_s("send", nbytes, 2, setting.pp_link)
 
 
@@ -233,22 +242,27 @@ def simulate_setting(
     *,
     contention_factor: float | None = None,
     matmul_efficiency: float = MEASURED_MATMUL_EFFICIENCY,
+    attention_efficiency: float | None = None,
 ) -> ClusterPrediction:
     """Predict the sequential and the dhelix step of ``setting`` (module docstring).
 
     ``contention_factor``: compute slowdown while a transfer of the other strand is in flight
-    (default: the device's, ``cost_model.hardware``). ``matmul_efficiency``: achieved share of the
-    peak bf16 rate for matmuls and attention (1.0 = roofline).
+    (default: the setting's, else the device's, ``cost_model.hardware``). ``matmul_efficiency``: achieved share of the
+    peak bf16 rate for matmuls (1.0 = roofline); ``attention_efficiency`` the same for attention
+    (None: the matmul efficiency).
     """
 
     setting.validate()
     device = get_device(setting.device)
-    factor = device.contention_factor if contention_factor is None else float(contention_factor)
+    if contention_factor is not None:
+        factor = float(contention_factor)
+    else:
+        factor = device.contention_factor if setting.contention_factor is None else setting.contention_factor
     if factor < 1.0:
         raise ValueError(f"contention factor must be >= 1.0, got {factor}")
     if not 0.0 < matmul_efficiency <= 1.0:
         raise ValueError(f"matmul_efficiency must be in (0, 1], got {matmul_efficiency}")
-    fwd, bwd = strands(setting, matmul_efficiency)
+    fwd, bwd = strands(setting, matmul_efficiency, attention_efficiency)
     as_segments = [
         [
             Segment(strand=k, nodes=(), compute_s=c.compute_s, comm_s=c.comm_s, live_after_bytes=0, peak_bytes=0)
@@ -301,4 +315,13 @@ def simulate_setting(
     )
 
 
-__all__ = ["ClusterPrediction", "SchedulePrediction", "model_flops_per_step", "simulate_setting"]
+__all__ = [
+    "ATTENTION_EFFICIENCY_SOURCE",
+    "MATMUL_EFFICIENCY_SOURCE",
+    "MEASURED_ATTENTION_EFFICIENCY",
+    "MEASURED_MATMUL_EFFICIENCY",
+    "ClusterPrediction",
+    "SchedulePrediction",
+    "model_flops_per_step",
+    "simulate_setting",
+]

@@ -2,7 +2,8 @@
 
 Contract
 --------
-``strands(setting, matmul_efficiency=1.0) -> (forward segments, backward segments)``: the
+``strands(setting, matmul_efficiency=1.0, attention_efficiency=None) -> (forward segments, backward
+segments)``: the
 operators of one micro-batch on one tensor-parallel rank of the last pipeline stage (its share
 of the layers, plus the output head; plus the embedding when pp = 1), cut into
 :class:`ClusterSegment` s -- compute, then the transfer that ends it -- the shape that
@@ -12,16 +13,41 @@ One layer, one micro-batch, one TP rank (T = micro_batch_size * seq_len / cp tok
 tensor + sequence parallelism, which the DHelix authors' launch scripts use: ``--sequence-parallel``)::
 
     forward   [norm] AG | [QKV mm, rope, attention (+CP ring), out mm] RS | [add, norm] AG |
-              [FC1 mm, act, FC2 mm] RS | ...                                  (AG/RS: T*h*2 bytes)
+              [FC1 mm, act, FC2 mm] RS | ...                                  (AG/RS: T*h*e bytes)
     backward  the same operators in reverse: a forward AG becomes an RS of the gradient and a forward
               RS an AG; matmuls cost dgrad + wgrad (2x), attention 2.5x (FlashAttention's backward
               recomputes the scores), elementwise ops 2x their forward bytes
-    without SP: no AG, the RS become all-reduces
+
+e = the setting's element bytes (2 for bf16). Without SP (Megatron's f and g operators) the
+forward all-reduces the row-parallel outputs (where SP reduce-scatters) and gathers nothing; the
+backward all-reduces the gradient of each column-parallel input (where SP reduce-scatters) and
+nothing at the row-parallel outputs::
+
+    forward   [norm, QKV mm, rope, attention, out mm] AR | [add, norm, FC1 mm, act, FC2 mm] AR | ...
+    backward  ... | [FC2, act, FC1] AR | [norm, out mm, attention, rope, QKV] AR | ...
+
+With ``projection_reduces="per_projection"`` (PyTorch's TP plan: q, k, v and gate, up are
+separate column-parallel linears) the backward all-reduces each projection's input gradient
+after that projection's backward, and only their sum waits::
+
+    backward  ... [attention, rope, v] AR | [k] AR | [q] AR | [norm, ...       (k, q: no wait)
+
+The output head: ``loss="vocab_parallel"`` is Megatron's vocab-parallel cross-entropy on the
+rank's logits shard, three all-reduces of T float32 (max, target logit, sum of exponentials);
+``loss="gathered_logits"`` all-gathers the logits (T*V*e bytes) and computes the loss on all of
+them on every rank (its backward slices the rank's shard out: no transfer).
+
+Grouped-query attention (``ModelShape.kv_heads``): the K and V projections are ``h x kv_dim``
+each, rope touches Q and K, the CP ring carries K and V of ``kv_dim``; attention FLOPs count the
+query heads.
 
 Costs (``cost_model.hardware`` tables, ``cost_model.collectives`` alpha-beta models)::
 
-    matmul      launch + max(2mnk / (peak_bf16 * matmul_efficiency), bytes / mem_bw)
-    attention   launch + 4 * b * s_q * s_kv * heads/tp * head_dim * (1/2 causal) / (peak * eff)
+    matmul      launch + max(2mnk / (peak * matmul_efficiency), bytes / mem_bw)
+                (backward: dgrad + wgrad, each the forward's time; the wgrad is the segment's
+                ``weight_grad_s``, work no later operator of the backward reads)
+    attention   launch + 4 * b * s_q * s_kv * heads/tp * head_dim * (1/2 causal) / (peak * attn_eff)
+                (attn_eff: ``attention_efficiency``, the matmul efficiency where not given)
     elementwise launch + bytes / mem_bw
     collective  collective_time_s(op, S, group, link): the group's link
                 (:meth:`cost_model.cluster.setting.ClusterSetting.group_link`)
@@ -32,15 +58,14 @@ Costs (``cost_model.hardware`` tables, ``cost_model.collectives`` alpha-beta mod
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cost_model.cluster.setting import ClusterSetting
-from cost_model.collectives import collective_time_s
-from cost_model.hardware import Device, get_device
+from cost_model.collectives import collective_bytes_on_wire, collective_time_s
+from cost_model.hardware import Device, Link, get_device
 
 BF16_BYTES: int = 2
 FP32_BYTES: int = 4
@@ -48,6 +73,13 @@ FP32_BYTES: int = 4
 #: FlashAttention's backward costs 2.5x its forward matmul FLOPs (five matmuls -- the score
 #: recompute, dV, dP, dQ, dK -- against the forward's two). Dao, FlashAttention-2 (arXiv 2307.08691).
 ATTENTION_BACKWARD_RATIO: float = 2.5
+
+#: Loss statistics the vocab-parallel cross-entropy all-reduces, one float32 per token each:
+#: the max logit, the target's logit, the sum of exponentials (Megatron-LM's
+#: ``_VocabParallelCrossEntropy``; dhelix's ``graph_passes.joint.vocab_parallel_loss``).
+LOSS_STAT_REDUCES: tuple[str, ...] = ("max", "target logit", "sum exp")
+
+_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -58,28 +90,50 @@ class ClusterSegment:
     compute_s: float
     comm_s: float
     collective: str | None
+    wire_bytes: float = 0.0
+    """Bytes this rank sends for the collective (``cost_model.collectives.collective_bytes_on_wire``)."""
+    weight_grad_s: float = 0.0
+    """Of ``compute_s``, weight gradients: no later operator of the strand reads them, so a
+    schedule may run them under the segment's own transfer (or later)."""
+    waits: bool = True
+    """Whether the segment's first operator reads the strand's latest transfer (False: in
+    PyTorch's TP plan, a projection's backward after another projection's input-gradient
+    all-reduce; only their sum waits)."""
+
+
+@dataclass(frozen=True)
+class _Transfer:
+    label: str
+    seconds: float
+    wire_bytes: float
 
 
 @dataclass(frozen=True)
 class _Op:
     """One operator of the forward, with the cost of its backward counterpart.
 
-    Compute ops have ``fwd_s`` / ``bwd_s``; transfers have ``(label, seconds)`` for the forward and
-    the backward (``None`` where that direction issues nothing).
+    Compute ops have ``fwd_s`` / ``bwd_s`` (of which ``bwd_weight_s`` is the weight gradient);
+    transfers have a :class:`_Transfer` for the forward and the backward (``None`` where that
+    direction issues nothing). ``bwd_waits``: whether the backward of this op reads the
+    backward's latest transfer.
     """
 
     name: str
     fwd_s: float = 0.0
     bwd_s: float = 0.0
-    fwd_comm: tuple[str, float] | None = None
-    bwd_comm: tuple[str, float] | None = None
+    bwd_weight_s: float = 0.0
+    fwd_comm: _Transfer | None = None
+    bwd_comm: _Transfer | None = None
+    bwd_waits: bool = True
 
 
-def matmul_time_s(m: int, n: int, k: int, device: Device, efficiency: float = 1.0) -> float:
-    """Roofline time of an ``[m, k] @ [k, n]`` bf16 matmul."""
+def matmul_time_s(
+    m: int, n: int, k: int, device: Device, efficiency: float = 1.0, dtype: torch.dtype = torch.bfloat16
+) -> float:
+    """Roofline time of an ``[m, k] @ [k, n]`` matmul in ``dtype`` (bf16 by default)."""
     flops = 2.0 * m * n * k
-    nbytes = BF16_BYTES * (m * k + k * n + m * n)
-    peak = device.flops_per_s(torch.bfloat16) * efficiency
+    nbytes = dtype.itemsize * (m * k + k * n + m * n)
+    peak = device.flops_per_s(dtype) * efficiency
     return device.launch_overhead_s + max(flops / peak, nbytes / device.mem_bandwidth_bytes_per_s)
 
 
@@ -89,49 +143,85 @@ def elementwise_time_s(nbytes: float, device: Device) -> float:
 
 
 def attention_flops(batch: int, q_len: int, kv_len: int, heads: int, head_dim: int, *, causal: bool) -> float:
-    """Forward FLOPs of softmax(Q K^T) V: two matmuls, halved by a causal mask."""
+    """Forward FLOPs of softmax(Q K^T) V: two matmuls, halved by a causal mask (query heads;
+    grouped-query attention shares K and V between them but computes as many scores)."""
     return 4.0 * batch * q_len * kv_len * heads * head_dim * (0.5 if causal else 1.0)
-
-
-_BACKWARD_OF = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "all_reduce"}
 
 
 class _StageBuilder:
     """The last pipeline stage's operators for one micro-batch on one TP rank (module docstring)."""
 
-    def __init__(self, setting: ClusterSetting, matmul_efficiency: float) -> None:
+    def __init__(self, setting: ClusterSetting, matmul_efficiency: float, attention_efficiency: float) -> None:
         self.s = setting
         self.dev = get_device(setting.device)
         self.eff = matmul_efficiency
+        self.attention_eff = attention_efficiency
+        self.dtype = _DTYPES[setting.dtype]
+        self.e = setting.dtype_bytes
         p = setting.parallel
         self.tp = p.tp
         self.sp = p.sequence_parallel and p.tp > 1
+        self.per_projection = not self.sp and setting.projection_reduces == "per_projection"
         self.tokens = setting.micro_batch_size * setting.seq_len // p.cp  # T: this CP rank's tokens
         self.norm_tokens = self.tokens // p.tp if self.sp else self.tokens
 
-    def _mm(self, name: str, m: int, n: int, k: int) -> _Op:
-        t = matmul_time_s(m, n, k, self.dev, self.eff)
-        return _Op(name, fwd_s=t, bwd_s=2 * t)  # dgrad + wgrad: two matmuls of the same size
+    def _mm(self, name: str, m: int, n: int, k: int, *, bwd_waits: bool = True) -> _Op:
+        t = matmul_time_s(m, n, k, self.dev, self.eff, self.dtype)
+        # dgrad + wgrad: two matmuls of the same size; the wgrad feeds no later operator
+        return _Op(name, fwd_s=t, bwd_s=2 * t, bwd_weight_s=t, bwd_waits=bwd_waits)
 
     def _elementwise(self, name: str, nbytes: float) -> _Op:
         return _Op(name, fwd_s=elementwise_time_s(nbytes, self.dev), bwd_s=elementwise_time_s(2 * nbytes, self.dev))
 
-    def _tp_collective(self, name: str, fwd_op: str) -> _Op:
-        nbytes = float(self.tokens * self.s.model.hidden * BF16_BYTES)
-        link = self.s.tp_link
-        bwd_op = _BACKWARD_OF[fwd_op]
-        return _Op(
-            name,
-            fwd_comm=(f"{fwd_op} ({name})", collective_time_s(fwd_op, nbytes, self.tp, link)),
-            bwd_comm=(f"{bwd_op} ({name} grad)", collective_time_s(bwd_op, nbytes, self.tp, link)),
+    def _transfer(self, op: str, label: str, nbytes: float, link: Link | None = None) -> _Transfer:
+        link = self.s.tp_link if link is None else link
+        return _Transfer(
+            f"{op} ({label})",
+            collective_time_s(op, nbytes, self.tp, link),
+            float(collective_bytes_on_wire(op, nbytes, self.tp)),
         )
 
-    def _gather(self, name: str) -> list[_Op]:
-        """Entering a TP region: an all-gather with SP, nothing without (the input is replicated)."""
-        return [self._tp_collective(name, "all_gather")] if self.sp else []
+    def _activation_bytes(self) -> float:
+        return float(self.tokens * self.s.model.hidden * self.e)
 
-    def _reduce(self, name: str) -> _Op:
-        return self._tp_collective(name, "reduce_scatter" if self.sp else "all_reduce")
+    def _enter(self, name: str) -> _Op:
+        """Entering a TP region (a column-parallel input): with SP an all-gather, whose backward
+        reduce-scatters the gradient; without, nothing forward and an all-reduce of the gradient."""
+        nbytes = self._activation_bytes()
+        if self.sp:
+            return _Op(
+                name,
+                fwd_comm=self._transfer("all_gather", name, nbytes),
+                bwd_comm=self._transfer("reduce_scatter", f"{name} grad", nbytes),
+            )
+        return _Op(name, bwd_comm=self._transfer("all_reduce", f"{name} grad", nbytes))
+
+    def _exit(self, name: str) -> _Op:
+        """Leaving a TP region (a row-parallel output): with SP a reduce-scatter, whose backward
+        all-gathers the gradient; without, an all-reduce whose backward is the identity."""
+        nbytes = self._activation_bytes()
+        if self.sp:
+            return _Op(
+                name,
+                fwd_comm=self._transfer("reduce_scatter", name, nbytes),
+                bwd_comm=self._transfer("all_gather", f"{name} grad", nbytes),
+            )
+        return _Op(name, fwd_comm=self._transfer("all_reduce", name, nbytes))
+
+    def _projections(self, name: str, widths: Sequence[tuple[str, int]]) -> list[_Op]:
+        """Column-parallel projections of one input: one matmul and one input-gradient reduction
+        (``fused``, or with SP), or each its own with its own all-reduce (``per_projection``)."""
+        T, h, tp = self.tokens, self.s.model.hidden, self.tp
+        if not self.per_projection:
+            fused = "+".join(label for label, _ in widths)
+            return [self._enter(f"{name}"), self._mm(fused, T, sum(w for _, w in widths) // tp, h)]
+        ops: list[_Op] = []
+        # forward order; the backward runs them in reverse: the last projection's backward first,
+        # then its all-reduce; the earlier projections' backwards read none of those reduces
+        for i, (label, width) in enumerate(widths):
+            ops.append(self._enter(f"{name}: {label}"))
+            ops.append(self._mm(label, T, width // tp, h, bwd_waits=i == len(widths) - 1))
+        return ops
 
     def _attention(self) -> list[_Op]:
         """Attention; with CP, the K/V ring's remainder that the attention itself does not cover.
@@ -146,61 +236,66 @@ class _StageBuilder:
         flops = attention_flops(
             s.micro_batch_size, self.tokens // s.micro_batch_size, s.seq_len, heads, m.head_dim, causal=True
         )
-        peak = self.dev.flops_per_s(torch.bfloat16) * self.eff
+        peak = self.dev.flops_per_s(self.dtype) * self.attention_eff
         fwd = self.dev.launch_overhead_s + flops / peak
         bwd = self.dev.launch_overhead_s + ATTENTION_BACKWARD_RATIO * flops / peak
         ops = [_Op("attention", fwd_s=fwd, bwd_s=bwd)]
         if p.cp > 1:
-            kv_bytes = 2.0 * self.tokens * (m.hidden // p.tp) * BF16_BYTES
+            kv_bytes = 2.0 * self.tokens * (m.kv_dim // p.tp) * self.e
             ring = (p.cp - 1) * collective_time_s("send", kv_bytes, 2, s.cp_link)
+            wire = (p.cp - 1) * float(collective_bytes_on_wire("send", kv_bytes, 2))
             # in the backward this op comes *before* the attention: the grads' ring ends it there
             ops.append(
                 _Op(
                     "cp ring",
-                    fwd_comm=("send/recv (cp ring, uncovered)", max(0.0, ring - fwd)),
-                    bwd_comm=("send/recv (cp ring grad, uncovered)", max(0.0, 2 * ring - bwd)),
+                    fwd_comm=_Transfer("send/recv (cp ring, uncovered)", max(0.0, ring - fwd), wire),
+                    bwd_comm=_Transfer("send/recv (cp ring grad, uncovered)", max(0.0, 2 * ring - bwd), 2 * wire),
                 )
             )
         return ops
 
     def layer(self) -> list[_Op]:
-        m, T, tp = self.s.model, self.tokens, self.tp
+        m, T, tp, e = self.s.model, self.tokens, self.tp, self.e
         h, f = m.hidden, m.ffn_hidden
-        act = T * h * BF16_BYTES
         # residual add (read 2, write 1) + norm (read 1, write 1)
-        norm = self._elementwise("add+norm", 5 * self.norm_tokens * h * BF16_BYTES)
-        ops: list[_Op] = [norm, *self._gather("all_gather attn-in")]
-        ops.append(self._mm("qkv", T, 3 * h // tp, h))
+        norm = self._elementwise("add+norm", 5 * self.norm_tokens * h * e)
+        ops: list[_Op] = [norm]
+        ops.extend(self._projections("attn-in", (("q", h), ("k", m.kv_dim), ("v", m.kv_dim))))
         if m.family == "llama":
-            ops.append(self._elementwise("rope", 4 * act // tp))  # q and k, read + write
+            ops.append(self._elementwise("rope", 2 * T * (h + m.kv_dim) // tp * e))  # q and k, read + write
         ops.extend(self._attention())
         ops.append(self._mm("attn out", T, h, h // tp))
-        ops.append(self._reduce("reduce attn-out"))
-        ops.append(dataclasses.replace(norm))
-        ops.extend(self._gather("all_gather mlp-in"))
-        fc1_out = (2 if m.family == "llama" else 1) * f // tp
-        ops.append(self._mm("fc1", T, fc1_out, h))
-        act_bytes = (3 if m.family == "llama" else 2) * T * (f // tp) * BF16_BYTES
+        ops.append(self._exit("attn-out"))
+        ops.append(norm)
+        fc1 = (("gate", f), ("up", f)) if m.family == "llama" else (("fc1", f),)
+        ops.extend(self._projections("mlp-in", fc1))
+        act_bytes = (3 if m.family == "llama" else 2) * T * (f // tp) * e
         ops.append(self._elementwise("swiglu" if m.family == "llama" else "gelu", act_bytes))
         ops.append(self._mm("fc2", T, h, f // tp))
-        ops.append(self._reduce("reduce mlp-out"))
+        ops.append(self._exit("mlp-out"))
         return ops
 
     def embedding(self) -> list[_Op]:
-        """Vocab-parallel embedding (first stage): a row gather, then the partial sums reduced."""
-        lookup = self._elementwise("embedding", 2 * self.tokens * self.s.model.hidden * BF16_BYTES)
-        return [lookup, self._reduce("reduce embedding")]
+        """Vocab-parallel embedding (first stage): a row gather, then the partial sums reduced.
+        Its backward is the embedding table's gradient (a weight gradient)."""
+        t_fwd = elementwise_time_s(2 * self.tokens * self.s.model.hidden * self.e, self.dev)
+        t_bwd = elementwise_time_s(4 * self.tokens * self.s.model.hidden * self.e, self.dev)
+        return [_Op("embedding", fwd_s=t_fwd, bwd_s=t_bwd, bwd_weight_s=t_bwd), self._exit("embedding-out")]
 
     def head(self) -> list[_Op]:
-        """Final norm, vocab-parallel logits and cross-entropy (last stage)."""
+        """Final norm, vocab-parallel logits, the loss (module docstring: ``loss``)."""
         m, T, tp = self.s.model, self.tokens, self.tp
-        ops = [self._elementwise("final norm", 4 * self.norm_tokens * m.hidden * BF16_BYTES)]
-        ops.extend(self._gather("all_gather head-in"))
-        ops.append(self._mm("logits", T, m.vocab // tp, m.hidden))
+        ops = [self._elementwise("final norm", 4 * self.norm_tokens * m.hidden * self.e)]
+        ops.extend(self._projections("head-in", (("logits", m.vocab),)))
+        if self.s.loss == "gathered_logits":
+            logits_bytes = float(T * m.vocab * self.e)
+            ops.append(_Op("logits gather", fwd_comm=self._transfer("all_gather", "logits", logits_bytes)))
+            ops.append(self._elementwise("cross-entropy", 3 * T * m.vocab * FP32_BYTES))
+            return ops
         ops.append(self._elementwise("cross-entropy", 3 * T * (m.vocab // tp) * FP32_BYTES))
-        # vocab-parallel cross-entropy: all-reduce of the max, the sum of exps and the target logit
-        loss_s = collective_time_s("all_reduce", 3.0 * T * FP32_BYTES, self.tp, self.s.tp_link)
-        ops.append(_Op("loss stats", fwd_comm=("all_reduce (loss stats)", loss_s)))
+        for stat in LOSS_STAT_REDUCES:
+            ops.append(_Op(f"loss {stat}", fwd_comm=self._transfer("all_reduce", f"loss {stat}", T * FP32_BYTES)))
+        ops.append(self._elementwise("loss", 3 * T * FP32_BYTES))
         return ops
 
     def stage_ops(self) -> list[_Op]:
@@ -213,39 +308,62 @@ class _StageBuilder:
         return ops
 
 
-def _cut(items: Sequence[tuple[str, float, tuple[str, float] | None]]) -> list[ClusterSegment]:
-    """Items (name, compute seconds, transfer or None) -> segments ending at each transfer."""
+@dataclass(frozen=True)
+class _Item:
+    name: str
+    seconds: float
+    weight_s: float
+    waits: bool
+    transfer: _Transfer | None
+
+
+def _cut(items: Sequence[_Item]) -> list[ClusterSegment]:
+    """Items in program order -> segments ending at each transfer."""
     segments: list[ClusterSegment] = []
     names: list[str] = []
-    compute = 0.0
-    for name, seconds, comm in items:
-        if comm is None:
-            names.append(name)
-            compute += seconds
+    compute = weight = 0.0
+    waits = True
+    for item in items:
+        if item.transfer is None:
+            if not names:
+                waits = item.waits
+            names.append(item.name)
+            compute += item.seconds
+            weight += item.weight_s
             continue
-        label, comm_s = comm
-        segments.append(ClusterSegment(tuple(names), compute, comm_s, label))
-        names, compute = [], 0.0
+        t = item.transfer
+        segments.append(ClusterSegment(tuple(names), compute, t.seconds, t.label, t.wire_bytes, weight, waits))
+        names, compute, weight, waits = [], 0.0, 0.0, True
     if names:
-        segments.append(ClusterSegment(tuple(names), compute, 0.0, None))
+        segments.append(ClusterSegment(tuple(names), compute, 0.0, None, 0.0, weight, waits))
     return segments
 
 
 def strands(
-    setting: ClusterSetting, matmul_efficiency: float = 1.0
+    setting: ClusterSetting, matmul_efficiency: float = 1.0, attention_efficiency: float | None = None
 ) -> tuple[list[ClusterSegment], list[ClusterSegment]]:
-    """(forward, backward) segments of one micro-batch on the last pipeline stage."""
+    """(forward, backward) segments of one micro-batch on the last pipeline stage.
+
+    ``attention_efficiency``: achieved share of peak for attention (None: ``matmul_efficiency``)."""
     setting.validate()
-    ops = _StageBuilder(setting, matmul_efficiency).stage_ops()
-    fwd_items = [(op.name, op.fwd_s, op.fwd_comm) for op in ops if op.fwd_comm is not None or op.fwd_s > 0]
-    bwd_items = [(op.name, op.bwd_s, op.bwd_comm) for op in reversed(ops) if op.bwd_comm is not None or op.bwd_s > 0]
-    return _cut(fwd_items), _cut(bwd_items)
+    attention = matmul_efficiency if attention_efficiency is None else attention_efficiency
+    if not 0.0 < attention <= 1.0:
+        raise ValueError(f"attention_efficiency must be in (0, 1], got {attention}")
+    ops = _StageBuilder(setting, matmul_efficiency, attention).stage_ops()
+    fwd = [_Item(op.name, op.fwd_s, 0.0, True, op.fwd_comm) for op in ops if op.fwd_comm is not None or op.fwd_s > 0]
+    bwd = [
+        _Item(op.name, op.bwd_s, op.bwd_weight_s, op.bwd_waits, op.bwd_comm)
+        for op in reversed(ops)
+        if op.bwd_comm is not None or op.bwd_s > 0
+    ]
+    return _cut(fwd), _cut(bwd)
 
 
 __all__ = [
     "ATTENTION_BACKWARD_RATIO",
     "BF16_BYTES",
     "FP32_BYTES",
+    "LOSS_STAT_REDUCES",
     "ClusterSegment",
     "attention_flops",
     "elementwise_time_s",

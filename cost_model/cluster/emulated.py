@@ -1,0 +1,502 @@
+"""The emulated cluster's step, predicted per bench variant and set beside what the bench measured.
+
+``dhelix bench --link emulated:<link>,ranks=N`` (``dhelix_compile.emulation``) runs rank 0 of an
+N-rank tensor-parallel job in one process. Every collective takes this package's own link model
+(``cost_model.collectives`` on a ``cost_model.links`` preset), on one queue per direction that
+every group shares, asynchronously: on CUDA a delay kernel on a side stream, which the compute
+stream waits for at the collective's wait while the host goes on issuing; on CPU a deadline that
+the waiting thread sleeps to. This module predicts that step for each variant the bench runs,
+from the segments ``dhelix simulate`` costs (:mod:`cost_model.cluster.strands`).
+
+What a variant's passes make of the program (:data:`VARIANT_PROGRAMS`)::
+
+    inductor           PyTorch's TP plan as written: one all-reduce per projection's input
+    inductor_overlap   gradient, logits all-gathered for the loss; Inductor's order, each wait
+                       at the first use (a projection's all-reduce runs under the next
+                       projection's backward; the overlap scheduler's moves are not modeled)
+    dhelix             combine_all_reduces: one all-reduce per layer input; reorder: each
+                       backward segment's weight gradients run under its all-reduce
+    helix              the same, plus vocab_parallel_loss (three all-reduces of one float32 per
+                       token instead of the logits' gather); micro-batch i+1's forward merged
+                       with micro-batch i's backward by the Strand Interleaving DP
+
+The step, m micro-batches, at segment granularity (``strand_plan.advance``: one compute stream
+and one link; a segment computes its lead, waits for its strand's latest transfer if it reads
+it, computes the rest and issues its transfer, which starts when the link is free; compute
+beside a transfer runs ``contention_factor`` times slower)::
+
+    inductor, dhelix   F1 B1 F2 B2 ... Fm Bm
+    helix              F1, M(F2, B1), ..., M(Fm, Bm-1), Bm: each M the path of least whole-step
+                       time among plan_pairs (+ refine_path) and plan_timed, with the backward's
+                       weight gradients in place or deferred one segment (the interleave pass's
+                       candidates)
+
+Two predictions per variant:
+
+    analytic         that schedule; compute from the roofline (matmuls and attention at
+                     ``matmul_efficiency``), transfers from the link model. Nothing of the host.
+    measured inputs  CUDA: max(host_s_median, analytic). The host issues the step's kernels and
+                     collectives ahead of the GPU (a wait does not block it), so the step ends at
+                     the later of the host's issue time (measured) and the GPU and link's
+                     schedule. The link-free step (t_compute_s) is *not* the GPU's compute there:
+                     where the host is the slower, it is the host's time, which runs ahead under
+                     the waits -- taken as compute it would charge the host's time twice.
+                     CPU: the compute is the host's own and a wait blocks it; the segments'
+                     compute scaled so that one step's sums to the measured t_compute_s.
+
+A prediction is *claimed* (``TOLERANCE``) where its inputs describe the run: measured inputs
+always; the analytic one on CUDA when the run is not host-bound (host_s_median below
+``HOST_BOUND_SHARE`` of the step), never on CPU (no roofline describes Python dispatch).
+
+Contract
+--------
+* :func:`predict_variant` ``(setting, variant, matmul_efficiency=..., compute_scale=1.0)`` ->
+  :class:`VariantPrediction`; deterministic; ``ValueError`` names an unknown variant.
+* :meth:`BenchRecord.from_json` reads ``dhelix bench --link emulated:... --out`` JSON; ``ValueError``
+  names a missing field. :func:`compare_bench` -> :class:`BenchComparison`, one row per variant
+  the record holds and :data:`VARIANT_PROGRAMS` knows (others are listed as not modeled).
+* :data:`EMULATED_SETTINGS`: the recorded GPU runs' settings (the bench's ``llama3_8b_gpu`` at
+  TP=8 on one H200, ib400 and nvlink4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cost_model.cluster.setting import ClusterSetting, Loss, ModelShape, PaperReport, Parallelism, ProjectionReduces
+from cost_model.cluster.step_model import MEASURED_ATTENTION_EFFICIENCY, MEASURED_MATMUL_EFFICIENCY
+from cost_model.cluster.strands import ClusterSegment, strands
+from cost_model.links import Link, get_link, register_link
+from cost_model.strand_plan import (
+    Pair,
+    PathState,
+    Segment,
+    advance,
+    formula_cost,
+    plan_pairs,
+    plan_timed,
+    refine_path,
+)
+
+#: A prediction is claimed to be within this share of the measured step.
+TOLERANCE: float = 0.15
+#: A run whose host time reaches this share of its step is host-bound: the analytic
+#: prediction, which has no host, is not claimed for it.
+HOST_BOUND_SHARE: float = 0.9
+#: Compute slowdown beside an emulated transfer on CUDA, measured on an H200: a chain of
+#: 4096x4096 bf16 matmuls took 5.452 ms beside a 128 MiB emulated all-reduce against 5.287 ms
+#: alone (the delay kernel holds one SM; docs/results/2026-11-28-h200-emulated-timing-nvlink4.json).
+EMULATED_CONTENTION_FACTOR: float = 1.03
+#: Width of ``strand_plan.plan_timed`` for the helix candidates.
+TIMED_WIDTH: int = 8
+
+Order = Literal["inductor", "reordered", "two_strands"]
+
+
+@dataclass(frozen=True)
+class VariantProgram:
+    """What a bench variant's passes make of the program, and the order it runs in."""
+
+    projection_reduces: ProjectionReduces
+    loss: Loss
+    order: Order
+    description: str
+
+
+VARIANT_PROGRAMS: dict[str, VariantProgram] = {
+    "inductor": VariantProgram(
+        "per_projection", "gathered_logits", "inductor", "TP plan as written, waits at first use"
+    ),
+    "inductor_overlap": VariantProgram(
+        "per_projection", "gathered_logits", "inductor", "as inductor (its overlap scheduler's moves not modeled)"
+    ),
+    "dhelix": VariantProgram(
+        "fused", "gathered_logits", "reordered", "all-reduces combined, weight gradients under them"
+    ),
+    "helix": VariantProgram(
+        "fused", "vocab_parallel", "two_strands", "as dhelix + vocab-parallel loss, two strands (SI DP)"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class VariantPrediction:
+    """One variant's predicted step, with its own compute, its transfers and their link time."""
+
+    variant: str
+    program: VariantProgram
+    step_s: float
+    compute_s: float
+    """Its compute in one step, nothing overlapped (the link-free step on a GPU that issues itself)."""
+    comm_s: float
+    """Link time of its transfers in one step (the bench's own T_comm)."""
+    wire_bytes: float
+    """Bytes this rank sends in one step."""
+    transfers: int
+
+
+def _plan_segments(side: Sequence[ClusterSegment], strand: int, *, defer: bool, scale: float) -> list[Segment]:
+    """ClusterSegments as strand_plan segments; ``defer``: each segment's weight gradients move to
+    the next segment's lead (they run under the segment's transfer, before the next wait)."""
+    out: list[Segment] = []
+    carried = 0.0
+    for k, c in enumerate(side):
+        own = c.weight_grad_s if defer and c.comm_s > 0 and k + 1 < len(side) else 0.0
+        out.append(
+            Segment(
+                strand=strand,
+                nodes=(),
+                compute_s=(c.compute_s - own + carried) * scale,
+                comm_s=c.comm_s,
+                live_after_bytes=0,
+                peak_bytes=0,
+                lead_s=carried * scale,
+                waits=c.waits,
+            )
+        )
+        carried = own
+    return out
+
+
+def _run(path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment], factor: float) -> float:
+    state = PathState()
+    for pair in path:
+        state = advance(state, pair, fwd, bwd, factor)
+    return state.end_s
+
+
+def _single_strand_s(fwd: list[Segment], bwd: list[Segment], m: int, factor: float) -> float:
+    """F1 B1 F2 B2 ... as one strand: every wait is on the strand's latest transfer."""
+    sequence = [dataclasses.replace(s, strand=0) for s in (fwd + bwd) * m]
+    return _run([(i, None) for i in range(len(sequence))], sequence, [], factor)
+
+
+def _two_strands_s(fwd: list[Segment], bwd: list[Segment], m: int, factor: float) -> float:
+    """F1, M(F2, B1), ..., Bm: the least step over the interleave pass's planners."""
+    nf, nb = len(fwd), len(bwd)
+    if m == 1:
+        return _run([(i, None) for i in range(nf)] + [(None, j) for j in range(nb)], fwd, bwd, factor)
+    dp_path, _ = plan_pairs(fwd, bwd, cost=formula_cost(fwd, bwd, factor))
+    refined, _ = refine_path(dp_path, fwd, bwd, contention_factor=factor)
+    timed, _ = plan_timed(fwd, bwd, contention_factor=factor, width=TIMED_WIDTH)
+    best = math.inf
+    for merged in (dp_path, refined, timed):
+        path: list[Pair] = [(i, None) for i in range(nf)]
+        for k in range(m - 1):  # forward k+1 (0-based) beside backward k
+            path.extend((None if i is None else (k + 1) * nf + i, None if j is None else k * nb + j) for i, j in merged)
+        path.extend((None, (m - 1) * nb + j) for j in range(nb))
+        best = min(best, _run(path, fwd * m, bwd * m, factor))
+    return best
+
+
+def variant_setting(setting: ClusterSetting, variant: str) -> ClusterSetting:
+    """``setting`` as ``variant``'s passes leave it (``VARIANT_PROGRAMS``)."""
+    program = _program(variant)
+    return dataclasses.replace(setting, projection_reduces=program.projection_reduces, loss=program.loss)
+
+
+def _program(variant: str) -> VariantProgram:
+    if variant not in VARIANT_PROGRAMS:
+        raise ValueError(f"no program model for bench variant {variant!r}; modeled: {', '.join(VARIANT_PROGRAMS)}")
+    return VARIANT_PROGRAMS[variant]
+
+
+def predict_variant(
+    setting: ClusterSetting,
+    variant: str,
+    *,
+    matmul_efficiency: float = MEASURED_MATMUL_EFFICIENCY,
+    attention_efficiency: float = MEASURED_ATTENTION_EFFICIENCY,
+    compute_scale: float = 1.0,
+) -> VariantPrediction:
+    """``variant``'s step on ``setting`` (module docstring); ``compute_scale`` multiplies every
+    segment's compute (1.0: the roofline's)."""
+    program = _program(variant)
+    fwd_c, bwd_c = strands(variant_setting(setting, variant), matmul_efficiency, attention_efficiency)
+    factor = 1.0 if setting.contention_factor is None else setting.contention_factor
+    m = setting.micro_batches
+    defer = program.order != "inductor"
+    fwd = _plan_segments(fwd_c, 0, defer=False, scale=compute_scale)
+    bwd = _plan_segments(bwd_c, 1, defer=defer, scale=compute_scale)
+    if program.order == "two_strands":
+        # the pass keeps whichever candidate its simulation prefers: weight gradients in place or deferred
+        in_place = _plan_segments(bwd_c, 1, defer=False, scale=compute_scale)
+        step = min(_two_strands_s(fwd, bwd, m, factor), _two_strands_s(fwd, in_place, m, factor))
+    else:
+        step = _single_strand_s(fwd, bwd, m, factor)
+    both = fwd_c + bwd_c
+    return VariantPrediction(
+        variant=variant,
+        program=program,
+        step_s=step,
+        compute_s=m * math.fsum(c.compute_s for c in both) * compute_scale,
+        comm_s=m * math.fsum(c.comm_s for c in both),
+        wire_bytes=m * math.fsum(c.wire_bytes for c in both),
+        transfers=m * sum(1 for c in both if c.collective is not None),
+    )
+
+
+# --------------------------------------------------------------------------- recorded runs
+
+
+@dataclass(frozen=True)
+class MeasuredVariant:
+    """One variant's row of a bench result (seconds, bytes)."""
+
+    step_s: float
+    t_compute_s: float
+    t_comm_s: float
+    host_s: float
+    wire_bytes: float
+    transfers: int
+
+
+@dataclass(frozen=True)
+class BenchRecord:
+    """What ``dhelix bench --link emulated:... --out`` recorded (``bench.emulated._summary``)."""
+
+    model: str
+    parallel: str
+    device: str
+    dtype: str
+    microbatches: int
+    ranks: int
+    link: Link
+    variants: Mapping[str, MeasuredVariant]
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.lower() != "cpu"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BenchRecord:
+        try:
+            link = data["link"]
+            variants = {
+                name: MeasuredVariant(
+                    step_s=float(row["step_s_median"]),
+                    t_compute_s=float(row["t_compute_s"]),
+                    t_comm_s=float(row["t_comm_s"]),
+                    host_s=float(row["host_s_median"]),
+                    wire_bytes=float(row["wire_bytes_per_step"]),
+                    transfers=int(row["transfers_per_step"]),
+                )
+                for name, row in data["variants"].items()
+            }
+            return cls(
+                model=str(data["model"]),
+                parallel=str(data["parallel"]),
+                device=str(data["device"]),
+                dtype=str(data["dtype"]),
+                microbatches=int(data["microbatches"]),
+                ranks=int(data["emulated"]["ranks"]),
+                link=Link(
+                    str(link["name"]),
+                    float(link["bandwidth_bytes_per_s"]),
+                    float(link["alpha_s"]),
+                    "the bench result's link",
+                ),
+                variants=variants,
+            )
+        except KeyError as err:
+            raise ValueError(f"not an emulated bench result: no field {err}") from None
+
+
+def recorded_link(record: BenchRecord) -> str:
+    """The cost model's name of the record's link: the registered entry of that name, or the
+    record's own numbers registered (a ``balanced`` or ``alpha=...,bandwidth=...`` link);
+    ``ValueError`` where an entry of that name has other numbers."""
+    link = record.link
+    try:
+        known = get_link(link.name)
+    except KeyError:
+        return register_link(link).name
+    if (known.bandwidth_bytes_per_s, known.latency_s) != (link.bandwidth_bytes_per_s, link.latency_s):
+        raise ValueError(
+            f"the bench result's link {link.name!r} ({link.bandwidth_bytes_per_s / 1e9:g} GB/s, alpha "
+            f"{link.latency_s * 1e6:g} us) differs from the cost model's entry of that name "
+            f"({known.bandwidth_bytes_per_s / 1e9:g} GB/s, alpha {known.latency_s * 1e6:g} us)"
+        )
+    return known.name
+
+
+_DEVICE_NAMES: tuple[tuple[str, str], ...] = (("h200", "h200"), ("h100", "h100_sxm"), ("a100", "a100_80gb"))
+
+
+def device_entry(device: str) -> str:
+    """The ``cost_model.hardware`` entry of a bench result's device ("NVIDIA H200" -> "h200")."""
+    if device.lower() == "cpu":
+        return "cpu"
+    for needle, entry in _DEVICE_NAMES:
+        if needle in device.lower():
+            return entry
+    raise ValueError(f"no cost_model.hardware entry for device {device!r}")
+
+
+def emulated_setting_name(device: str, model: str, parallel: str, ranks: int, link: str) -> str:
+    """``h200-emulated-llama3_8b_gpu-tp8-ib400``: device entry, bench model, parallelism, ranks, link preset."""
+    return f"{device}-emulated-{model}-{parallel}{ranks}-{link}"
+
+
+def emulated_setting(
+    name: str,
+    model: ModelShape,
+    *,
+    link: str,
+    ranks: int,
+    seq_len: int,
+    micro_batch_size: int,
+    micro_batches: int,
+    device: str,
+    dtype: Literal["bfloat16", "float32"] = "bfloat16",
+    sequence_parallel: bool = False,
+) -> ClusterSetting:
+    """A tensor-parallel job of ``ranks`` on one emulated link, as the bench writes it (PyTorch's
+    TP plan: per-projection all-reduces, logits gathered for the loss)."""
+    return ClusterSetting(
+        name=name,
+        model=model,
+        parallel=Parallelism(dp=1, tp=ranks, sequence_parallel=sequence_parallel),
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        micro_batches=micro_batches,
+        device=device,
+        gpus_per_node=ranks,
+        intra_node_link=link,
+        inter_node_link=link,
+        paper=PaperReport(None, None, None, "none: an emulated cluster (dhelix bench --link emulated:...)"),
+        dtype=dtype,
+        projection_reduces="per_projection",
+        loss="gathered_logits",
+        contention_factor=EMULATED_CONTENTION_FACTOR if device != "cpu" else 1.0,
+    )
+
+
+#: The bench's ``llama3_8b_gpu`` (``dhelix_compile.bench.choices.MODEL_SIZES``).
+LLAMA3_8B_2_LAYERS = ModelShape(
+    "llama3_8b_gpu",
+    "llama",
+    2,
+    4096,
+    32,
+    14336,
+    8192,
+    "the bench's llama3_8b_gpu (dhelix_compile.bench.choices.MODEL_SIZES)",
+    kv_heads=8,
+)
+
+#: The recorded GPU runs (BENCHMARKS.md, "Emulated cluster"): TP=8, 4096 tokens, 2 micro-batches, bf16.
+EMULATED_SETTINGS: dict[str, ClusterSetting] = {
+    s.name: s
+    for s in (
+        emulated_setting(
+            emulated_setting_name("h200", "llama3_8b_gpu", "tp", 8, preset),
+            LLAMA3_8B_2_LAYERS,
+            link=entry,
+            ranks=8,
+            seq_len=4096,
+            micro_batch_size=1,
+            micro_batches=2,
+            device="h200",
+        )
+        for preset, entry in (("ib400", "ib_ndr"), ("nvlink4", "nvlink4"))
+    )
+}
+
+
+@dataclass(frozen=True)
+class VariantComparison:
+    """A variant's predictions beside its measurement."""
+
+    variant: str
+    measured: MeasuredVariant
+    analytic: VariantPrediction
+    measured_inputs_s: float
+    measured_inputs: str
+    """What the measured-inputs prediction took from the run."""
+    host_bound: bool
+    analytic_claimed: bool
+
+    @property
+    def analytic_ratio(self) -> float:
+        return self.analytic.step_s / self.measured.step_s
+
+    @property
+    def measured_inputs_ratio(self) -> float:
+        return self.measured_inputs_s / self.measured.step_s
+
+
+@dataclass(frozen=True)
+class BenchComparison:
+    """Every modeled variant of one recorded run."""
+
+    setting: ClusterSetting
+    record: BenchRecord
+    matmul_efficiency: float
+    attention_efficiency: float
+    rows: tuple[VariantComparison, ...]
+    not_modeled: tuple[str, ...]
+
+
+def compare_bench(
+    setting: ClusterSetting,
+    record: BenchRecord,
+    *,
+    matmul_efficiency: float = MEASURED_MATMUL_EFFICIENCY,
+    attention_efficiency: float = MEASURED_ATTENTION_EFFICIENCY,
+) -> BenchComparison:
+    """Each variant of ``record`` that :data:`VARIANT_PROGRAMS` models, predicted on ``setting``."""
+    rows = []
+    efficiencies = {"matmul_efficiency": matmul_efficiency, "attention_efficiency": attention_efficiency}
+    for variant, measured in record.variants.items():
+        if variant not in VARIANT_PROGRAMS:
+            continue
+        analytic = predict_variant(setting, variant, **efficiencies)
+        host_bound = measured.host_s >= HOST_BOUND_SHARE * measured.step_s
+        if record.on_cuda:
+            inputs_s = max(measured.host_s, analytic.step_s)
+            inputs = "host_s_median"
+        else:
+            scale = measured.t_compute_s / analytic.compute_s
+            inputs_s = predict_variant(setting, variant, compute_scale=scale, **efficiencies).step_s
+            inputs = "t_compute_s"
+        rows.append(
+            VariantComparison(
+                variant=variant,
+                measured=measured,
+                analytic=analytic,
+                measured_inputs_s=inputs_s,
+                measured_inputs=inputs,
+                host_bound=host_bound,
+                analytic_claimed=record.on_cuda and not host_bound,
+            )
+        )
+    not_modeled = tuple(v for v in record.variants if v not in VARIANT_PROGRAMS)
+    return BenchComparison(setting, record, matmul_efficiency, attention_efficiency, tuple(rows), not_modeled)
+
+
+__all__ = [
+    "EMULATED_CONTENTION_FACTOR",
+    "EMULATED_SETTINGS",
+    "HOST_BOUND_SHARE",
+    "LLAMA3_8B_2_LAYERS",
+    "TOLERANCE",
+    "VARIANT_PROGRAMS",
+    "BenchComparison",
+    "BenchRecord",
+    "MeasuredVariant",
+    "VariantComparison",
+    "VariantPrediction",
+    "VariantProgram",
+    "compare_bench",
+    "device_entry",
+    "emulated_setting",
+    "emulated_setting_name",
+    "predict_variant",
+    "recorded_link",
+    "variant_setting",
+]

@@ -1,0 +1,86 @@
+"""A recorded emulated bench result as a cost-model cluster setting (``dhelix simulate --from-bench``).
+
+``dhelix bench --link emulated:<link>,ranks=N --out FILE`` records every variant's step beside
+its own compute, communication, bytes and host time (``bench.emulated``). :func:`setting_from_bench`
+reads such a file and builds the :class:`~cost_model.cluster.setting.ClusterSetting` it ran -- the
+reference transformer's shape from ``bench.choices.MODEL_SIZES`` (with ``MODEL_KV_HEADS``), TP or
+TP + SP over the ranks, the recorded link, device, dtype and micro-batches -- so that
+``cost_model.cluster.emulated.compare_bench`` can set the predictions beside the measurements.
+The shapes live here because ``cost_model`` knows no benchmark.
+
+Contract
+--------
+``setting_from_bench(data) -> (ClusterSetting, BenchRecord)``; ``load_bench(path)`` reads the
+file first. ``ValueError`` names what it cannot model: a workload other than the reference
+transformer, a data-parallel or pipeline run, a device without a ``cost_model.hardware`` entry,
+a link whose name the cost model holds with other numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from cost_model.cluster.emulated import (
+    BenchRecord,
+    device_entry,
+    emulated_setting,
+    emulated_setting_name,
+    recorded_link,
+)
+from cost_model.cluster.setting import ClusterSetting, ModelShape
+from dhelix_compile.bench.choices import MODEL_KV_HEADS, MODEL_SIZES
+
+_SEQUENCE_PARALLEL: dict[str, bool] = {"tp": False, "tp_sp": True}
+
+
+def bench_model_shape(name: str) -> tuple[ModelShape, int, int]:
+    """The reference transformer ``name`` (``MODEL_SIZES``) as a ModelShape, its sequence length and batch."""
+    if name not in MODEL_SIZES:
+        raise ValueError(
+            f"bench model {name!r} has no cluster model; the reference transformer's sizes: {', '.join(MODEL_SIZES)}"
+        )
+    dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[name]
+    source = f"the bench's {name} (dhelix_compile.bench.choices.MODEL_SIZES)"
+    return (
+        ModelShape(name, "llama", layers, dim, heads, ffn, vocab, source, kv_heads=MODEL_KV_HEADS.get(name)),
+        seq,
+        batch,
+    )
+
+
+def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRecord]:
+    """The setting a recorded emulated bench run ran, and the record (module docstring)."""
+    record = BenchRecord.from_json(data)
+    if record.parallel not in _SEQUENCE_PARALLEL:
+        raise ValueError(f"bench run {record.parallel!r}: only tensor-parallel runs (tp, tp_sp) are modeled")
+    if record.dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"bench dtype {record.dtype!r}: bfloat16 or float32 are modeled")
+    dtype: Literal["bfloat16", "float32"] = "bfloat16" if record.dtype == "bfloat16" else "float32"
+    model, seq, batch = bench_model_shape(record.model)
+    link = recorded_link(record)
+    device = device_entry(record.device)
+    name = emulated_setting_name(device, record.model, record.parallel, record.ranks, str(data["emulated"]["link"]))
+    setting = emulated_setting(
+        name,
+        model,
+        link=link,
+        ranks=record.ranks,
+        seq_len=seq,
+        micro_batch_size=batch,
+        micro_batches=record.microbatches,
+        device=device,
+        dtype=dtype,
+        sequence_parallel=_SEQUENCE_PARALLEL[record.parallel],
+    )
+    return setting, record
+
+
+def load_bench(path: str | Path) -> tuple[ClusterSetting, BenchRecord]:
+    """:func:`setting_from_bench` of the JSON file at ``path``."""
+    return setting_from_bench(json.loads(Path(path).read_text()))
+
+
+__all__ = ["bench_model_shape", "load_bench", "setting_from_bench"]
