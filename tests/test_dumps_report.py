@@ -100,7 +100,7 @@ def test_summary_keeps_the_notes_behind_the_counted_codes(mlp_dump: Path, comm_d
 def test_graph_without_collectives_has_no_hideable_share(mlp_dump: Path) -> None:
     for folder in _graph_folders(mlp_dump):
         numbers = json.loads((folder / "summary.json").read_text())["timeline"]
-        assert numbers["comm_s"] == 0 and numbers["hidden_share"] is None
+        assert numbers["comm_before_s"] == numbers["comm_after_s"] == 0 and numbers["hidden_share"] is None
         assert numbers["makespan_before_s"] == pytest.approx(numbers["makespan_after_s"])
 
 

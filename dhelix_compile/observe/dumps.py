@@ -14,7 +14,9 @@ With ``dump_dir`` set, every compiled partition gets a folder::
         timeline.trace.json           predicted timelines of the original order and of the
                                       schedule, Perfetto / Chrome trace (``dhelix_compile.observe.timeline``)
         timeline.svg                  the same as a Gantt chart, exposed communication hatched red
-        summary.json                  pass times (s), the per-pass stats counters (reason codes),
+        summary.json                  the graph's phase (``fwd``, ``bwd``, ``inference``, or ``merged``
+                                      for helix's merged graphs) and its strands (``strand_roles``),
+                                      pass times (s), the per-pass stats counters (reason codes),
                                       the notes behind them (``notes[pass][code]``: prose) and, under
                                       ``"timeline"``, the predicted numbers (``dhelix_compile.observe.report``)
         index.html                    the numbers, the chart and links to every file
@@ -90,6 +92,57 @@ def format_graph(gm: torch.fx.GraphModule) -> str:
     return text
 
 
+def strand_phases(gm: torch.fx.GraphModule) -> dict[int, str]:
+    """Each strand of ``gm`` and its phase, as ``node.meta["dhelix"]`` tags them (``merge_strands``
+    tags a merged graph's nodes, ``annotate`` every graph's); empty when no node is tagged."""
+    phases: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        meta = node.meta.get("dhelix")
+        if isinstance(meta, dict) and "strand" in meta and "phase" in meta:
+            phases.setdefault(int(meta["strand"]), str(meta["phase"]))
+    return dict(sorted(phases.items()))
+
+
+#: A helix schedule's call letters (``helix_runtime.schedule.StrandCall``) and their phases.
+_CALL_PHASES = {"F": "fwd", "B": "bwd"}
+
+
+def recorded_helix_steps(rank_dir: Path) -> list[list[tuple[str, int]]] | None:
+    """The steps of the helix schedule recorded in ``rank_dir`` (``helix_runtime.schedule.write_schedule``),
+    each a list of ``(phase, micro-batch)`` calls in step order; None when none is recorded."""
+    from dhelix_compile.helix_runtime.schedule import SCHEDULE_FILE
+
+    path = rank_dir / SCHEDULE_FILE
+    if not path.exists():
+        return None
+    described = str(json.loads(path.read_text())["steps"])  # "F0 | B0+F1 | B1"
+    return [[(_CALL_PHASES[c[0]], int(c[1:])) for c in step.split("+")] for step in described.split(" | ")]
+
+
+def strand_roles(
+    phases: dict[int, str], steps: list[list[tuple[str, int]]] | None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each strand's ``{"strand", "phase", "micro_batch"}`` and the helix steps a graph of these
+    strands runs (``"B0+F1"``), from its ``strand_phases`` and the recorded schedule's ``steps``.
+
+    A merged graph (two strands) runs the steps of two calls whose second call (it takes the
+    parked first one, ``helix_runtime.strand_handoff``) has strand 0's phase and whose first has
+    strand 1's. Strand 1's micro-batch is then ``i`` and strand 0's ``i+d``, when every such step
+    is d micro-batches apart; otherwise, and for a graph of one strand, ``micro_batch`` is None.
+    """
+    roles: list[dict[str, Any]] = [{"strand": s, "phase": p, "micro_batch": None} for s, p in phases.items()]
+    if len(phases) != 2 or not steps:
+        return roles, []
+    p0, p1 = phases.values()
+    runs = [step for step in steps if len(step) == 2 and (step[1][0], step[0][0]) == (p0, p1)]
+    offsets = {second[1] - first[1] for first, second in runs}
+    if len(offsets) == 1:
+        (offset,) = offsets
+        roles[0]["micro_batch"] = f"i{offset:+d}" if offset else "i"
+        roles[1]["micro_batch"] = "i"
+    return roles, ["+".join(f"{phase[0].upper()}{index}" for phase, index in step) for step in runs]
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "graph"
 
@@ -135,9 +188,17 @@ class GraphDumper:
         #: the simulated dhelix schedule (``write_timelines``), what measurements compare with
         self.predicted: SimResult | None = None
         self.summary: dict[str, Any] | None = None
+        #: ``strand_phases`` of the graph (the input's, then the scheduled one's)
+        self.strand_phases: dict[int, str] = {}
+        #: what each strand computes (``report.strand_description``), the timelines' legend
+        self.strand_names: dict[int, str] = {}
 
     def write_input(self, gm: torch.fx.GraphModule) -> None:
         (self.folder / "00_input.txt").write_text(format_graph(gm))
+        self.strand_phases = strand_phases(gm)
+
+    def _roles(self) -> tuple[list[dict[str, Any]], list[str]]:
+        return strand_roles(self.strand_phases, recorded_helix_steps(self.folder.parent))
 
     def snapshot(self, gm: torch.fx.GraphModule) -> _Snapshot:
         return _Snapshot(format_graph(gm), op_counts(gm))
@@ -159,7 +220,9 @@ class GraphDumper:
         trace = chrome_trace(timelines)
         (self.folder / "timeline.trace.json").write_text(json.dumps(trace, indent=1) + "\n")
         title = f"{self.graph_name}: predicted timeline, original order vs dhelix schedule"
-        (self.folder / "timeline.svg").write_text(gantt_svg(timelines, title))
+        self.strand_phases = strand_phases(scheduled) or self.strand_phases
+        self.strand_names = {r["strand"]: report.strand_description(r) for r in self._roles()[0]}
+        (self.folder / "timeline.svg").write_text(gantt_svg(timelines, title, self.strand_names))
         self.timeline = report.timeline_numbers(before, after)
         self.predicted = after
 
@@ -169,9 +232,13 @@ class GraphDumper:
 
     def write_summary(self, ctx: PassContext, **extra: Any) -> None:
         """``summary.json`` and this graph's ``index.html``."""
+        self.strand_phases = self.strand_phases or {ctx.strand: ctx.phase}
+        strands, steps = self._roles()
         summary = {
             "graph": ctx.graph_name,
-            "phase": ctx.phase,
+            "phase": "merged" if len(strands) > 1 else ctx.phase,
+            "strands": strands,
+            **({"helix_steps": steps} if steps else {}),
             "pass_seconds": self.pass_seconds,
             "stats": {name: dict(sorted(c.items())) for name, c in sorted(ctx.stats.items())},
             "notes": {name: dict(sorted(codes.items())) for name, codes in sorted(ctx.notes.items())},
@@ -189,14 +256,14 @@ class GraphDumper:
         (self.folder / "predicted_vs_measured.json").write_text(json.dumps(numbers, indent=2) + "\n")
         call = measured.gantt()
         title = f"{self.graph_name}: measured call ({measured.clock} clock)"
-        (self.folder / "measured.svg").write_text(gantt_svg([call], title))
+        (self.folder / "measured.svg").write_text(gantt_svg([call], title, self.strand_names))
         if self.predicted is not None:
             ratio = numbers["ratio"]
             title = f"{self.graph_name}: predicted vs measured, one time axis" + (
                 f" (measured = {ratio:.2f} x predicted)" if ratio is not None else ""
             )
             timelines = [LabelledTimeline("dhelix schedule, predicted", self.predicted), call]
-            (self.folder / "predicted_vs_measured.svg").write_text(gantt_svg(timelines, title))
+            (self.folder / "predicted_vs_measured.svg").write_text(gantt_svg(timelines, title, self.strand_names))
         if self.summary is not None:
             self.summary["measured"] = measured.numbers()
             self._write_summary_files()

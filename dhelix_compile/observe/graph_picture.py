@@ -10,7 +10,7 @@ Contract
 * :func:`write_graph_picture` -- writes ``<stem>.dot`` and ``<stem>.svg``: Graphviz's
   rendering when ``shutil.which("dot")`` finds it (timeout :data:`DOT_TIMEOUT_S`), otherwise
   :func:`node_list_svg`, a readable fallback listing the nodes in schedule order with the
-  same colours and each node's inputs. Returns how the SVG was made.
+  same colours and each node's inputs, as wide as its longest row. Returns how the SVG was made.
 
 Deterministic: the DOT text and the fallback depend only on the graph.
 """
@@ -18,6 +18,7 @@ Deterministic: the DOT text and the fallback depend only on the graph.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -112,41 +113,51 @@ def render_dot(dot_text: str, svg_path: Path) -> bool:
 
 
 _ROW_H_PX = 20
-_WIDTH_PX = 1000
+_MIN_WIDTH_PX = 1000
+_ROW_TEXT_X_PX = 20
+_MARGIN_PX = 12
 
 
 def node_list_svg(gm: torch.fx.GraphModule, title: str = "") -> str:
-    """The fallback picture: one coloured row per node in schedule order, with its inputs."""
+    """The fallback picture: one coloured row per node in schedule order, with its inputs.
+
+    Rows are never cut: the SVG is as wide as its longest line (``svg.text_width_px``)."""
     nodes = list(gm.graph.nodes)
     height_px = 60 + _ROW_H_PX * (len(nodes) + 2)
-    rows = [
-        svg.text(8, 20, title or "graph", size=14, weight="bold"),
-        svg.text(
-            8, 38, "Graphviz 'dot' not installed: nodes in schedule order (fill = kind, left bar = strand)", size=11
-        ),
-    ]
-    y = 50
+    heading = title or "graph"
+    note = "Graphviz 'dot' not installed: nodes in schedule order (fill = kind, left bar = strand)"
+    lines = []
     for index, node in enumerate(nodes):
-        kind = node_kind(node)
-        strand = node_strand(node)
         inputs = ", ".join(i.name for i in node.all_input_nodes)
-        rows.append(
-            f'<rect x="8" y="{y}" width="6" height="{_ROW_H_PX - 3}" fill="{strand_colour(strand)}"/>'
-            f'<rect x="16" y="{y}" width="{_WIDTH_PX - 24}" height="{_ROW_H_PX - 3}" '
-            f'fill="{KIND_COLOURS.get(kind, "#ffffff")}" stroke="#bbb"/>'
+        kind, strand = node_kind(node), node_strand(node)
+        lines.append((node, f"{index:4d}  {node.name} = {_target_name(node)}({inputs})   [{kind}, strand {strand}]"))
+    width_px = math.ceil(
+        max(
+            _MIN_WIDTH_PX,
+            8 + svg.text_width_px(heading, 14, weight="bold") + _MARGIN_PX,
+            8 + svg.text_width_px(note, 11) + _MARGIN_PX,
+            *(_ROW_TEXT_X_PX + svg.text_width_px(text, 11, mono=True) + _MARGIN_PX for _, text in lines),
         )
-        text = f"{index:4d}  {node.name} = {_target_name(node)}({inputs})   [{kind}, strand {strand}]"
-        rows.append(svg.text(20, y + 13, text[:150], size=11, mono=True))
+    )
+    rows = [svg.text(8, 20, heading, size=14, weight="bold"), svg.text(8, 38, note, size=11)]
+    y = 50
+    for node, text in lines:
+        rows.append(
+            f'<rect x="8" y="{y}" width="6" height="{_ROW_H_PX - 3}" fill="{strand_colour(node_strand(node))}"/>'
+            f'<rect x="16" y="{y}" width="{width_px - 24}" height="{_ROW_H_PX - 3}" '
+            f'fill="{KIND_COLOURS.get(node_kind(node), "#ffffff")}" stroke="#bbb"/>'
+        )
+        rows.append(svg.text(_ROW_TEXT_X_PX, y + 13, text, size=11, mono=True))
         y += _ROW_H_PX
-    legend_x = 8
+    legend_x = 8.0
     for kind, colour in KIND_COLOURS.items():
-        rows.append(f'<rect x="{legend_x}" y="{y + 6}" width="14" height="12" fill="{colour}" stroke="#999"/>')
+        rows.append(f'<rect x="{legend_x:.1f}" y="{y + 6}" width="14" height="12" fill="{colour}" stroke="#999"/>')
         rows.append(svg.text(legend_x + 18, y + 16, kind, size=11))
-        legend_x += 30 + 7 * len(kind)
+        legend_x += 30 + svg.text_width_px(kind, 11)
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH_PX}" height="{height_px}" '
-        f'viewBox="0 0 {_WIDTH_PX} {height_px}" font-family="Helvetica, Arial, sans-serif">\n'
-        f'<rect width="{_WIDTH_PX}" height="{height_px}" fill="white"/>\n' + "\n".join(rows) + "\n</svg>\n"
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width_px}" height="{height_px}" '
+        f'viewBox="0 0 {width_px} {height_px}" font-family="Helvetica, Arial, sans-serif">\n'
+        f'<rect width="{width_px}" height="{height_px}" fill="white"/>\n' + "\n".join(rows) + "\n</svg>\n"
     )
 
 

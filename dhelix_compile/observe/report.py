@@ -7,19 +7,30 @@ Contract
 
       makespan_before_s / makespan_after_s         SimResult.makespan_s
       exposed_comm_before_s / exposed_comm_after_s SimResult.exposed_comm_s
-      compute_s, comm_s                            the graph's totals (order-independent)
-      hidden_share     (T_seq - T_after) / (T_seq - max(compute, comm)),  T_seq = compute + comm:
-                       the share of the hideable communication that the schedule hides
-                       (None when nothing can be hidden: no communication)
+      compute_before_s / compute_after_s           the compute stream's busy time in that order:
+                                                   compute_s + contention_s, what its bars add up to
+      comm_before_s / comm_after_s                 SimResult.comm_s (the schedule's graph may
+                                                   communicate otherwise: decomposed, bucketed)
+      hideable_comm_s  exposed_comm_before_s: the communication the compute stream waits for in
+                       the original order, which a schedule can hide
+      hidden_share     (exposed_comm_before_s - exposed_comm_after_s) / hideable_comm_s
+                       (:data:`HIDDEN_SHARE_FORMULA`; None when nothing is exposed to begin
+                       with; negative when the schedule exposes more)
       peak_memory_before_bytes / peak_memory_after_bytes
-      contention_after_s   SimResult.contention_s: the compute time the schedule adds by running
-                           compute beside transfers (their contention factors)
+      contention_before_s / contention_after_s   SimResult.contention_s: the compute time the
+                           order adds by running compute beside transfers (their contention factors)
 
+  Each panel of ``timeline.svg`` prints the same makespan, compute, communication and exposed
+  numbers for its order (``timeline.panel_header``).
   ``GraphDumper`` stores them under ``"timeline"`` in each graph's ``summary.json``.
   With ``profile_steps``, ``summary.json`` also gets ``"measured"``
   (``MeasuredTimeline.numbers()``: the measured call, median of the profiled calls, and per
   communication segment predicted s, measured s, ratio = measured / predicted; and
   ``"account"``, where the difference went: ``MeasuredTimeline.account``).
+* :func:`graph_kind` -- what the graph holds, for its page's title: ``forward``,
+  ``backward``, ``inference``, or for a merged graph (``"phase": "merged"``) each strand's
+  phase and micro-batch and the helix steps that run it (``summary["strands"]``,
+  ``summary["helix_steps"]``, written by ``GraphDumper``).
 * :func:`index_html` -- one graph folder's page: the numbers, pass times, the Gantt chart
   inline, the predicted-vs-measured table and chart when measured, and links to every file.
 * :func:`collect_summaries` / :func:`format_table` -- every ``summary.json`` under a dump
@@ -40,24 +51,57 @@ from typing import Any
 from cost_model import SimResult
 from cost_model.units import format_ms, format_pct
 
+#: How ``hidden_share`` is computed, as the page and the report print it.
+HIDDEN_SHARE_FORMULA = "(exposed before - exposed after) / hideable"
+
+
+def hidden_share(exposed_before_s: float, exposed_after_s: float) -> float | None:
+    """The share of the original order's exposed communication that the schedule hides
+    (:data:`HIDDEN_SHARE_FORMULA`); None when the original order exposes none."""
+    if exposed_before_s <= 0:
+        return None
+    return (exposed_before_s - exposed_after_s) / exposed_before_s
+
 
 def timeline_numbers(before: SimResult, after: SimResult) -> dict[str, Any]:
     """The predicted summary numbers of one graph (see the module docstring)."""
-    compute_s, comm_s = after.compute_s, after.comm_s
-    sequential_s = compute_s + comm_s
-    hideable_s = sequential_s - max(compute_s, comm_s)
     return {
         "makespan_before_s": before.makespan_s,
         "makespan_after_s": after.makespan_s,
         "exposed_comm_before_s": before.exposed_comm_s,
         "exposed_comm_after_s": after.exposed_comm_s,
-        "compute_s": compute_s,
-        "comm_s": comm_s,
-        "hidden_share": (sequential_s - after.makespan_s) / hideable_s if hideable_s > 0 else None,
+        "compute_before_s": before.compute_s + before.contention_s,
+        "compute_after_s": after.compute_s + after.contention_s,
+        "comm_before_s": before.comm_s,
+        "comm_after_s": after.comm_s,
+        "hideable_comm_s": before.exposed_comm_s,
+        "hidden_share": hidden_share(before.exposed_comm_s, after.exposed_comm_s),
         "peak_memory_before_bytes": before.peak_memory_bytes,
         "peak_memory_after_bytes": after.peak_memory_bytes,
+        "contention_before_s": before.contention_s,
         "contention_after_s": after.contention_s,
     }
+
+
+_PHASE_WORDS = {"fwd": "forward", "bwd": "backward", "inference": "inference"}
+
+
+def strand_description(strand: dict[str, Any]) -> str:
+    """``{"phase": "fwd", "micro_batch": "i+1"}`` -> ``"forward of micro-batch i+1"``."""
+    words = _PHASE_WORDS.get(str(strand.get("phase")), str(strand.get("phase")))
+    return f"{words} of micro-batch {strand['micro_batch']}" if strand.get("micro_batch") else words
+
+
+def graph_kind(summary: dict[str, Any]) -> str:
+    """What the graph of ``summary`` holds (see the module docstring): ``"forward"``, or
+    ``"merged: forward of micro-batch i+1 ⊕ backward of micro-batch i; helix steps B0+F1, B1+F2"``."""
+    phase = str(summary.get("phase", ""))
+    if phase != "merged":
+        return _PHASE_WORDS.get(phase, phase)
+    strands = summary.get("strands") or []
+    held = " ⊕ ".join(f"{strand_description(s)} (strand {s['strand']})" for s in strands)
+    steps = summary.get("helix_steps")
+    return f"merged: {held}" + (f"; helix steps {', '.join(steps)}" if steps else "")
 
 
 # --------------------------------------------------------------------------- formatting
@@ -97,6 +141,15 @@ def _measured_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return []
 
 
+def _hidden_share_value(t: dict[str, Any]) -> str:
+    """``"100.0% = (28.700 - 0.000) / 28.700"``: the share and the numbers it divides."""
+    share = t.get("hidden_share")
+    if share is None:
+        return "- (nothing exposed in the original order)" if t.get("hideable_comm_s") is not None else "-"
+    before, after = format_ms(t["exposed_comm_before_s"], 3), format_ms(t["exposed_comm_after_s"], 3)
+    return f"{format_pct(share)} = ({before} - {after}) / {format_ms(t['hideable_comm_s'], 3)}"
+
+
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """``(label, value)`` pairs of one graph's summary, as the page and the table show them."""
     t = summary.get("timeline") or {}
@@ -105,8 +158,16 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("predicted makespan, dhelix schedule (ms)", format_ms(t.get("makespan_after_s"), 3)),
         ("exposed communication, original order (ms)", format_ms(t.get("exposed_comm_before_s"), 3)),
         ("exposed communication, dhelix schedule (ms)", format_ms(t.get("exposed_comm_after_s"), 3)),
-        ("compute / communication total (ms)", f"{format_ms(t.get('compute_s'), 3)} / {format_ms(t.get('comm_s'), 3)}"),
-        ("share of hideable communication hidden", format_pct(t.get("hidden_share"))),
+        (
+            "compute / communication, original order (ms, as its timeline panel)",
+            f"{format_ms(t.get('compute_before_s'), 3)} / {format_ms(t.get('comm_before_s'), 3)}",
+        ),
+        (
+            "compute / communication, dhelix schedule (ms, as its timeline panel)",
+            f"{format_ms(t.get('compute_after_s'), 3)} / {format_ms(t.get('comm_after_s'), 3)}",
+        ),
+        ("hideable communication = exposed, original order (ms)", format_ms(t.get("hideable_comm_s"), 3)),
+        (f"share hidden = {HIDDEN_SHARE_FORMULA}", _hidden_share_value(t)),
         ("peak memory, original order (MiB)", _mib(t.get("peak_memory_before_bytes"))),
         ("peak memory, dhelix schedule (MiB)", _mib(t.get("peak_memory_after_bytes"))),
     ]
@@ -120,7 +181,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 def index_html(folder: Path, summary: dict[str, Any]) -> str:
     """The page of one graph folder (see the module docstring)."""
-    name = str(summary.get("graph", folder.name))
+    heading = html.escape(f"{summary.get('graph', folder.name)} ({graph_kind(summary)})")
     table = "\n".join(
         f"<tr><th>{html.escape(label)}</th><td>{html.escape(value)}</td></tr>" for label, value in summary_rows(summary)
     )
@@ -140,7 +201,7 @@ def index_html(folder: Path, summary: dict[str, Any]) -> str:
         if p.is_file() and p.name != "index.html"
     )
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>dhelix: {html.escape(name)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>dhelix: {heading}</title>
 <style>
 body {{ font-family: Helvetica, Arial, sans-serif; margin: 24px; color: #222; }}
 table {{ border-collapse: collapse; }}
@@ -151,7 +212,7 @@ td.num {{ text-align: right; }}
 tr.total td {{ font-weight: bold; }}
 </style></head>
 <body>
-<h1>dhelix: {html.escape(name)} ({html.escape(str(summary.get("phase", "")))})</h1>
+<h1>dhelix: {heading}</h1>
 <h2>Summary (predicted by the cost model, unless marked measured)</h2>
 <table>
 {table}
@@ -296,10 +357,13 @@ def table_row(folder: Path, summary: dict[str, Any]) -> tuple[str, ...]:
 def format_table(found: Sequence[tuple[Path, dict[str, Any]]]) -> str:
     """A plain-text table, one row per graph, then a segment table per measured graph with communication.
 
+    ``hidden`` is :data:`HIDDEN_SHARE_FORMULA` (printed under the table when a graph has one);
     ``measured ms`` is the median profiled call (``profile_steps``), ``meas/pred`` its ratio to
     the predicted makespan of the dhelix schedule (``makespan after ms``).
     """
     text = _aligned(COLUMNS, [table_row(folder, summary) for folder, summary in found], left=(0,))
+    if any((summary.get("timeline") or {}).get("hidden_share") is not None for _, summary in found):
+        text += f"hidden = {HIDDEN_SHARE_FORMULA}, hideable = exposed before\n"
     for folder, summary in found:
         m = summary.get("measured")
         if not m or len(m.get("segments") or []) < 2:

@@ -20,6 +20,13 @@ deterministic (same result, same bytes):
       dhelix schedule  compute  |████████████|
                        comm 0   |[=====]     |
 
+Each panel's title line (:func:`panel_header`) gives the order's makespan, compute (the compute
+stream's busy time), communication and exposed communication. The legend names each strand by
+what it computes (``strand_names``: ``"forward of micro-batch i+1"``), else by its number. The
+time axis ends at the first round tick at or above the longer makespan (:func:`axis_end_s`). A
+bar shows its node's name only where the whole name fits inside it (:func:`bar_label`); every
+bar's tooltip (``<title>``) names it. The SVG is as wide as its longest title line.
+
 Exposed communication (:func:`exposed_intervals`) is every interval in which the compute
 stream sits idle: a blocking ``wait`` (the simulator records it) or a gap before a compute
 node whose input is still in flight (the simulator records only its length). Both are the
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +179,7 @@ def _trace_slice(pid: int, tid: int, ev: SimEvent) -> dict[str, Any]:
 
 _LABEL_W_PX = 150
 _PLOT_W_PX = 900
+_RIGHT_MARGIN_PX = 30
 _TRACK_H_PX = 26
 _TRACK_GAP_PX = 6
 _PANEL_TITLE_H_PX = 24
@@ -179,8 +187,16 @@ _PANEL_GAP_PX = 18
 _AXIS_H_PX = 34
 _TOP_PX = 36
 _LEGEND_ROW_H_PX = 20
-_MIN_LABEL_W_PX = 40
-_CHAR_W_PX = 6.2
+_BAR_LABEL_SIZE_PX = 10
+_BAR_LABEL_PAD_PX = 3
+_TITLE_SIZE_PX = 15
+_HEADER_SIZE_PX = 13
+_LEGEND_SIZE_PX = 11
+_TICK_SIZE_PX = 10
+
+#: Tick steps (x 10^k) the time axis may take, and how many intervals it may have.
+_NICE_STEPS = (1.0, 2.0, 2.5, 5.0)
+_MIN_INTERVALS, _MAX_INTERVALS = 4, 12
 
 
 @dataclass(frozen=True)
@@ -192,42 +208,81 @@ class _Scale:
         return _LABEL_W_PX + (t_s / self.end_s) * _PLOT_W_PX if self.end_s > 0 else _LABEL_W_PX
 
 
-def gantt_svg(timelines: Sequence[LabelledTimeline], title: str = "") -> str:
-    """An SVG Gantt chart of ``timelines`` on a shared time axis (see the module docstring)."""
+def gantt_svg(
+    timelines: Sequence[LabelledTimeline], title: str = "", strand_names: Mapping[int, str] | None = None
+) -> str:
+    """An SVG Gantt chart of ``timelines`` on a shared time axis (see the module docstring).
+
+    ``strand_names``: what each strand is (``"forward of micro-batch i+1"``), for the legend and
+    the bars' tooltips; a strand without one is called ``strand <n>``.
+    """
+    names = dict(strand_names or {})
     end_s = max((t.result.makespan_s for t in timelines), default=0.0)
-    step_s = _tick_step_s(end_s)
-    scale = _Scale(max(math.ceil(end_s / step_s * (1 - 1e-9)), 1) * step_s, step_s)
+    scale = _Scale(*axis_end_s(end_s))
     parts: list[str] = [_svg_defs()]
+    widest_px = float(_LABEL_W_PX + _PLOT_W_PX)
     if title:
-        parts.append(svg.text(8, 22, title, size=15, weight="bold"))
+        parts.append(svg.text(8, 22, title, size=_TITLE_SIZE_PX, weight="bold"))
+        widest_px = max(widest_px, 8 + svg.text_width_px(title, _TITLE_SIZE_PX, weight="bold"))
     y_px: float = _TOP_PX
     for timeline in timelines:
-        panel, y_px = _panel(timeline, scale, y_px)
+        header = panel_header(timeline)
+        widest_px = max(widest_px, 8 + svg.text_width_px(header, _HEADER_SIZE_PX, weight="bold"))
+        panel, y_px = _panel(timeline, header, scale, y_px, names)
         parts.append(panel)
         y_px += _PANEL_GAP_PX
     parts.append(_axis(scale, y_px))
     y_px += _AXIS_H_PX
     strands = sorted({ev.strand for t in timelines for ev in t.result.events})
-    legend, y_px = _legend(strands or [0], y_px)
+    legend, y_px = _legend(legend_entries(strands or [0], names), y_px)
     parts.append(legend)
-    width_px = _LABEL_W_PX + _PLOT_W_PX + 30
+    width_px = math.ceil(widest_px) + _RIGHT_MARGIN_PX
+    height_px = y_px + 8
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width_px}" height="{y_px + 8}" '
-        f'viewBox="0 0 {width_px} {y_px + 8}" font-family="Helvetica, Arial, sans-serif">\n'
-        f'<rect x="0" y="0" width="{width_px}" height="{y_px + 8}" fill="white"/>\n' + "\n".join(parts) + "\n</svg>\n"
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width_px}" height="{height_px}" '
+        f'viewBox="0 0 {width_px} {height_px}" font-family="Helvetica, Arial, sans-serif">\n'
+        f'<rect x="0" y="0" width="{width_px}" height="{height_px}" fill="white"/>\n' + "\n".join(parts) + "\n</svg>\n"
     )
 
 
-def _tick_step_s(end_s: float, max_ticks: int = 10) -> float:
-    """A round tick step (1, 2 or 5 x 10^k) giving at most ``max_ticks`` ticks up to ``end_s``."""
+def axis_end_s(end_s: float) -> tuple[float, float]:
+    """``(axis_end_s, tick_step_s)``: the axis ends at the first tick at or above ``end_s``.
+
+    The step is 1, 2, 2.5 or 5 x 10^k, with 4 to 12 intervals up to the end; of those, the one
+    whose last tick lies closest above ``end_s`` (then the most ticks). Data ending at 200.1 ms
+    gets an axis to 220 ms in steps of 20 (a step of 50 would end it at 250).
+    """
     if end_s <= 0:
-        return 1e-4
-    raw = end_s / max_ticks
-    base = 10 ** math.floor(math.log10(raw))
-    for step in (1, 2, 5, 10):
-        if step * base >= raw * (1 - 1e-9):
-            return step * base
-    return 10 * base
+        return 1e-4, 1e-4
+    best: tuple[float, int, float] | None = None
+    top = math.floor(math.log10(end_s / _MIN_INTERVALS))
+    for power in range(top - 2, top + 1):
+        for mantissa in _NICE_STEPS:
+            step_s = mantissa * 10.0**power
+            intervals = max(math.ceil(end_s / step_s * (1 - 1e-9)), 1)
+            if _MIN_INTERVALS <= intervals <= _MAX_INTERVALS:
+                candidate = (intervals * step_s, -intervals, step_s)
+                best = candidate if best is None or candidate[:2] < best[:2] else best
+    assert best is not None, end_s  # 10^k steps alone reach every count from 4 to 12 over three powers
+    return best[0], best[2]
+
+
+def panel_header(timeline: LabelledTimeline) -> str:
+    """A panel's title line: the order's makespan, compute, communication and exposed communication.
+
+    Compute is the compute stream's busy time, as its bars add up: the ops' own time plus what
+    running beside transfers adds (``SimResult.contention_s``). ``report.summary_rows`` prints
+    the same numbers.
+    """
+    if timeline.header:
+        return timeline.header
+    res = timeline.result
+    contention = f" (of it {format_ms(res.contention_s, 3)} slowed by transfers)" if res.contention_s > 0 else ""
+    return (
+        f"{timeline.label}: makespan {format_ms(res.makespan_s, 3)} ms; "
+        f"compute {format_ms(res.compute_s + res.contention_s, 3)} ms{contention}; "
+        f"communication {format_ms(res.comm_s, 3)} ms, exposed {format_ms(res.exposed_comm_s, 3)} ms"
+    )
 
 
 def _svg_defs() -> str:
@@ -241,17 +296,14 @@ def _svg_defs() -> str:
     )
 
 
-def _panel(timeline: LabelledTimeline, scale: _Scale, y_px: float) -> tuple[str, float]:
+def _panel(
+    timeline: LabelledTimeline, header: str, scale: _Scale, y_px: float, names: Mapping[int, str]
+) -> tuple[str, float]:
     res = timeline.result
-    header = timeline.header or (
-        f"{timeline.label}: makespan {format_ms(res.makespan_s, 3)} ms, "
-        f"exposed communication {format_ms(res.exposed_comm_s, 3)} ms "
-        f"of {format_ms(res.comm_s, 3)} ms"
-    )
-    parts = [svg.text(8, y_px + 16, header, size=13, weight="bold")]
+    parts = [svg.text(8, y_px + 16, header, size=_HEADER_SIZE_PX, weight="bold")]
     y_px += _PANEL_TITLE_H_PX
     for resource in resources_of(res):
-        parts.append(_track(res, resource, scale, y_px))
+        parts.append(_track(res, resource, scale, y_px, names))
         y_px += _TRACK_H_PX + _TRACK_GAP_PX
     end_x = scale.x(res.makespan_s)
     parts.append(
@@ -261,7 +313,7 @@ def _panel(timeline: LabelledTimeline, scale: _Scale, y_px: float) -> tuple[str,
     return "\n".join(parts), y_px
 
 
-def _track(res: SimResult, resource: str, scale: _Scale, y_px: float) -> str:
+def _track(res: SimResult, resource: str, scale: _Scale, y_px: float, names: Mapping[int, str]) -> str:
     parts = [
         svg.text(8, y_px + _TRACK_H_PX / 2 + 4, track_name(resource), size=12),
         (
@@ -271,32 +323,52 @@ def _track(res: SimResult, resource: str, scale: _Scale, y_px: float) -> str:
     ]
     for ev in res.events:
         if ev.resource == resource and ev.kind != "wait":
-            parts.append(_bar(ev, scale, y_px))
+            parts.append(_bar(ev, scale, y_px, names))
     if resource == "compute":
         for start_s, end_s in exposed_intervals(res):
             parts.append(_exposed_band(start_s, end_s, scale, y_px))
     return "\n".join(parts)
 
 
-def _bar(ev: SimEvent, scale: _Scale, y_px: float) -> str:
+def strand_name(strand: int, names: Mapping[int, str]) -> str:
+    """What ``names`` calls ``strand``, else ``strand <n>``."""
+    return names.get(strand, f"strand {strand}")
+
+
+def bar_label(name: str, width_px: float) -> str | None:
+    """The text a bar ``width_px`` wide shows: the node's whole name when it fits inside, else
+    none (its tooltip names it). A name is never cut: ``f_all_…`` would not say which op the
+    bar is."""
+    needed_px = svg.text_width_px(name, _BAR_LABEL_SIZE_PX) + 2 * _BAR_LABEL_PAD_PX
+    return name if needed_px <= width_px else None
+
+
+def _bar(ev: SimEvent, scale: _Scale, y_px: float, names: Mapping[int, str]) -> str:
     x0, x1 = scale.x(ev.start_s), scale.x(ev.end_s)
     width = max(x1 - x0, 0.6)
     colour = strand_colour(ev.strand)
     is_compute = ev.resource == "compute"
     fill = colour if is_compute else _lighten(colour)
-    tooltip = (
-        f"{ev.node_name} ({ev.kind}, strand {ev.strand}): {format_ms(ev.start_s, 4)} - {format_ms(ev.end_s, 4)} ms"
+    tooltip = html.escape(
+        f"{ev.node_name} ({ev.kind}, {strand_name(ev.strand, names)}): "
+        f"{format_ms(ev.start_s, 4)} - {format_ms(ev.end_s, 4)} ms"
     )
     bar = (
         f'<rect x="{x0:.2f}" y="{y_px + 2:.1f}" width="{width:.2f}" height="{_TRACK_H_PX - 4}" '
         f'fill="{fill}" stroke="{colour if not is_compute else "white"}" '
-        f'stroke-width="{1.5 if not is_compute else 0.4}"><title>{html.escape(tooltip)}</title></rect>'
+        f'stroke-width="{1.5 if not is_compute else 0.4}"><title>{tooltip}</title></rect>'
     )
-    if width >= _MIN_LABEL_W_PX:
-        label = _fit(ev.node_name, width)
-        bar += "\n" + svg.text(
-            x0 + 3, y_px + _TRACK_H_PX / 2 + 4, label, size=10, fill="white" if is_compute else "#222"
+    label = bar_label(ev.node_name, width)
+    if label is not None:
+        text = svg.text(
+            x0 + _BAR_LABEL_PAD_PX,
+            y_px + _TRACK_H_PX / 2 + 4,
+            label,
+            size=_BAR_LABEL_SIZE_PX,
+            fill="white" if is_compute else "#222",
         )
+        # the label's box is the bar's, for a reader (and the browser test) to compare with
+        bar += "\n" + text.replace("<text ", f'<text data-bar-x="{x0:.2f}" data-bar-width="{width:.2f}" ', 1)
     return bar
 
 
@@ -318,40 +390,41 @@ def _axis(scale: _Scale, y_px: float) -> str:
     for i in range(ticks + 1):
         t_s = scale.step_s * i
         x = scale.x(t_s)
+        label = _format_ms(t_s * 1e3)
         parts.append(f'<line x1="{x:.1f}" y1="{y_px:.1f}" x2="{x:.1f}" y2="{y_px + 5:.1f}" stroke="#222"/>')
-        parts.append(svg.text(x - 12, y_px + 17, _format_ms(t_s * 1e3), size=10))
+        parts.append(svg.text(x - svg.text_width_px(label, _TICK_SIZE_PX) / 2, y_px + 17, label, size=_TICK_SIZE_PX))
     parts.append(svg.text(_LABEL_W_PX + _PLOT_W_PX / 2 - 30, y_px + 31, "time (ms)", size=11))
     return "\n".join(parts)
 
 
-def _legend(strands: list[int], y_px: float) -> tuple[str, float]:
-    parts: list[str] = []
-    x = 8.0
+def legend_entries(strands: Sequence[int], names: Mapping[int, str]) -> list[tuple[str, str]]:
+    """``(SVG style, text)`` per legend entry: compute and communication of each strand, named
+    by ``names`` (``strand_name``), then exposed communication."""
     entries: list[tuple[str, str]] = []
     for strand in strands:
         colour = strand_colour(strand)
-        entries.append((f'fill="{colour}" stroke="white"', f"compute (strand {strand})"))
-        entries.append(
-            (f'fill="{_lighten(colour)}" stroke="{colour}" stroke-width="1.5"', f"communication (strand {strand})")
-        )
+        name = strand_name(strand, names)
+        entries.append((f'fill="{colour}" stroke="white"', f"compute, {name}"))
+        entries.append((f'fill="{_lighten(colour)}" stroke="{colour}" stroke-width="1.5"', f"communication, {name}"))
     entries.append((f'fill="url(#exposed)" stroke="{_EXPOSED_COLOUR}"', "exposed communication (compute stream waits)"))
+    return entries
+
+
+def _legend(entries: list[tuple[str, str]], y_px: float) -> tuple[str, float]:
+    parts: list[str] = []
+    x = 8.0
     for style, label in entries:
-        width_px = 22 + len(label) * _CHAR_W_PX + 16
-        if x + width_px > _LABEL_W_PX + _PLOT_W_PX:
+        width_px = 22 + svg.text_width_px(label, _LEGEND_SIZE_PX) + 16
+        if x > 8.0 and x + width_px > _LABEL_W_PX + _PLOT_W_PX:
             x, y_px = 8.0, y_px + _LEGEND_ROW_H_PX
         parts.append(f'<rect x="{x:.1f}" y="{y_px:.1f}" width="16" height="12" {style}/>')
-        parts.append(svg.text(x + 22, y_px + 10.5, label, size=11))
+        parts.append(svg.text(x + 22, y_px + 10.5, label, size=_LEGEND_SIZE_PX))
         x += width_px
     return "\n".join(parts), y_px + _LEGEND_ROW_H_PX
 
 
 def _format_ms(t_ms: float) -> str:
     return f"{t_ms:.4g}"
-
-
-def _fit(label: str, width_px: float) -> str:
-    max_chars = int((width_px - 6) / _CHAR_W_PX)
-    return label if len(label) <= max_chars else label[: max(max_chars - 1, 1)] + "…"
 
 
 def _lighten(colour: str, amount: float = 0.6) -> str:
