@@ -1,9 +1,9 @@
-"""The benchmark on an emulated cluster: ``dhelix bench --link emulated:<link>[,ranks=N][,traffic]``.
+"""The benchmark on an emulated cluster: ``dhelix bench --link emulated:<link>[,ranks=N][,rank=R][,traffic]``.
 
-One process is rank 0 of an N-rank job (``dhelix_compile.emulate``): every collective takes the
-link model's time, on a timer (CPU) or a side stream (CUDA), and costs the compute nothing, so the
-step time shows the schedule, not CPU contention. Each variant is measured three ways in the
-same run, interleaved with the others:
+One process is rank R (default 0) of an N-rank job (``dhelix_compile.emulate``): every collective
+takes the link model's time, on a timer (CPU) or a side stream (CUDA), and costs the compute
+nothing, so the step time shows the schedule, not CPU contention. Each variant is measured three
+ways in the same run, interleaved with the others:
 
     step      its step on the link
     compute   its step with the link free (every collective completes at once): own T_compute
@@ -18,10 +18,20 @@ same run, interleaved with the others:
 their numbers), ``alpha=5us,bandwidth=40GB/s``, or ``balanced``: ib400's alpha with the
 bandwidth at which the first variant's collectives alone take its compute time (the regime
 overlap is for). dhelix's planner prices collectives on the same link (``link="auto"``).
+
+With ``--pipeline <kind>`` (:func:`measure_emulated_pipeline`) the N ranks are a PP x TP job: the
+reference transformer cut into stages (``bench.pipeline_parallel``, stage shapes declared, so
+torch's pipelining runs with no peers), each stage tensor-parallel over its TP group (``--tp``;
+by default two pipeline ranks and TP over the rest, :func:`pipeline_tp`). The emulated rank is
+``rank=R``, or by default the first TP rank of the pipeline rank that holds the last stage (the
+head and the loss: the most compute). Its communication is its sends and receives on the pp
+group and its stages' TP collectives. A receive completes a link time after it is posted: the
+peer stages are on time, so the step holds no bubble of waiting for another stage's compute.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import statistics
 import sys
@@ -47,6 +57,8 @@ class EmulatedLink:
     link: str
     ranks: int = 8
     traffic: bool = False
+    rank: int | None = None
+    """The rank to emulate (``rank=R``); None: rank 0, or for a pipeline the one with the most work."""
 
 
 def parse_emulated_link(spec: str) -> EmulatedLink | None:
@@ -54,15 +66,21 @@ def parse_emulated_link(spec: str) -> EmulatedLink | None:
     an emulated one; ValueError naming what is wrong."""
     if not spec.startswith(EMULATED_PREFIX):
         return None
-    link_parts, ranks, traffic = [], 8, False
+    link_parts, ranks, rank, traffic = [], 8, None, False
+
+    def integer(part: str, key: str) -> int:
+        try:
+            return int(part.removeprefix(key))
+        except ValueError:
+            raise ValueError(f"--link {spec!r}: {key[:-1]} must be an integer, got {part!r}") from None
+
     for part in filter(None, (p.strip() for p in spec[len(EMULATED_PREFIX) :].split(","))):
         if part.startswith("ranks="):
-            try:
-                ranks = int(part.removeprefix("ranks="))
-            except ValueError:
-                raise ValueError(f"--link {spec!r}: ranks must be an integer, got {part!r}") from None
+            ranks = integer(part, "ranks=")
             if ranks < 2:
                 raise ValueError(f"--link {spec!r}: ranks must be >= 2")
+        elif part.startswith("rank="):
+            rank = integer(part, "rank=")
         elif part == "traffic":
             traffic = True
         else:
@@ -71,12 +89,14 @@ def parse_emulated_link(spec: str) -> EmulatedLink | None:
         raise ValueError(
             f"--link {spec!r}: name a link after 'emulated:' (a preset, alpha=...,bandwidth=..., balanced)"
         )
+    if rank is not None and not 0 <= rank < ranks:
+        raise ValueError(f"--link {spec!r}: rank must be in [0, {ranks})")
     link = ",".join(link_parts)
     if link != BALANCED:
         from dhelix_compile.emulation import parse_link
 
         parse_link(link)  # a LinkSpecError (a ValueError) names the problem
-    return EmulatedLink(link, ranks, traffic)
+    return EmulatedLink(link, ranks, traffic, rank)
 
 
 def _timed(fn: Callable[[], None], device: torch.device, host: list[float] | None = None) -> float:
@@ -117,6 +137,7 @@ class _VariantTimes:
     comm_s: list[float] = dataclasses.field(default_factory=list)
     wire_bytes: list[int] = dataclasses.field(default_factory=list)
     transfers: int = 0
+    ops: dict[str, int] = dataclasses.field(default_factory=dict)
     compile_s: float = 0.0
 
 
@@ -152,18 +173,15 @@ def measure_emulated(
     over every rank (``bench.data_parallel``: PyTorch's FSDP2 / DDP beside ``data_parallel``)."""
     import torch.distributed.device_mesh as device_mesh
 
-    import dhelix_compile
     from dhelix_compile.bench.data_parallel import data_parallel_step
     from dhelix_compile.bench.steps import step_function
     from dhelix_compile.bench.variants import overlap_scheduler_on_cpu
     from dhelix_compile.bench.workloads import build_workload
-    from dhelix_compile.emulation import parse_link
-    from dhelix_compile.emulation.group import link_time_s
 
     torch_device = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
     torch_dtype = getattr(torch, dtype) if dtype else None
-    first_link = parse_link("ib400") if emulated.link == BALANCED else parse_link(emulated.link)
-    cluster = dhelix_compile.emulate(emulated.ranks, 0, link=first_link, traffic=emulated.traffic)
+    rank = 0 if emulated.rank is None else emulated.rank
+    cluster, first_link = _emulate(emulated, rank)
     try:
         dim = "dp" if data_parallel else "tp"
         mesh = device_mesh.init_device_mesh(torch_device.type, (emulated.ranks,), mesh_dim_names=(dim,))
@@ -180,10 +198,8 @@ def measure_emulated(
             make=lambda: built.make().to(device=torch_device, dtype=torch_dtype),
             microbatches=_to_device(built.microbatches, torch_device, torch_dtype),
         )
-        times = {name: _VariantTimes() for name in variants}
-        steps: dict[str, Callable[[], None]] = {}
 
-        def prepare(name: str) -> None:
+        def make_step(name: str) -> Callable[[], None]:
             data = workload.microbatches
             run: Callable[[Any], None]
             if data_parallel:
@@ -199,46 +215,156 @@ def measure_emulated(
                 with overlap_scheduler_on_cpu(name):
                     run(data)
 
-            steps[name] = step
-            print(f"    compiling {name} ...", file=sys.stderr, flush=True)
-            times[name].compile_s = _timed(steps[name], torch_device)
-            for _ in range(warmup):
-                steps[name]()
+            return step
 
-        if emulated.link == BALANCED:  # the first variant sets the link's bandwidth
-            with cluster.link_free():
-                prepare(variants[0])
-                cluster.ledger.clear()
-                t_compute = statistics.median(_timed(steps[variants[0]], torch_device) for _ in range(3))
-                per_step = cluster.ledger.transfers()[: len(cluster.ledger.transfers()) // 3]
-            cluster.set_link(balanced_link(per_step, t_compute, first_link.latency_s))
-        for name in variants:
-            if name not in steps:
-                prepare(name)
-        started = time.perf_counter()
-        done = 0
-        for _ in range(repeats):
-            for name in variants:
-                row = times[name]
-                cluster.ledger.clear()
-                row.step_s.append(_timed(steps[name], torch_device, row.host_s))
-                transfers = cluster.ledger.transfers()
-                row.comm_s.append(link_time_s(transfers))
-                row.wire_bytes.append(sum(t.wire_bytes for t in transfers))
-                row.transfers = len(transfers)
-                with cluster.link_free():
-                    row.compute_s.append(_timed(steps[name], torch_device))
-            done += 1
-            if time.perf_counter() - started > time_limit_s:
-                break
+        times, done = _measure_variants(
+            cluster, emulated, first_link, variants, make_step, torch_device, repeats, warmup, time_limit_s
+        )
         described = f"data-parallel {data_parallel}" if data_parallel else parallel
-        return _summary(emulated, cluster.link, model, described, torch_device, dtype, microbatches, times, done)
+        return _summary(emulated, rank, cluster.link, model, described, torch_device, dtype, microbatches, times, done)
     finally:
         cluster.close()
 
 
+def pipeline_tp(ranks: int, tp: int | None = None) -> int:
+    """The TP degree of an emulated PP x TP job of ``ranks`` ranks: ``tp`` as asked (a divisor of
+    ``ranks``), else two pipeline ranks with TP over the rest (4 ranks: PP=2 x TP=2), or TP=1
+    for an odd count (every rank a pipeline rank)."""
+    if tp is None:
+        return ranks // 2 if ranks % 2 == 0 else 1
+    if tp < 1 or ranks % tp:
+        raise ValueError(f"--tp {tp} does not divide the {ranks} emulated ranks into pipeline ranks")
+    return tp
+
+
+def pipeline_rank(kind: str, pp: int, tp: int) -> int:
+    """The rank with the most work in a PP x TP job (mesh ``(pp, tp)``, row-major): the first TP
+    rank of the pipeline rank that holds the last stage (the head and the loss)."""
+    from dhelix_compile.bench.choices import SCHEDULE_KINDS, ScheduleKind
+    from dhelix_compile.testing.pipeline_checks import stage_layout
+
+    if kind not in SCHEDULE_KINDS:
+        raise ValueError(f"unknown pipeline schedule {kind!r}; choose from {', '.join(SCHEDULE_KINDS)}")
+    schedule_kind: ScheduleKind = kind  # type: ignore[assignment]  # checked above
+    last = pp * len(stage_layout(schedule_kind, pp, 0)) - 1
+    return next(r for r in range(pp) if last in stage_layout(schedule_kind, pp, r)) * tp
+
+
+def measure_emulated_pipeline(
+    emulated: EmulatedLink,
+    kind: str,
+    model: str,
+    variants: list[str],
+    *,
+    tp: int | None = None,
+    microbatches: int = 4,
+    repeats: int = 5,
+    warmup: int = 2,
+    dhelix_options: dict[str, Any] | None = None,
+    time_limit_s: float = 600.0,
+) -> dict[str, Any]:
+    """Every pipeline variant (``choices.PIPELINE_VARIANTS``, each optionally with options in
+    brackets) on one rank of an emulated PP x TP job (module docstring): its step, own compute,
+    own communication (its P2P and TP collectives) and bytes, on CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dhelix_compile.bench.choices import PIPELINE_VARIANTS
+    from dhelix_compile.bench.pipeline_parallel import build_pipeline
+    from dhelix_compile.bench.steps import split_variant
+
+    tp = pipeline_tp(emulated.ranks, tp)
+    pp = emulated.ranks // tp
+    rank = pipeline_rank(kind, pp, tp) if emulated.rank is None else emulated.rank
+    for name in variants:
+        split_variant(name, PIPELINE_VARIANTS)  # a ValueError names a bad one before anything runs
+    device = torch.device("cpu")
+    cluster, first_link = _emulate(emulated, rank)
+    try:
+        mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp")) if tp > 1 else None
+        pp_rank = rank // tp
+        gen = torch.Generator().manual_seed(0)
+        pipeline = build_pipeline(kind, model, pp_rank, pp, microbatches, gen, mesh)
+
+        def make_step(name: str) -> Callable[[], None]:
+            base, own = split_variant(name, PIPELINE_VARIANTS)
+            return pipeline.step_function(base, {**(dhelix_options or {}), **own})
+
+        times, done = _measure_variants(
+            cluster, emulated, first_link, variants, make_step, device, repeats, warmup, time_limit_s
+        )
+        described = f"pipeline {kind}, PP={pp} x TP={tp}"
+        return _summary(emulated, rank, cluster.link, model, described, device, None, microbatches, times, done)
+    finally:
+        cluster.close()
+
+
+def _emulate(emulated: EmulatedLink, rank: int) -> tuple[Any, Link]:
+    """The live emulation as rank ``rank``, and the link it starts on (ib400 for ``balanced``)."""
+    import dhelix_compile
+    from dhelix_compile.emulation import parse_link
+
+    first_link = parse_link("ib400") if emulated.link == BALANCED else parse_link(emulated.link)
+    return dhelix_compile.emulate(emulated.ranks, rank, link=first_link, traffic=emulated.traffic), first_link
+
+
+def _measure_variants(
+    cluster: Any,
+    emulated: EmulatedLink,
+    first_link: Link,
+    variants: list[str],
+    make_step: Callable[[str], Callable[[], None]],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    time_limit_s: float,
+) -> tuple[dict[str, _VariantTimes], int]:
+    """Each variant's step (``make_step(name)``) compiled and warmed, then timed on the link and
+    with it free, interleaved with the others; returns the times and the repeats done."""
+    from dhelix_compile.emulation.group import link_time_s
+
+    times = {name: _VariantTimes() for name in variants}
+    steps: dict[str, Callable[[], None]] = {}
+
+    def prepare(name: str) -> None:
+        steps[name] = make_step(name)
+        print(f"    compiling {name} ...", file=sys.stderr, flush=True)
+        times[name].compile_s = _timed(steps[name], device)
+        for _ in range(warmup):
+            steps[name]()
+
+    if emulated.link == BALANCED:  # the first variant sets the link's bandwidth
+        with cluster.link_free():
+            prepare(variants[0])
+            cluster.ledger.clear()
+            t_compute = statistics.median(_timed(steps[variants[0]], device) for _ in range(3))
+            per_step = cluster.ledger.transfers()[: len(cluster.ledger.transfers()) // 3]
+        cluster.set_link(balanced_link(per_step, t_compute, first_link.latency_s))
+    for name in variants:
+        if name not in steps:
+            prepare(name)
+    started = time.perf_counter()
+    done = 0
+    for _ in range(repeats):
+        for name in variants:
+            row = times[name]
+            cluster.ledger.clear()
+            row.step_s.append(_timed(steps[name], device, row.host_s))
+            transfers = cluster.ledger.transfers()
+            row.comm_s.append(link_time_s(transfers))
+            row.wire_bytes.append(sum(t.wire_bytes for t in transfers))
+            row.transfers = len(transfers)
+            row.ops = dict(sorted(collections.Counter(t.op for t in transfers).items()))
+            with cluster.link_free():
+                row.compute_s.append(_timed(steps[name], device))
+        done += 1
+        if time.perf_counter() - started > time_limit_s:
+            break
+    return times, done
+
+
 def _summary(
     emulated: EmulatedLink,
+    rank: int,
     link: Link,
     model: str,
     parallel: str,
@@ -265,10 +391,12 @@ def _summary(
             "host_s_median": statistics.median(row.host_s),
             "wire_bytes_per_step": statistics.median(row.wire_bytes),
             "transfers_per_step": row.transfers,
+            "operations_per_step": row.ops,
             "compile_s": row.compile_s,
         }
     return {
         "emulated": dataclasses.asdict(emulated),
+        "rank": rank,
         "link": {"name": link.name, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "alpha_s": link.latency_s},
         "model": model,
         "parallel": parallel,
@@ -285,7 +413,7 @@ def markdown_emulated(summary: dict[str, Any]) -> str:
     """The table: each variant beside its own limit, with the bytes it sent."""
     link = summary["link"]
     head = (
-        f"Emulated cluster: rank 0 of {summary['emulated']['ranks']}, link {link['name']} "
+        f"Emulated cluster: rank {summary.get('rank', 0)} of {summary['emulated']['ranks']}, link {link['name']} "
         f"({link['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s, alpha {link['alpha_s'] * 1e6:.3g} us"
         f"{', traffic copies' if summary['emulated']['traffic'] else ''}), {summary['model']} {summary['parallel']}, "
         f"{summary['device']} {summary['dtype']}, {summary['microbatches']} micro-batch(es), "

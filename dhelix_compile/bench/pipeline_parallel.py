@@ -5,7 +5,10 @@
 The reference transformer of ``--model`` is cut into stage chunks (``testing.pipeline_checks.chunks``)
 laid out over the ranks as the schedule wants them (``testing.pipeline_checks.stage_layout``: DualPipeV
 folds four chunks over two ranks, ``r`` and ``2 pp - 1 - r``); a step is one ``schedule.step``
-over ``microbatches`` micro-batches of the model's batch each. Variants:
+over ``microbatches`` micro-batches of the model's batch each. Given a ``("pp", "tp")`` device
+mesh, the stages talk over its pp groups and every stage chunk is tensor-parallel over its tp row
+with the reference transformer's TP plan (``testing.pipeline_checks.parallelize_stage_tp``): PP x TP,
+as the emulated bench runs it (``bench.emulated``). Variants:
 
     pipeline_eager      torch's schedule over the stage modules as written
     pipeline_inductor   the same with every stage module compiled by Inductor (``module.compile()``)
@@ -14,8 +17,9 @@ over ``microbatches`` micro-batches of the model's batch each. Variants:
 
 Every stage is built with static shapes (``input_args``/``output_args``), so torch exchanges no
 shape metadata: the same workload runs on the fake process group (``T_compute``: P2P returns at
-once) and on the link. ``T_comm`` is the step's P2P transfers alone (``P2PReplay``): per
-micro-batch, each activation crossing ranks and its gradient coming back, one after another.
+once), on the emulated process group (a receive writes ones) and on the link. ``T_comm`` is the
+step's P2P transfers alone (``P2PReplay``): per micro-batch, each activation crossing ranks and its
+gradient coming back, one after another.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +35,10 @@ import torch.distributed as dist
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.bench.choices import PIPELINE_VARIANTS, SCHEDULE_KINDS, ScheduleKind
 from dhelix_compile.testing.llama import Transformer, lm_loss
-from dhelix_compile.testing.pipeline_checks import build_schedule, chunks, stage_layout
+from dhelix_compile.testing.pipeline_checks import build_schedule, chunks, parallelize_stage_tp, stage_layout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclasses.dataclass
@@ -71,10 +78,20 @@ class Transfer:
 
 
 def build_pipeline(
-    kind: str, size: str, rank: int, world_size: int, microbatches: int, gen: torch.Generator
+    kind: str,
+    size: str,
+    rank: int,
+    world_size: int,
+    microbatches: int,
+    gen: torch.Generator,
+    mesh: DeviceMesh | None = None,
 ) -> PipelineWorkload:
     """The reference transformer ``size`` (``choices.MODEL_SIZES``) as a ``kind`` pipeline over
-    ``world_size`` ranks (one stage group), ``microbatches`` micro-batches of its batch per step."""
+    ``world_size`` ranks (one stage group), ``microbatches`` micro-batches of its batch per step.
+
+    ``mesh``: a ``("pp", "tp")`` device mesh; the stages then talk over its pp group and each
+    stage chunk is tensor-parallel over its tp group, and ``rank`` and ``world_size`` are this
+    rank's place in the pp dimension and its size (the ranks of ``transfers`` are pp ranks)."""
     from dhelix_compile.bench.workloads import model_config
 
     if kind not in SCHEDULE_KINDS:
@@ -106,12 +123,21 @@ def build_pipeline(
         torch.manual_seed(0)
         pieces = chunks(Transformer(config), num_stages)
         modules: list[torch.nn.Module] = [pieces[i] for i in layout]
+        if mesh is not None:
+            for module in modules:
+                parallelize_stage_tp(module, mesh["tp"])
         if variant == "pipeline_inductor":
             for module in modules:
                 module.compile(backend="inductor", fullgraph=True, dynamic=False)
         stages = [
             PipelineStage(
-                module, i, num_stages, torch.device("cpu"), input_args=example(i, False), output_args=example(i, True)
+                module,
+                i,
+                num_stages,
+                torch.device("cpu"),
+                group=None if mesh is None else mesh["pp"].get_group(),
+                input_args=example(i, False),
+                output_args=example(i, True),
             )
             for module, i in zip(modules, layout, strict=True)
         ]

@@ -36,8 +36,9 @@ Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``hidden_share``, ``
 ``t_comm_gloo_cpu_s``, ``limit_s``, ``ceiling``, ``link``, ``rate``, ``rate_probes``) and prints a
 markdown table.
 
-With ``--link emulated:<link>`` one process instead runs as rank 0 of an emulated cluster whose
-collectives take the link model's time (``bench.emulated``; the presets under ``--link``).
+With ``--link emulated:<link>`` one process instead runs as one rank of an emulated cluster whose
+collectives take the link model's time (``bench.emulated``; the presets under ``--link``); with
+``--pipeline``, one rank of a PP x TP job (``--tp``).
 """
 
 from __future__ import annotations
@@ -433,7 +434,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SCHEDULE_KINDS,
         default=None,
         help="run the model as a pipeline under this torch.distributed.pipelining schedule, one stage group "
-        f"over the ranks (variants {', '.join(PIPELINE_VARIANTS)}; bench.pipeline_parallel)",
+        f"over the ranks (variants {', '.join(PIPELINE_VARIANTS)}; bench.pipeline_parallel); with --link "
+        "emulated:...,ranks=N one rank of a PP x TP job, each stage tensor-parallel over its TP group (--tp)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="with --pipeline on an emulated link: the TP ranks inside each stage, the rest pipeline ranks "
+        "(default: 2 pipeline ranks, TP over the rest; 4 ranks: PP=2 x TP=2)",
     )
     parser.add_argument(
         "--data-parallel",
@@ -459,7 +468,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--link",
         default=None,
-        help="'emulated:<link>[,ranks=N][,traffic]': one process as rank 0 of N (default 8), every collective "
+        help="'emulated:<link>[,ranks=N][,rank=R][,traffic]': one process as rank R of N (default 8; R default 0, "
+        "with --pipeline the rank holding the last stage), every collective "
         "timed by the link model, no CPU spent on transfers (bench.emulated). <link>: a preset below, "
         "'alpha=5us,bandwidth=40GB/s', or 'balanced' (the bandwidth at which the first variant's collectives "
         "take its compute time). Without --link: gloo ranks over a tc-limited veth link (--rate). Presets: "
@@ -531,6 +541,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--data-parallel runs a model as written: choose --model from {', '.join(UNPARALLELIZED_MODELS)}"
     if args.data_parallel and args.pipeline:
         return "--data-parallel and --pipeline are separate benchmarks; choose one"
+    if args.tp is not None and not (args.pipeline and args.link):
+        return "--tp sets the TP ranks inside the stages of --pipeline on an emulated link (--link emulated:...)"
+    if args.pipeline and args.link and (args.device != "cpu" or args.dtype not in (None, "float32")):
+        return "--pipeline on an emulated link runs float32 on CPU"
     try:
         for variant in parse_variants(args.variants):
             split_variant(variant, _known_variants(args))
@@ -630,32 +644,44 @@ def _run_emulated(args: argparse.Namespace) -> int:
     if spec is None:
         print(f"dhelix bench: --link {args.link!r}: expected emulated:<link>[,ranks=N][,traffic]", file=sys.stderr)
         return 2
-    if args.pipeline:
-        print(
-            "dhelix bench: --pipeline runs on gloo ranks: torch's pipelining exchanges its stages' shapes as "
-            "pickled objects before the first step, which an emulated rank cannot receive",
-            file=sys.stderr,
-        )
-        return 2
     print(
         f"[1/1] emulated cluster ({args.link}): every variant interleaved, on the link and with it free ...",
         file=sys.stderr,
         flush=True,
     )
-    summary = emulated.measure_emulated(
-        spec,
-        args.model,
-        args.parallel,
-        parse_variants(args.variants),
-        microbatches=args.microbatches,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        device=args.device,
-        dtype=args.dtype,
-        dhelix_options=json.loads(args.dhelix_options),
-        time_limit_s=args.time_limit_s,
-        data_parallel=args.data_parallel,
-    )
+    if args.pipeline:
+        try:
+            emulated.pipeline_tp(spec.ranks, args.tp)
+        except ValueError as exc:
+            print(f"dhelix bench: {exc}", file=sys.stderr)
+            return 2
+        summary = emulated.measure_emulated_pipeline(
+            spec,
+            args.pipeline,
+            args.model,
+            parse_variants(args.variants),
+            tp=args.tp,
+            microbatches=args.microbatches,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            dhelix_options=json.loads(args.dhelix_options),
+            time_limit_s=args.time_limit_s,
+        )
+    else:
+        summary = emulated.measure_emulated(
+            spec,
+            args.model,
+            args.parallel,
+            parse_variants(args.variants),
+            microbatches=args.microbatches,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            device=args.device,
+            dtype=args.dtype,
+            dhelix_options=json.loads(args.dhelix_options),
+            time_limit_s=args.time_limit_s,
+            data_parallel=args.data_parallel,
+        )
     print(emulated.markdown_emulated(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")

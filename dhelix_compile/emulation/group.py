@@ -246,11 +246,16 @@ class EmulatedGroup(dist.ProcessGroup):
         transfer = Transfer(op, int(nbytes), self._size, self._name, seconds)
         state.ledger.add(transfer)
         key = transfer.queue
+
+        def write() -> None:  # as the wire writes: outside autograd (a pipeline receives into leaves that require grad)
+            with torch.no_grad():
+                write_outputs()
+
         cuda = next((t.device for t in tensors if t.is_cuda), None)
         if cuda is not None:
-            event = state.cuda_queues(cuda).issue(key, seconds, write_outputs, tensors, transfer.wire_bytes)
+            event = state.cuda_queues(cuda).issue(key, seconds, write, tensors, transfer.wire_bytes)
             return EmulatedWork(result, event=event, device=cuda)
-        written = state.cpu.write(write_outputs, self._nbytes(result))
+        written = state.cpu.write(write, self._nbytes(result))
         return EmulatedWork(result, deadline_s=state.cpu.schedule(key, seconds), written=written)
 
     @staticmethod

@@ -13,9 +13,9 @@ Contract
 * ``check_pipeline(rank, world_size, kind, n_microbatches, model="reference", tp=1, **options)``
   runs on a process group of ``world_size`` ranks, a ``(pp, tp)`` mesh with ``pp = world_size / tp``:
   with ``tp > 1`` every stage chunk is parallelized with PyTorch's TP plan over its row of the mesh
-  (``testing.tensor_parallel.tp_plan``; ``hf_llama.tp_layer_plan`` for ``model="hf_llama"``, a
-  Hugging Face ``LlamaForCausalLM`` cut into ``hf_llama.HFLlamaChunk``s) and the stages talk
-  over the mesh's pp groups. The same
+  (``parallelize_stage_tp``: ``testing.tensor_parallel.tp_plan``; ``hf_llama.tp_layer_plan`` for
+  ``model="hf_llama"``, a Hugging Face ``LlamaForCausalLM`` cut into ``hf_llama.HFLlamaChunk``s)
+  and the stages talk over the mesh's pp groups. The same
   seeded model and batch, torch's schedule eager and ``helix_pipeline(schedule, **options)``, two steps each
   (gradients accumulate across steps as torch leaves them), and returns a list of mismatches
   (empty when the losses of the last stage and every parameter gradient agree) and the
@@ -53,6 +53,7 @@ __all__ = [
     "build_schedule",
     "check_pipeline",
     "chunks",
+    "parallelize_stage_tp",
     "stage_layout",
     "torch_module_chunks",
 ]
@@ -114,7 +115,7 @@ def build_schedule(kind: ScheduleKind, stages: list[Any], n_microbatches: int, l
     return ScheduleDualPipeV(stages, n_microbatches, loss_fn=loss_fn)
 
 
-def _parallelize_tp(chunk: nn.Module, mesh: Any) -> None:
+def parallelize_stage_tp(chunk: nn.Module, mesh: Any) -> None:
     """A stage chunk's blocks parallelized with the model's TP plan (the Hugging Face chunk's
     embedding and head stay replicated, as in ``hf_llama.parallelize_hf_llama``)."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -208,7 +209,7 @@ def _run(
     modules = {index: pieces[index] for index in layout}
     for module in modules.values():
         if _size(mesh, "tp") > 1:
-            _parallelize_tp(module, mesh["tp"])
+            parallelize_stage_tp(module, mesh["tp"])
         if dp_mode is not None:
             from dhelix_compile import data_parallel
 
