@@ -987,3 +987,57 @@ def attach_placeholder_backend(group: Any) -> None:
     for device in ("cpu", "cuda"):
         group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, placeholder)
     group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+
+
+class ProcessGroupCall(NamedTuple):
+    """One ``c10d::`` op a call made on a process group (:func:`process_group_calls`).
+
+    ``op``: its name without the namespace (``allreduce_``, ``alltoall_base_``, ``send``, ...).
+    ``args``: its arguments in order, a tensor as ``(shape, dtype name)``, a tensor list as a
+    list of them, an integer or integer list as itself, anything else (the process group, a
+    reduce op) None."""
+
+    op: str
+    args: tuple[Any, ...]
+
+
+def process_group_calls(fn: Callable[[], Any]) -> list[ProcessGroupCall]:
+    """The ``c10d::`` ops ``fn()`` issued on any thread, in the order they started: what the process
+    groups were asked to send, whoever asked (eager DTensor, a compiled graph's functional
+    collectives, ``dhelix::exchange``, a strand's thread, DDP's reducer). An op another ``c10d::``
+    op called from inside counts once, as the outer one.
+
+    torch's profiler with every thread profiled: its event tree gives each tensor list's shapes,
+    its flat events the integer lists (an all-to-all's splits), joined by correlation id."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    config = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, experimental_config=config) as prof:
+        fn()
+    concrete = {event.id: event.concrete_inputs for event in prof.events() if event.name.startswith("c10d::")}
+    found: list[tuple[int, ProcessGroupCall]] = []
+
+    def described(value: Any, given: Any) -> Any:
+        if isinstance(value, list):
+            return [described(v, None) for v in value]
+        if hasattr(value, "sizes") and hasattr(value, "dtype"):
+            return (tuple(int(s) for s in value.sizes), str(value.dtype).removeprefix("torch."))
+        if given is not None:
+            return given
+        return value if isinstance(value, (bool, int, float, str)) else None
+
+    def visit(event: Any, inside: bool) -> None:
+        own = event.name.startswith("c10d::")
+        if own and not inside:
+            given = list(concrete.get(event.correlation_id) or [])
+            inputs = list(event.extra_fields.inputs)
+            given += [None] * (len(inputs) - len(given))
+            args = tuple(described(v, g) for v, g in zip(inputs, given, strict=False))
+            found.append((event.start_time_ns, ProcessGroupCall(event.name.removeprefix("c10d::"), args)))
+        for child in event.children:
+            visit(child, inside or own)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        visit(root, False)
+    return [call for _, call in sorted(found, key=lambda item: item[0])]

@@ -1,4 +1,4 @@
-"""The benchmark: its summary table (ratios, both hidden shares), and a workload end to end on loopback."""
+"""The benchmark: its summary table (ratios, each variant's own limit), and a workload end to end on loopback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dhelix_compile.bench.run import ceiling_row, hidden_share, markdown
+from dhelix_compile.bench.run import ceiling_row, hidden_share, markdown, own_bound
 from dhelix_compile.bench.worker import (
     ACCOUNT_PARTS,
     _per_step,
@@ -18,13 +18,19 @@ from dhelix_compile.bench.worker import (
 from dhelix_compile.helix_runtime.schedule import helix_schedule, write_schedule
 
 
-def _variant(step_s: float, t_compute_s: float, cpu_s: float | None = None) -> dict:
+def _variant(step_s: float, t_compute_s: float, cpu_s: float | None = None, t_comm_s: float = 0.050) -> dict:
+    """A variant's summary row as ``bench.run.summarize`` makes it (its own T_comm 50 ms)."""
     return {
         "step_s_median": step_s,
         "step_s_min": step_s,
         "step_s_max": step_s,
         "t_compute_s": t_compute_s,
-        "hidden_share": hidden_share(step_s, t_compute_s, 0.050),
+        "t_comm_s": t_comm_s,
+        **own_bound(step_s, t_compute_s, t_comm_s),
+        "wire_bytes_per_step": None,
+        "transfers_per_step": None,
+        "ceiling": None,
+        "step_over_ceiling": None,
         "predicted_step_s": None,
         "cpu_s_median": cpu_s,
         "idle_s": None if cpu_s is None else step_s - cpu_s,
@@ -52,13 +58,13 @@ def test_hidden_share_is_zero_when_sequential_and_one_at_the_limit() -> None:
     assert hidden_share(0.100, 0.100, 0.050) == pytest.approx(1.0)
 
 
-def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> None:
+def test_the_table_sets_each_variant_beside_its_own_limit_and_a_pipelines_shared_ceiling() -> None:
     summary = _summary(
         {
             "inductor": _variant(0.150, 0.100),
-            "dhelix_decompose": {**_variant(0.120, 0.110, 0.1155), "gloo_cpu_s_median": 0.0123},
+            "dhelix_decompose": {**_variant(0.120, 0.110, 0.1155, t_comm_s=0.040), "gloo_cpu_s_median": 0.0123},
         },
-        ceiling={
+        ceiling={  # a pipeline run's: the step's transfers under the top-level T_compute
             "step_s_median": 0.105,
             "step_s_measured": 0.107,
             "in_flight": 2,
@@ -77,12 +83,12 @@ def test_the_table_gives_both_hidden_shares_when_a_variant_computes_more() -> No
     }
     cells = rows["dhelix_decompose"]
     assert cells[3] == "1.25x"  # vs Inductor
-    assert cells[5] == "1.14"  # vs the ceiling: 120/105
-    assert cells[6:9] == ["80%", "110.0", "60%"]  # own T_compute: (160-120)/50; Inductor's: (150-120)/50
-    assert cells[9:11] == ["115.5 (12.3)", "4.5"]  # CPU per step (gloo's threads'), idle = step - CPU
-    assert cells[11:] == ["-", "-"]  # no compile times recorded: shown as such
-    assert rows["inductor"][9:11] == ["-", "-"]  # no CPU time measured: shown as such, not as zero
-    assert rows["*ceiling*"][3:] == ["1.43x", "1.05", "1.00", "80%", "95.0", "", "104.0", "1.0", "", ""]
+    assert cells[4:10] == ["110.0", "40.0", "110.0", "1.09", "75%", "1.14"]  # own: (150-120)/40; 120/105
+    assert cells[10:12] == ["-", "-"]  # no bytes recorded: shown as such
+    assert cells[12:14] == ["115.5 (12.3)", "4.5"]  # CPU per step (gloo's threads'), idle = step - CPU
+    assert cells[14:] == ["-", "-"]  # no compile times recorded: shown as such
+    assert rows["inductor"][12:14] == ["-", "-"]  # no CPU time measured: shown as such, not as zero
+    assert rows["*ceiling*"][3:10] == ["1.43x", "95.0", "50.0", "100.0", "1.05", "80%", "1.00"]
     assert any("(here 2: 1 in flight 112.0 ms, 2 in flight 105.0 ms)" in line for line in table)
 
 
@@ -189,12 +195,15 @@ def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:
     assert set(summary["variants"]) == set(variants) and not summary["errors"]
     assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0 and summary["t_comm_cpu_s"] > 0
     assert 0 < summary["t_comm_gloo_cpu_s"] <= summary["t_comm_cpu_s"]  # gloo's threads moved the bytes
-    ceiling = summary["ceiling"]  # the step's collectives under synthetic compute of about T_compute
-    assert ceiling["step_s_median"] > 0 and ceiling["t_compute_s"] > 0 and ceiling["cpu_s_median"] > 0
-    assert ceiling["step_s_median"] == min(ceiling["step_s_by_in_flight"].values())  # 1 or 2 in flight
     for v in summary["variants"].values():  # a step's CPU time is measured beside its wall time
         assert v["cpu_s_median"] > 0 and v["idle_s"] == pytest.approx(max(v["step_s_median"] - v["cpu_s_median"], 0.0))
         assert v["first_step_s"] > 0  # the compiling first step, timed apart
+        # its own collectives, recorded at the process group, alone and under its own T_compute
+        assert v["t_comm_s"] > 0 and v["wire_bytes_per_step"] > 0 and v["transfers_per_step"] > 0
+        assert v["limit_s"] == max(v["t_compute_s"], v["t_comm_s"])
+        ceiling = v["ceiling"]
+        assert ceiling["step_s_median"] > 0 and ceiling["t_compute_s"] > 0 and ceiling["cpu_s_median"] > 0
+        assert ceiling["step_s_median"] == min(ceiling["step_s_by_in_flight"].values())  # 1 or 2 in flight
     return summary
 
 
@@ -210,7 +219,7 @@ def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
     assert summary["variants"]["eager"]["plan_s"] == 0  # no dhelix graph: no passes
 
 
-def test_the_demo_prints_losses_and_speed_beside_the_ceiling(capsys, tmp_path) -> None:
+def test_the_demo_prints_losses_and_speed_beside_each_variants_own_limit_and_ceiling(capsys, tmp_path) -> None:
     from dhelix_compile.bench.demo import _print_results
 
     summary = {
@@ -222,15 +231,14 @@ def test_the_demo_prints_losses_and_speed_beside_the_ceiling(capsys, tmp_path) -
         "variants": {
             "eager": _variant(0.300, 0.150),
             "inductor": _variant(0.200, 0.100),
-            "helix": _variant(0.130, 0.1),
+            "helix": {**_variant(0.130, 0.1), "ceiling": {"step_s_median": 0.125}},
         },
-        "ceiling": {"step_s_median": 0.125},
     }
     _print_results({"eager": [2.5, 2.4], "helix": [2.5, 2.4000001]}, summary, tmp_path)
     out = capsys.readouterr().out
     assert "| 2 | 2.400000 | 2.400000 | 1.0e-07 |" in out
-    assert "| helix | 130.0 | 1.54x | 1.04 |" in out
-    assert "| *ceiling* | 125.0 | 1.60x | 1.00 |" in out
+    assert "| helix | 130.0 | 1.54x | 100.0 | 1.30 | 1.04 |" in out
+    assert "| inductor | 200.0 | 1.00x | 100.0 | 2.00 | - |" in out  # no ceiling recorded: shown as such
 
 
 @pytest.mark.multirank

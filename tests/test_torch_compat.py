@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dhelix_compile import _torch_compat as compat
@@ -295,3 +296,41 @@ def test_a_backward_partition_sees_the_inputs_aot_autograd_donates() -> None:
     names = [inputs[True][i] for i in seen[True]]
     assert names and not any(name.startswith(("tangents", "primals")) for name in names)
     assert compat.donated_input_indices() == ()  # outside a compile
+
+
+def _calls_on_a_rank(rank: int, world_size: int) -> list:
+    import threading
+
+    import torch.distributed as dist
+
+    c10d = torch.ops._c10d_functional
+    peer = 1 - rank
+
+    def step() -> None:
+        def on_a_thread() -> None:  # as helix's second strand issues its collectives
+            c10d.wait_tensor(c10d.all_reduce(torch.ones(8), "sum", "0"))
+
+        thread = threading.Thread(target=on_a_thread)
+        thread.start()
+        thread.join()
+        splits_out, splits_in = ([3, 2], [3, 1]) if rank == 0 else ([1, 1], [2, 1])
+        dist.all_to_all_single(torch.empty(sum(splits_out), 2), torch.ones(sum(splits_in), 2), splits_out, splits_in)
+        dist.barrier()
+        sending = dist.isend(torch.ones(5, dtype=torch.int64), peer)
+        dist.irecv(torch.empty(5, dtype=torch.int64), peer).wait()
+        sending.wait()
+
+    return [(call.op, call.args) for call in compat.process_group_calls(step)]
+
+
+@pytest.mark.multirank
+def test_process_group_calls_lists_every_threads_c10d_ops_with_shapes_and_integer_arguments() -> None:
+    from dhelix_compile.testing.multirank import run_on_ranks
+
+    rank0, rank1 = run_on_ranks(_calls_on_a_rank, 2, timeout_s=120)
+    ops = [op for op, _ in rank0]
+    assert ops == ["allreduce_", "alltoall_base_", "barrier", "send", "recv_"], ops
+    assert rank0[0][1][0] == [((8,), "float32")]  # a tensor list, from the other thread
+    assert rank0[1][1][:2] == (((5, 2), "float32"), ((4, 2), "float32"))  # output, input
+    assert rank0[1][1][3:5] == ([3, 2], [3, 1]) and rank1[1][1][3:5] == ([1, 1], [2, 1])  # the splits
+    assert rank0[3][1][0] == [((5,), "int64")] and rank0[3][1][2] == 1  # to the peer

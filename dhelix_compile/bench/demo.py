@@ -1,4 +1,4 @@
-"""``dhelix demo``: train a TP+SP workload with ``helix`` on two ranks, beside eager, Inductor and the ceiling.
+"""``dhelix demo``: train a TP+SP workload with ``helix`` on two ranks, beside eager, Inductor and their ceilings.
 
     dhelix demo [--model mlp_medium] [--rate auto] [--steps 3] [--microbatches 4] [--dump-dir dhelix_demo]
 
@@ -20,11 +20,11 @@ for the reference transformer, whose gloo collectives leave a ceiling near Induc
    (defaults): ``T_compute`` on the fake process group, then (``--rate auto``, the default) the
    link rate at which the step's collectives alone take about ``T_compute``
    (``bench.link_rate``; training ran at its probe rate), then every variant interleaved on that
-   link, ``T_comm`` and the *ceiling* (the step's own collectives hidden under synthetic
-   compute of the step's compute time: the most this machine allows).
+   link, and each variant's own limit and *ceiling* (the collectives its step sent, alone and
+   hidden under synthetic compute of its own compute time: the most this machine allows).
 
-The parent prints the losses side by side, the step-time table with the ceiling row, and where
-the dumps and their report are.
+The parent prints the losses side by side, the step-time table beside each variant's own limit
+and ceiling, and where the dumps and their report are.
 """
 
 from __future__ import annotations
@@ -127,23 +127,27 @@ def _print_results(losses: dict[str, Any], summary: dict[str, Any], dump_dir: Pa
     t_compute, t_comm = summary["t_compute_s"], summary["t_comm_s"]
     print(
         f"T_compute {format_ms(t_compute)} ms (Inductor, no communication), T_comm {format_ms(t_comm)} ms "
-        f"(the step's collectives alone), perfect overlap max(T_compute, T_comm) = {format_ms(max(t_compute, t_comm))} ms"
+        f"(its collectives alone), perfect overlap max(T_compute, T_comm) = {format_ms(max(t_compute, t_comm))} ms"
     )
     print()
-    rows = {name: v["step_s_median"] for name, v in summary["variants"].items()}
-    if summary.get("ceiling"):
-        rows["ceiling"] = summary["ceiling"]["step_s_median"]
-    base, ceiling = rows.get("inductor"), rows.get("ceiling")
-    print("| variant | step median (ms) | speedup vs Inductor | step / ceiling |")
-    print("|---|---:|---:|---:|")
-    for name, step_s in rows.items():
+    base = summary["variants"].get("inductor", {}).get("step_s_median")
+    print(
+        "| variant | step median (ms) | speedup vs Inductor | own limit (ms) | step / own limit | step / own ceiling |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, v in summary["variants"].items():
+        step_s = v["step_s_median"]
         speedup = f"{base / step_s:.2f}x" if base else "-"
-        vs_ceiling = f"{step_s / ceiling:.2f}" if ceiling else "-"
-        print(f"| {'*ceiling*' if name == 'ceiling' else name} | {format_ms(step_s)} | {speedup} | {vs_ceiling} |")
+        limit = v.get("limit_s")
+        vs_limit = f"{step_s / limit:.2f}" if limit else "-"
+        vs_ceiling = f"{step_s / v['ceiling']['step_s_median']:.2f}" if v.get("ceiling") else "-"
+        print(f"| {name} | {format_ms(step_s)} | {speedup} | {format_ms(limit)} | {vs_limit} | {vs_ceiling} |")
     print()
     print(
-        "ceiling: the step's own collectives, each in flight under its share of T_compute of synthetic matmuls "
-        "(one or two at a time, the faster) -- the most this machine can hide (its 2 cores also carry the transfers)."
+        "own limit: max(own T_compute, own T_comm), the variant's compute and the collectives its step sent, alone; "
+        "own ceiling: those collectives, each in flight under its share of the variant's compute time of synthetic "
+        "matmuls (one or two at a time, the faster) -- the most this machine can hide (its 2 cores also carry the "
+        "transfers)."
     )
     print(f"helix's graphs, schedules and timelines: {dump_dir}/rank0/*_merged/index.html")
     print(f"summary table: python -m dhelix_compile report {dump_dir}")

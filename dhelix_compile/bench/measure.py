@@ -21,6 +21,12 @@ Contract
       corrupts the heap; its reduce-scatter all-reduces the whole input, twice the bytes; the
       pass's docstring says how that was found). ``T_comm`` and the ceiling are the step's
       collectives as dhelix sends them, not as Inductor does.
+    - ``record_sent_collectives(step, rank, group_size)``: the calls one run of ``step`` made on
+      the process group (``_torch_compat.process_group_calls``: every thread, whoever issued
+      them), each a :class:`SentCollective` with the bytes this rank put on the wire for it --
+      a variant's *own* collectives, as its final code sends them. ``SentReplay`` issues them
+      again on the live group: its time back to back is the variant's own ``T_comm``, and
+      ``ceiling_steps`` takes it as it takes ``CollectiveReplay`` (the variant's own ceiling).
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.fx
 
+from cost_model.collectives import collective_bytes_on_wire
 from cost_model.op_kinds import is_comm, kind_of
 from cost_model.profile.running import run_node, transfer_tensors
 from cost_model.timing import back_to_back_s, median_run_s
@@ -157,6 +165,179 @@ def replay_collectives(nodes: Sequence[torch.fx.Node]) -> CollectiveReplay:
     return CollectiveReplay(nodes)
 
 
+class Replay(Protocol):
+    """Collectives that can be issued one by one and waited for (``ceiling_steps`` takes any)."""
+
+    def __len__(self) -> int: ...
+
+    def issue(self, i: int) -> list[Any]: ...
+
+    def wait(self, handles: Sequence[Any]) -> None: ...
+
+    def __call__(self) -> None: ...
+
+
+#: ``c10d::`` ops -> the collective they send (``SentCollective.op``); ops not named here raise.
+_SENT_OPS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "broadcast_": "broadcast",
+    "send": "send",
+    "recv_": "recv",
+}
+#: ``c10d::`` ops that send nothing a step's time depends on.
+_NOT_SENT = frozenset({"barrier", "monitored_barrier_"})
+
+
+@dataclasses.dataclass(frozen=True)
+class SentCollective:
+    """One collective a step sent on the process group, as its ``c10d`` op received it.
+
+    ``op``: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``,
+    ``send`` or ``recv``; ``shape`` and ``dtype``: its input (a gather's shard, a scatter's
+    whole input); ``splits``: an all-to-all's input rows per rank and ``out_splits`` its output
+    rows per rank (empty: even); ``peer``: a send's destination, a receive's source, a
+    broadcast's root. ``wire_bytes``: what this rank pushed through its link for it, as gloo
+    sends it (``cost_model.collectives``, ``backend="gloo"``; ProcessGroupGloo reduce-scatters by
+    all-reducing the whole input; an all-to-all's rows to itself stay local).
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    wire_bytes: int
+    splits: tuple[int, ...] = ()
+    out_splits: tuple[int, ...] = ()
+    peer: int | None = None
+
+
+def _nbytes(shape: Sequence[int], dtype: str) -> int:
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _wire_bytes(op: str, shape: Sequence[int], dtype: str, splits: Sequence[int], rank: int, group_size: int) -> int:
+    nbytes = _nbytes(shape, dtype)
+    if op == "recv":
+        return 0
+    if op == "all_to_all" and splits:
+        return nbytes - nbytes * int(splits[rank]) // max(sum(splits), 1)
+    if op == "all_gather":  # the full buffer S is the output: the shard from every rank
+        return int(collective_bytes_on_wire(op, nbytes * group_size, group_size, backend="gloo"))
+    sent_as = "all_reduce" if op == "reduce_scatter" else op
+    return int(collective_bytes_on_wire(sent_as, nbytes, group_size, backend="gloo"))
+
+
+def sent_collectives(calls: Sequence[compat.ProcessGroupCall], rank: int, group_size: int) -> list[SentCollective]:
+    """``calls`` (``_torch_compat.process_group_calls``) as :class:`SentCollective` s, one per
+    tensor of a coalesced call; ValueError naming a ``c10d`` op this module cannot replay."""
+    sent: list[SentCollective] = []
+    for call in calls:
+        if call.op in _NOT_SENT:
+            continue
+        op = _SENT_OPS.get(call.op)
+        if op is None:
+            raise ValueError(f"the step called c10d::{call.op}, which the bench cannot replay")
+        args = call.args
+        splits: tuple[int, ...] = ()
+        out_splits: tuple[int, ...] = ()
+        peer: int | None = None
+        if op == "all_to_all":  # (output, input, group, output splits, input splits, ...)
+            inputs = [args[1]]
+            out_splits, splits = tuple(args[3] or ()), tuple(args[4] or ())
+        elif op in ("all_gather", "reduce_scatter") and call.op.startswith("_"):  # (output, input, ...)
+            inputs = [args[1]]
+        elif op in ("all_gather", "reduce_scatter"):  # (outputs, inputs, ...)
+            inputs = list(args[1])
+        else:  # (tensors, group, peer or root or reduce op, ...)
+            inputs = list(args[0])
+            peer = int(args[2]) if op in ("send", "recv", "broadcast") else None
+        for shape, dtype in inputs:
+            wire = _wire_bytes(op, shape, dtype, splits, rank, group_size)
+            sent.append(SentCollective(op, tuple(shape), dtype, wire, splits, out_splits, peer))
+    return sent
+
+
+def record_sent_collectives(step: Callable[[], Any], rank: int, group_size: int) -> list[SentCollective]:
+    """The collectives one call of ``step`` sent on the process group (see the module docstring);
+    every rank must call it together (the step's collectives run)."""
+    return sent_collectives(compat.process_group_calls(step), rank, group_size)
+
+
+class SentReplay:
+    """``sent``'s collectives again on the live default group, with tensors of their shapes.
+
+    One *transfer* is one collective, or a run of consecutive sends and receives issued together
+    (as ``batch_isend_irecv`` issues them: a rank waiting for its send before it posts the
+    receive its peer sends first would deadlock). All-reduces, all-to-alls, broadcasts, sends
+    and receives go as they were sent; a reduce-scatter as the all-reduce of its whole input
+    that ProcessGroupGloo runs for it; an all-gather as one all-to-all of its shard repeated
+    once per rank (``gather_as_all_to_all``: the same bytes on the link; torch 2.13's gloo
+    all-gather in flight beside compute corrupts the heap, which the ceiling's schedule would
+    provoke).
+    """
+
+    def __init__(self, sent: Sequence[SentCollective], group_size: int) -> None:
+        self.sent = list(sent)
+        self.group_size = group_size
+        self.transfers: list[list[int]] = []
+        for i, collective in enumerate(self.sent):
+            p2p = collective.op in ("send", "recv")
+            if p2p and self.transfers and self.sent[self.transfers[-1][-1]].op in ("send", "recv"):
+                self.transfers[-1].append(i)
+            else:
+                self.transfers.append([i])
+        self._tensors = [self._buffers(c) for c in self.sent]
+
+    def _buffers(self, c: SentCollective) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = getattr(torch, c.dtype)
+        source = torch.ones(c.shape, dtype=dtype)
+        if c.op == "all_gather":
+            source = source.repeat(self.group_size, *([1] * (source.dim() - 1)))
+            return source, torch.empty_like(source)
+        if c.op == "all_to_all":
+            rows = sum(c.out_splits) if c.out_splits else c.shape[0] if c.shape else 0
+            return source, torch.empty((rows, *c.shape[1:]), dtype=dtype)
+        return source, source
+
+    def __len__(self) -> int:
+        return len(self.transfers)
+
+    def _issue_one(self, i: int) -> Any:
+        c = self.sent[i]
+        source, target = self._tensors[i]
+        if c.op in ("all_reduce", "reduce_scatter"):
+            return dist.all_reduce(source, async_op=True)
+        if c.op in ("all_gather", "all_to_all"):
+            out_splits = list(c.out_splits) or None
+            in_splits = list(c.splits) or None
+            return dist.all_to_all_single(target, source, out_splits, in_splits, async_op=True)
+        if c.op == "broadcast":
+            return dist.broadcast(source, src=int(c.peer or 0), async_op=True)
+        if c.op == "send":
+            return dist.isend(source, dst=int(c.peer or 0))
+        return dist.irecv(source, src=c.peer)
+
+    def issue(self, i: int) -> list[Any]:
+        return [self._issue_one(j) for j in self.transfers[i]]
+
+    @staticmethod
+    def wait(handles: Sequence[Any]) -> None:
+        for work in handles:
+            work.wait()
+
+    def __call__(self) -> None:
+        for i in range(len(self)):
+            self.wait(self.issue(i))
+
+
 class _Matmuls:
     """Square fp32 matmuls into a preallocated output: stand-in compute of a known cost."""
 
@@ -177,7 +358,7 @@ class _Matmuls:
 
 
 def ceiling_steps(
-    replay: CollectiveReplay,
+    replay: Replay,
     compute_s: float,
     agree: Callable[[list[int]], list[int]],
     samples: int = 5,
@@ -206,7 +387,7 @@ def ceiling_steps(
     """
     if not in_flight or min(in_flight) < 1:
         raise ValueError(f"in_flight must list depths >= 1, got {list(in_flight)}")
-    alone = list(alone_s) if alone_s is not None else _times_alone(replay, samples)
+    alone = list(alone_s) if alone_s is not None else times_alone(replay, samples)
     matmuls = _Matmuls()
     total = _calibrated_count(matmuls, compute_s, agree)
     counts = _shares(total, alone)
@@ -215,7 +396,7 @@ def ceiling_steps(
         matmuls.run(sum(counts))
 
     def overlapped(depth: int) -> None:
-        pending: deque[list[torch.Tensor]] = deque()
+        pending: deque[list[Any]] = deque()
         for i, count in enumerate(counts):
             pending.append(replay.issue(i))
             matmuls.run(count)
@@ -267,7 +448,7 @@ def _shares(count: int, weights: Sequence[float]) -> list[int]:
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
-def _times_alone(replay: CollectiveReplay, samples: int) -> list[float]:
+def times_alone(replay: Replay, samples: int) -> list[float]:
     """Each collective's time issued and waited alone: the median of ``samples`` after a warm-up."""
     cpu = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The side-by-side benchmark: every variant in one run, beside the physical limit.
+"""The side-by-side benchmark: every variant in one run, each beside its own physical limit.
 
     dhelix bench --model small --rate 1gbit --out bench.json
     dhelix bench --microbatches 4 --variants eager,inductor,dhelix,helix
@@ -12,29 +12,38 @@
    dhelix is for, on whatever machine runs the bench.
 2. Ranks on gloo over a rate-limited veth link between two network namespaces
    (``dhelix_compile.launch``; loopback when that is impossible, and the output says so):
-   every variant interleaved, then the step's collectives alone -> ``T_comm``.
-3. Summary per variant: median and spread of the step time, and the share of hideable
-   communication it hid::
+   every variant interleaved; then one more step of each, its calls on the process group
+   recorded (``measure.record_sent_collectives``: the collectives its final code sends, with
+   the bytes on the wire), and those collectives alone on the link -> its own ``T_comm``.
+3. Summary per variant, against its own numbers: median and spread of the step time, and the
+   share of hideable communication it hid::
 
-       T_seq  = T_compute + T_comm                 (nothing overlapped)
-       limit  = max(T_compute, T_comm)             (perfect overlap)
+       T_seq  = own T_compute + own T_comm         (nothing overlapped)
+       limit  = max(own T_compute, own T_comm)     (perfect overlap)
        hidden = (T_seq - T_step) / (T_seq - limit)
+
+   beside the bytes it sent per step and its transfers: a variant that sends less (dhelix
+   combining all-reduces) has a lower limit, and that gain shows as such, apart from hiding.
 
    And where a step's time went on the link: its CPU time (the busiest rank's, every thread of
    the process; gloo's threads' part beside it) and ``idle = step - CPU``, a lower bound on the
    time the rank waited for a transfer or a peer -- the communication left exposed. A variant with little idle time is
    busy throughout: what keeps it above the limit is work, not waiting (on a CPU machine, the
    CPU the transfers themselves take; ``T_comm``'s CPU time is shown beside it).
-4. The *ceiling* (``measure.ceiling_steps``): the same collectives, each issued and then hidden
-   under a share of ``T_compute`` of synthetic matmuls, with one and with two in flight at a
-   time, the faster of the two -- a perfect schedule of this much communication and compute.
-   Its hidden share is the most this machine can hide; a variant's share is to be read against
-   it, not against 100%.
+4. Its own *ceiling* (``measure.ceiling_steps``): its own collectives, each issued and then
+   hidden under a share of its own ``T_compute`` of synthetic matmuls, with one and with two in
+   flight at a time, the faster of the two -- a perfect schedule of this much communication and
+   compute. Its hidden share is the most this machine can hide of them; the variant's share is
+   to be read against it, not against 100%. A pipeline run (``--pipeline``) replays the step's
+   transfers once for every variant and times one ceiling under the top-level ``T_compute``.
 
-Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``hidden_share``, ``cpu_s_median``,
-``gloo_cpu_s_median``, ``idle_s``; top level ``t_compute_s``, ``t_comm_s``, ``t_comm_cpu_s``,
-``t_comm_gloo_cpu_s``, ``limit_s``, ``ceiling``, ``link``, ``rate``, ``rate_probes``) and prints a
-markdown table.
+Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``t_compute_s``, ``t_comm_s``,
+``limit_s``, ``step_over_limit``, ``hidden_share``, ``wire_bytes_per_step``,
+``transfers_per_step``, ``collectives``, ``ceiling``, ``step_over_ceiling``, ``cpu_s_median``,
+``gloo_cpu_s_median``, ``idle_s``; top level ``t_compute_s`` and ``t_comm_s`` of the
+reference variant, Inductor where it ran (``t_comm_variant`` names it), ``t_comm_cpu_s``,
+``t_comm_gloo_cpu_s``, ``limit_s``, ``ceiling`` (a pipeline run's), ``link``, ``rate``,
+``rate_probes``) and prints a markdown table.
 
 With ``--link emulated:<link>`` one process instead runs as one rank of an emulated cluster whose
 collectives take the link model's time (``bench.emulated``; the presets under ``--link``); with
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -222,18 +232,43 @@ def ceiling_row(
     }
 
 
+def _own_comm(own: dict[str, Any] | None, link_run: dict[str, Any]) -> dict[str, float | None]:
+    """A variant's ``T_comm`` and its CPU times (medians): its own collectives' replay, else
+    the run's shared one (a pipeline run)."""
+    source = own if own is not None else link_run
+
+    def median(key: str) -> float | None:
+        samples = source.get(key)
+        return statistics.median(samples) if samples else None
+
+    return {key: median(key) for key in ("t_comm_s", "t_comm_cpu_s", "t_comm_gloo_cpu_s")}
+
+
+def own_bound(step_s: float, t_compute_s: float, t_comm_s: float) -> dict[str, float]:
+    """A variant's own limit ``max(T_compute, T_comm)``, its step over it, and the share it hid."""
+    limit = max(t_compute_s, t_comm_s)
+    return {
+        "limit_s": limit,
+        "step_over_limit": step_s / limit if limit > 0 else math.inf,
+        "hidden_share": hidden_share(step_s, t_compute_s, t_comm_s),
+    }
+
+
 def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) -> dict[str, Any]:
     """The JSON summary of one benchmark (see the module docstring)."""
-    t_comm = statistics.median(link_run["t_comm_s"])
     compute = {name: statistics.median(samples) for name, samples in compute_run["step_s"].items()}
     t_compute = _t_compute(compute_run)
+    owns: dict[str, Any] = link_run.get("own") or {}
     variants: dict[str, Any] = {}
     for name, samples in link_run["step_s"].items():
         own_compute = compute.get(name, t_compute)
+        own = owns.get(name)
+        comm = _own_comm(own, link_run)
         median = statistics.median(samples)
         predicted = (link_run.get("predicted_step_s") or {}).get(name)
         contention = (link_run.get("predicted_contention_s") or {}).get(name)
         alone_cpu = (compute_run.get("cpu_s") or {}).get(name)
+        ceiling = ceiling_row((own or {}).get("ceiling"), comm["t_comm_s"] or 0.0, own_compute)
         variants[name] = {
             "predicted_step_s": _slowest_rank(predicted),
             "predicted_contention_s": _slowest_rank(contention),
@@ -244,14 +279,26 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
             "step_s_min": min(samples),
             "step_s_max": max(samples),
             "t_compute_s": own_compute,
-            "hidden_share": hidden_share(median, own_compute, t_comm),
+            **comm,
+            # without a T_comm: its collectives were not recorded (the run's errors say why)
+            **(
+                own_bound(median, own_compute, comm["t_comm_s"])
+                if comm["t_comm_s"] is not None
+                else dict.fromkeys(("limit_s", "step_over_limit", "hidden_share"))
+            ),
+            "wire_bytes_per_step": (own or {}).get("wire_bytes_per_step"),
+            "transfers_per_step": (own or {}).get("transfers_per_step"),
+            "collectives": (own or {}).get("collectives"),
+            "ceiling": ceiling,
+            "step_over_ceiling": median / ceiling["step_s_median"] if ceiling else None,
             **_cpu_and_idle(
                 median, (link_run.get("cpu_s") or {}).get(name), (link_run.get("gloo_cpu_s") or {}).get(name)
             ),
             **_compile_times(link_run, name),
         }
-    comm_cpu, comm_gloo = link_run.get("t_comm_cpu_s"), link_run.get("t_comm_gloo_cpu_s")
-    ceiling = ceiling_row(link_run.get("ceiling"), t_comm, t_compute)
+    reference = next((name for name in (*BASELINES, *variants) if name in variants), None)
+    top = variants[reference] if reference else _own_comm(None, link_run)
+    t_comm = top["t_comm_s"] or 0.0
     return {
         "link": link,
         "model": link_run["model"],
@@ -264,10 +311,11 @@ def summarize(link_run: dict[str, Any], compute_run: dict[str, Any], link: str) 
         "repeats": link_run["repeats"],
         "t_compute_s": t_compute,
         "t_comm_s": t_comm,
-        "t_comm_cpu_s": statistics.median(comm_cpu) if comm_cpu else None,
-        "t_comm_gloo_cpu_s": statistics.median(comm_gloo) if comm_gloo else None,
+        "t_comm_variant": reference if owns else None,
+        "t_comm_cpu_s": top["t_comm_cpu_s"],
+        "t_comm_gloo_cpu_s": top["t_comm_gloo_cpu_s"],
         "limit_s": max(t_compute, t_comm),
-        "ceiling": ceiling,
+        "ceiling": ceiling_row(link_run.get("ceiling"), t_comm, t_compute),
         "variants": variants,
         "errors": {**compute_run.get("errors", {}), **link_run.get("errors", {})},
     }
@@ -298,15 +346,27 @@ def rate_probes_line(summary: dict[str, Any]) -> list[str]:
     return [f"rate auto: {summary['rate']}, where T_comm takes about T_compute (the collectives alone: {timed})"]
 
 
+def _megabytes(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def markdown(summary: dict[str, Any]) -> str:
-    """The summary as a markdown table, ratios beside seconds."""
-    limit = summary["limit_s"]
+    """The summary as a markdown table, ratios beside seconds, each variant beside its own limit."""
     base = (_baseline(summary["variants"]) or {}).get("step_s_median")
     parallel = summary["parallel"]
     if summary.get("pipeline"):
         parallel = f"pipeline {summary['pipeline']}"
     if summary.get("data_parallel"):
         parallel = f"data parallel, {summary['data_parallel']}"
+    comm_of = f" ({summary['t_comm_variant']}'s own collectives)" if summary.get("t_comm_variant") else ""
     lines = [
         f"link: {summary['link']}; model {summary['model']} ({parallel}), "
         f"{summary['world_size']} ranks, {summary.get('microbatches', 1)} micro-batches per step, "
@@ -314,9 +374,7 @@ def markdown(summary: dict[str, Any]) -> str:
         + (f"; gloo's threads at {summary['gloo_threads']}" if summary.get("gloo_threads") else ""),
         *rate_probes_line(summary),
         "",
-        f"T_compute = {format_ms(summary['t_compute_s'])} ms, T_comm = {format_ms(summary['t_comm_s'])} ms, "
-        f"limit max(T_compute, T_comm) = {format_ms(limit)} ms, "
-        f"sequential T_compute + T_comm = {format_ms(summary['t_compute_s'] + summary['t_comm_s'])} ms"
+        f"T_compute = {format_ms(summary['t_compute_s'])} ms, T_comm = {format_ms(summary['t_comm_s'])} ms{comm_of}"
         + (
             f"; T_comm takes {format_ms(summary['t_comm_cpu_s'])} ms of CPU per rank"
             + (
@@ -328,49 +386,77 @@ def markdown(summary: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | step / limit | step / ceiling "
-        "| hidden share | own T_compute (ms) | hidden share vs T_compute | CPU (gloo's threads) (ms) | idle (ms) "
-        "| first step (s) | passes + profiling (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | own T_compute (ms) | own T_comm (ms) "
+        "| own limit (ms) | step / own limit | hidden share | step / own ceiling | MB sent / step | transfers / step "
+        "| CPU (gloo's threads) (ms) | idle (ms) | first step (s) | passes + profiling (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    ceiling = summary.get("ceiling")
+    shared = summary.get("ceiling")
     for name, v in summary["variants"].items():
         speedup = f"{base / v['step_s_median']:.2f}x" if base else "-"
-        vs_ceiling = f"{v['step_s_median'] / ceiling['step_s_median']:.2f}" if ceiling else "-"
-        own = v.get("t_compute_s", summary["t_compute_s"])
-        common = hidden_share(v["step_s_median"], summary["t_compute_s"], summary["t_comm_s"])
+        vs_ceiling = v.get("step_over_ceiling")
+        if vs_ceiling is None and shared:
+            vs_ceiling = v["step_s_median"] / shared["step_s_median"]
+        transfers = v.get("transfers_per_step")
         lines.append(
             f"| {name} | {format_ms(v['step_s_median'])} | {format_ms(v['step_s_min'])}-{format_ms(v['step_s_max'])} "
-            f"| {speedup} | {v['step_s_median'] / limit:.2f} | {vs_ceiling} | {v['hidden_share']:.0%} | {format_ms(own)} "
-            f"| {common:.0%} "
+            f"| {speedup} | {format_ms(v['t_compute_s'])} | {format_ms(v['t_comm_s'])} | {format_ms(v['limit_s'])} "
+            f"| {_ratio(v['step_over_limit'])} | {_share(v['hidden_share'])} | {_ratio(vs_ceiling)} "
+            f"| {_megabytes(v.get('wire_bytes_per_step'))} | {'-' if transfers is None else transfers} "
             f"| {_cpu_cell(v)} | {format_ms(v.get('idle_s'))} "
             f"| {_seconds(v.get('first_step_s'))} | {_plan_cell(v)} |"
         )
-    if ceiling:
-        speedup = f"{base / ceiling['step_s_median']:.2f}x" if base else ""
+    if shared:
+        speedup = f"{base / shared['step_s_median']:.2f}x" if base else ""
+        limit = summary["limit_s"]
         lines.append(
-            f"| *ceiling* | {format_ms(ceiling['step_s_median'])} | | {speedup} | {ceiling['step_s_median'] / limit:.2f} | 1.00 "
-            f"| {ceiling['hidden_share']:.0%} | {format_ms(ceiling['t_compute_s'])} | | {_cpu_cell(ceiling)} "
-            f"| {format_ms(ceiling['idle_s'])} | | |"
+            f"| *ceiling* | {format_ms(shared['step_s_median'])} | | {speedup} | {format_ms(shared['t_compute_s'])} "
+            f"| {format_ms(summary['t_comm_s'])} | {format_ms(limit)} | {shared['step_s_median'] / limit:.2f} "
+            f"| {shared['hidden_share']:.0%} | 1.00 | | | {_cpu_cell(shared)} | {format_ms(shared['idle_s'])} | | |"
         )
     lines += [
         "",
-        "hidden share: against the variant's own T_compute; the next column against the top-level T_compute.",
+        "own T_compute: the variant's step on the fake process group; own T_comm: the collectives its step sent "
+        "(recorded at the process group), replayed back to back alone on the link; own limit = max of the two; "
+        "hidden share = (own T_compute + own T_comm - step) / (own T_compute + own T_comm - own limit). "
+        "MB sent / step: the bytes the rank that sent most put on the wire, as gloo sends them.",
         "CPU: the busiest rank's CPU time per step (all its threads; in brackets, gloo's threads'); "
         "idle = step - CPU, the time it waited at least.",
         "first step: the variant's first call on the link, which compiles every graph of the step (graph dumps "
         "included: the bench writes them for the predictions); passes + profiling: dhelix's graph passes and, with "
         "cost_model='profile' (the default on a live group), measuring the graphs' ops and collectives.",
     ]
-    if ceiling:
+    ceilings = {n: v["ceiling"] for n, v in summary["variants"].items() if v.get("ceiling")}
+    if ceilings:
+        lines += [
+            "",
+            "| variant | own ceiling (ms) | 1 in flight (ms) | 2 in flight (ms) | uncorrected (ms) | matmuls alone (ms) "
+            "| ceiling's hidden share | CPU (gloo's threads) (ms) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, c in ceilings.items():
+            depth = c["step_s_by_in_flight"]
+            lines.append(
+                f"| {name} | {format_ms(c['step_s_median'])} | {format_ms(depth.get(1))} | {format_ms(depth.get(2))} "
+                f"| {format_ms(c['step_s_measured'])} | {format_ms(c['t_compute_s'])} | {c['hidden_share']:.0%} "
+                f"| {_cpu_cell(c)} |"
+            )
+        lines += [
+            "",
+            "own ceiling: the variant's own collectives, each in flight under its share of the variant's own "
+            "T_compute of synthetic matmuls, one or two in flight at a time, whichever was faster -- the most this "
+            "machine hides of that communication beside that compute. Each repeat is corrected by its matmuls' time "
+            "alone minus the own T_compute, measured in the same repeat (uncorrected: the median before that).",
+        ]
+    if shared:
         lines.append(
-            "*ceiling*: the step's collectives, each in flight under its share of T_compute of synthetic matmuls "
+            "*ceiling*: the step's transfers, each in flight under its share of T_compute of synthetic matmuls "
             "(its own T_compute: those matmuls alone), one or two in flight at a time, whichever was faster "
-            f"(here {ceiling['in_flight']}: "
-            + ", ".join(f"{d} in flight {format_ms(t)} ms" for d, t in sorted(ceiling["step_s_by_in_flight"].items()))
+            f"(here {shared['in_flight']}: "
+            + ", ".join(f"{d} in flight {format_ms(t)} ms" for d, t in sorted(shared["step_s_by_in_flight"].items()))
             + ") -- the most this machine hides of this communication. Each repeat's ceiling step is corrected "
             "by its matmuls' time alone minus T_compute, measured in the same repeat "
-            f"(uncorrected: {format_ms(ceiling['step_s_measured'])} ms)."
+            f"(uncorrected: {format_ms(shared['step_s_measured'])} ms)."
         )
     predicted = {n: v for n, v in summary["variants"].items() if v.get("predicted_step_s")}
     if predicted:
@@ -488,7 +574,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gloo-priority",
         choices=["realtime", "normal"],
         default="realtime",
-        help="gloo's threads in every variant, T_comm and the ceiling: at real-time priority (dhelix's default "
+        help="gloo's threads in every variant, T_comm and the ceilings: at real-time priority (dhelix's default "
         "gloo_thread_priority, dhelix_compile.comm_threads) or left at normal priority",
     )
     parser.add_argument("--dhelix-options", default="{}")
@@ -584,14 +670,14 @@ def measure(args: argparse.Namespace, total_stages: int = 2) -> dict[str, Any]:
         if rate is not None and rate.lower() == "auto":
             rate, probes = _calibrate_rate(args, t_compute, Path(tmp))
         print(
-            f"[{first + 1}/{stages}] on the link (rate {rate or 'none'}): every variant interleaved, then T_comm "
-            "and the ceiling ...",
+            f"[{first + 1}/{stages}] on the link (rate {rate or 'none'}): every variant interleaved, then each "
+            "one's own collectives alone and under its own T_compute ...",
             file=sys.stderr,
             flush=True,
         )
-        link_run, launched = _launch(
-            Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args, ["--t-compute-s", repr(t_compute)]
-        )
+        own_compute = {name: statistics.median(samples) for name, samples in compute_run["step_s"].items()}
+        extra = ["--t-compute-s", repr(t_compute), "--own-t-compute-s", json.dumps(own_compute)]
+        link_run, launched = _launch(Path(tmp) / "link.json", "link", LinkSpec(rate=rate), args, extra)
     return {**summarize(link_run, compute_run, launched.link), "rate": rate, "rate_probes": probes}
 
 

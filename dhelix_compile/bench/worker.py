@@ -4,10 +4,14 @@ Launched (by ``dhelix_compile.launch.ranks.launch_ranks``) with RANK / WORLD_SIZ
 / MASTER_PORT in the environment. Three modes:
 
     --mode link      gloo over the real (possibly rate-limited) link: every variant's step time,
-                     interleaved, each step started together on all ranks (barrier); then T_comm,
-                     the step's collectives replayed back to back with no compute; with
-                     --t-compute-s, the ceiling too (``measure.ceiling_steps``): those
-                     collectives each hidden under a share of that much synthetic compute.
+                     interleaved, each step started together on all ranks (barrier); then each
+                     variant's own collectives (one more step, recorded at the process group:
+                     ``measure.record_sent_collectives``) replayed back to back with no compute,
+                     its own T_comm, and its own ceiling (``measure.ceiling_steps``): those
+                     collectives each hidden under a share of its own T_compute
+                     (--own-t-compute-s) of synthetic compute. A pipeline run (--pipeline)
+                     replays the step's transfers once for every variant (T_comm), and with
+                     --t-compute-s times one ceiling under that much compute.
     --mode compute   the "fake" process group (collectives return at once, nothing is sent):
                      the same variants' step times are T_compute, the step without communication.
     --mode comm      gloo over the link, T_comm only (``--rate auto`` times it at the rates it
@@ -27,6 +31,7 @@ import argparse
 import dataclasses
 import datetime
 import faulthandler
+import hashlib
 import json
 import os
 import re
@@ -45,10 +50,15 @@ from cost_model.rank_agreement import agree_max, all_agree, gather_floats
 from dhelix_compile.bench.choices import DATA_PARALLEL_MODES, MODEL_NAMES, PIPELINE_VARIANTS, SCHEDULE_KINDS
 from dhelix_compile.bench.data_parallel import data_parallel_collectives_step, data_parallel_step
 from dhelix_compile.bench.measure import (
+    Replay,
+    SentCollective,
+    SentReplay,
     ceiling_steps,
     record_collectives,
+    record_sent_collectives,
     replay_collectives,
     time_interleaved,
+    times_alone,
 )
 from dhelix_compile.bench.pipeline_parallel import P2PReplay, build_pipeline
 from dhelix_compile.bench.progress_file import ProgressFile
@@ -82,7 +92,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--t-compute-s",
         type=float,
         default=0.0,
-        help="link mode: also time the ceiling, the step's collectives hidden under this much synthetic compute",
+        help="link mode, --pipeline: also time the ceiling, the step's transfers hidden under this much synthetic "
+        "compute",
+    )
+    parser.add_argument(
+        "--own-t-compute-s",
+        default="{}",
+        help="link mode: JSON {variant: seconds}, each variant's T_compute, under which its own collectives' "
+        "ceiling is timed (a variant not named: --t-compute-s, else no ceiling)",
     )
     parser.add_argument("--progress-file", default=None, help="rank 0 writes 'done total variant' here")
     parser.add_argument(
@@ -300,32 +317,13 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "errors": errors,
     }
     if args.mode == "link":
-        replay = setup.replay()
-        timed: dict[str, Any] = {"comm": replay}
-        if args.t_compute_s > 0:
-            ceiling_compute, ceilings = ceiling_steps(
-                replay, args.t_compute_s, lambda counts: [int(c) for c in agree_max(counts, dist.group.WORLD)]
-            )
-            timed["ceiling_compute"] = ceiling_compute
-            timed.update({f"ceiling_{depth}": step for depth, step in ceilings.items()})
-        for warm_up in timed.values():
-            warm_up()
-        comm_times = time_interleaved(timed, repeats, barrier)
-        result["t_comm_s"] = agree_max(comm_times.wall_s["comm"], dist.group.WORLD)
-        result["t_comm_cpu_s"] = agree_max(comm_times.cpu_s["comm"], dist.group.WORLD)
-        result["t_comm_gloo_cpu_s"] = agree_max(comm_times.gloo_cpu_s["comm"], dist.group.WORLD)
-        if "ceiling_compute" in timed:
-            result["ceiling"] = {
-                "compute_s": agree_max(comm_times.wall_s["ceiling_compute"], dist.group.WORLD),
-                "in_flight": {
-                    depth: {
-                        "step_s": agree_max(comm_times.wall_s[f"ceiling_{depth}"], dist.group.WORLD),
-                        "cpu_s": agree_max(comm_times.cpu_s[f"ceiling_{depth}"], dist.group.WORLD),
-                        "gloo_cpu_s": agree_max(comm_times.gloo_cpu_s[f"ceiling_{depth}"], dist.group.WORLD),
-                    }
-                    for depth in ceilings
-                },
-            }
+        if args.pipeline:
+            result.update(_shared_bound(setup.replay(), args.t_compute_s, repeats, barrier))
+        else:
+            own_compute = {name: float(t) for name, t in json.loads(args.own_t_compute_s).items()}
+            own, failed = _own_bounds(steps, own_compute, args.t_compute_s, args.time_limit_s, repeats, rank)
+            result["own"] = own
+            errors.update(failed)
         predicted = {
             name: _predicted_step_s(dump_root / _folder(name), rank, args.microbatches)
             for name in steps
@@ -343,6 +341,159 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
             result["measured_account"] = {name: parts for name, parts in accounts.items() if parts}
     dist.barrier() if args.mode == "link" else None
     return result if rank == 0 else {}
+
+
+def _timed_bound(
+    replays: dict[str, Replay], ceilings: dict[str, tuple[Replay, float]], repeats: int, barrier: Any
+) -> dict[str, Any]:
+    """Each of ``replays`` back to back (``T_comm``) and each of ``ceilings`` (a replay under that
+    many seconds of synthetic compute, ``measure.ceiling_steps``), interleaved over ``repeats``
+    (the slowest rank's seconds): ``{key: {"t_comm_s", "t_comm_cpu_s", "t_comm_gloo_cpu_s"}}``
+    and ``{key: ceiling samples}`` (``compute_s``, ``in_flight``: per depth ``step_s``,
+    ``cpu_s``, ``gloo_cpu_s``), as ``bench.run.ceiling_row`` reads them."""
+    world = dist.group.WORLD
+    timed: dict[str, Callable[[], Any]] = {f"comm {key}": replay for key, replay in replays.items()}
+    depths: dict[str, list[int]] = {}
+    alone: dict[int, list[float]] = {}
+    for key, (replay, compute_s) in ceilings.items():
+        if id(replay) not in alone:
+            alone[id(replay)] = times_alone(replay, 5)
+        compute, overlapped = ceiling_steps(
+            replay, compute_s, lambda counts: [int(c) for c in agree_max(counts, world)], alone_s=alone[id(replay)]
+        )
+        timed[f"compute {key}"] = compute
+        timed.update({f"ceiling_{depth} {key}": step for depth, step in overlapped.items()})
+        depths[key] = sorted(overlapped)
+    for warm_up in timed.values():
+        warm_up()
+    times = time_interleaved(timed, repeats, barrier)
+
+    def slowest(samples: dict[str, list[float]], name: str) -> list[float]:
+        return agree_max(samples[name], world)
+
+    comm = {
+        key: {
+            "t_comm_s": slowest(times.wall_s, f"comm {key}"),
+            "t_comm_cpu_s": slowest(times.cpu_s, f"comm {key}"),
+            "t_comm_gloo_cpu_s": slowest(times.gloo_cpu_s, f"comm {key}"),
+        }
+        for key in replays
+    }
+    ceiling = {
+        key: {
+            "compute_s": slowest(times.wall_s, f"compute {key}"),
+            "in_flight": {
+                depth: {
+                    "step_s": slowest(times.wall_s, f"ceiling_{depth} {key}"),
+                    "cpu_s": slowest(times.cpu_s, f"ceiling_{depth} {key}"),
+                    "gloo_cpu_s": slowest(times.gloo_cpu_s, f"ceiling_{depth} {key}"),
+                }
+                for depth in depths[key]
+            },
+        }
+        for key in ceilings
+    }
+    return {"comm": comm, "ceiling": ceiling}
+
+
+def _shared_bound(replay: Replay, t_compute_s: float, repeats: int, barrier: Any) -> dict[str, Any]:
+    """One replay for every variant (a pipeline's transfers): top-level ``t_comm_s`` (and its CPU
+    times) and, with ``t_compute_s``, ``ceiling``."""
+    ceilings = {"step": (replay, t_compute_s)} if t_compute_s > 0 else {}
+    timed = _timed_bound({"step": replay}, ceilings, repeats, barrier)
+    return {**timed["comm"]["step"], **({"ceiling": timed["ceiling"]["step"]} if ceilings else {})}
+
+
+def sent_summary(sent: list[SentCollective]) -> dict[str, Any]:
+    """What a variant's recorded collectives come to per step: ``wire_bytes_per_step`` (this
+    rank's), ``transfers_per_step`` and ``collectives`` (calls per op, sorted by op)."""
+    counts: dict[str, int] = {}
+    for collective in sent:
+        counts[collective.op] = counts.get(collective.op, 0) + 1
+    return {
+        "wire_bytes_per_step": sum(c.wire_bytes for c in sent),
+        "transfers_per_step": len(sent),
+        "collectives": dict(sorted(counts.items())),
+    }
+
+
+def _own_bounds(
+    steps: dict[str, Callable[[], None]],
+    own_compute_s: dict[str, float],
+    t_compute_s: float,
+    time_limit_s: float,
+    repeats: int,
+    rank: int,
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Each variant's own bound on the link: one more step of it, its calls on the process group
+    recorded (``measure.record_sent_collectives``); those collectives replayed alone (its own
+    ``T_comm``; variants that sent the same collectives share one replay) and under synthetic
+    compute of its own ``T_compute`` (its own ceiling). Per variant (the slowest rank's numbers,
+    the bytes of the rank that sent most): ``sent_summary``'s keys, ``t_comm_s``,
+    ``t_comm_cpu_s``, ``t_comm_gloo_cpu_s`` and ``ceiling``; and the variants whose recording
+    failed, with why."""
+    world = dist.group.WORLD
+    size = dist.get_world_size()
+    sent: dict[str, list[SentCollective]] = {}
+    errors: dict[str, str] = {}
+    for name, step in steps.items():
+        ok = True
+        try:
+            dist.barrier()
+            sent[name] = record_sent_collectives(step, rank, size)
+        except Exception:  # noqa: BLE001 - reported per variant, not fatal
+            errors[name] = "recording its collectives: " + traceback.format_exc(limit=3)
+            ok = False
+        ok = all_agree(ok, world)
+        if ok and not _same_on_every_rank(_kinds(sent[name])):  # every rank replays the same sequence of calls
+            errors[name] = "its ranks sent different collectives in the recorded step"
+            ok = False
+        if not ok:
+            sent.pop(name, None)
+            errors.setdefault(name, "recording its collectives failed on another rank")
+    replays: dict[str, SentReplay] = {}
+    key_of: dict[str, str] = {}
+    for name, collectives in sent.items():
+        same = next((key for key, replay in replays.items() if replay.sent == collectives), None)
+        if not all_agree(same is not None, world) or not _same_on_every_rank(str(same)):
+            same = None
+        if same is None:
+            same = name
+            replays[name] = SentReplay(collectives, size)
+        key_of[name] = same
+    ceilings: dict[str, tuple[Replay, float]] = {}
+    for name in sent:
+        compute_s = own_compute_s.get(name, t_compute_s)
+        if compute_s > 0 and len(replays[key_of[name]]) > 0:
+            ceilings[name] = (replays[key_of[name]], compute_s)
+    start = time.perf_counter()  # one round: each replay, and each ceiling's compute at least 3 times
+    for replay in replays.values():
+        replay()
+    round_s = time.perf_counter() - start + 3 * sum(compute_s for _, compute_s in ceilings.values())
+    fit = int(time_limit_s / max(agree_max([round_s], world)[0], 1e-6))
+    timed = _timed_bound(dict(replays), ceilings, max(3, min(repeats, fit)), dist.barrier)
+    wire = gather_floats([float(sent_summary(sent[name])["wire_bytes_per_step"]) for name in sent], world)
+    own: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(sent):
+        own[name] = {
+            **sent_summary(sent[name]),
+            "wire_bytes_per_step": max(int(row[i] or 0) for row in wire),
+            **timed["comm"][key_of[name]],
+            "ceiling": timed["ceiling"].get(name),
+        }
+    return own, errors
+
+
+def _kinds(sent: list[SentCollective]) -> str:
+    """The sequence of collective kinds (a send and its receive alike), as ranks compare it."""
+    return ",".join("p2p" if c.op in ("send", "recv") else c.op for c in sent)
+
+
+def _same_on_every_rank(text: str) -> bool:
+    """Whether every rank holds the same ``text`` (the same answer on every rank)."""
+    digest = float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "little"))  # exact in float64
+    highest, lowest = agree_max([digest, -digest], dist.group.WORLD)
+    return highest == -lowest
 
 
 def _t_comm_only(setup: _Setup, repeats: int, rank: int) -> dict[str, Any]:
