@@ -194,7 +194,9 @@ def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:
     summary = json.loads(out.read_text())
     assert set(summary["variants"]) == set(variants) and not summary["errors"]
     assert summary["t_comm_s"] > 0 and summary["t_compute_s"] > 0 and summary["t_comm_cpu_s"] > 0
-    assert 0 < summary["t_comm_gloo_cpu_s"] <= summary["t_comm_cpu_s"]  # gloo's threads moved the bytes
+    # gloo's threads moved the bytes; their CPU is read around the barrier before each replay too,
+    # which they run (a millisecond, more than a short replay's whole CPU time can be)
+    assert 0 < summary["t_comm_gloo_cpu_s"] <= summary["t_comm_cpu_s"] + 0.001
     for v in summary["variants"].values():  # a step's CPU time is measured beside its wall time
         assert v["cpu_s_median"] > 0 and v["idle_s"] == pytest.approx(max(v["step_s_median"] - v["cpu_s_median"], 0.0))
         assert v["first_step_s"] > 0  # the compiling first step, timed apart
