@@ -150,7 +150,7 @@ class _Titan:
         TP group (DTensor TP's plans leave whole ones)."""
         if self.tp != "functional":
             return
-        replicated = set(model.replicated_parameter_names())  # type: ignore[operator]
+        replicated = {_unwrapped(name) for name in model.replicated_parameter_names()}  # type: ignore[operator]
         for name, param in model.named_parameters():
             grad = param.grad
             if _unwrapped(name) in replicated and grad is not None:
