@@ -9,6 +9,7 @@
     y = dhelix_compile.reshard(x, mesh_b, [Shard(0)])                    # a DTensor to another mesh
     model = dhelix_compile.data_parallel(model, mesh["dp"], mode="shard")  # ZeRO-3 / DDP in the graph
     cluster = dhelix_compile.emulate(world_size=8, link="ib400")       # rank 0 of 8, timed links
+    dhelix_compile.compile_seconds()   # where this process's compiles spent their time, per phase
 
 The backend entry points import Inductor and AOTAutograd; they load on first use, so that
 ``import dhelix_compile.testing`` (every spawned test rank does it) stays cheap.
@@ -29,6 +30,7 @@ __all__ = [
     "DataParallelError",
     "HelixError",
     "backend",
+    "compile_seconds",
     "data_parallel",
     "dhelix_backend",
     "emulate",
@@ -37,6 +39,17 @@ __all__ = [
     "reshard",
 ]
 __version__ = "0.1.0"
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds this process's dhelix compiles spent so far, per phase: ``profiling`` (measuring
+    ops, collectives and segment pairs on the live group), ``passes`` (the graph passes),
+    ``agreement`` (waiting for the other ranks), ``codegen`` (Inductor's code generation and C++
+    compile); see :mod:`cost_model.compile_clock`. Dynamo's trace and AOTAutograd's joint graph
+    are the rest of a first step's time."""
+    from cost_model import compile_clock
+
+    return compile_clock.totals()
 
 
 def __getattr__(name: str) -> Any:

@@ -138,9 +138,12 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         per_microbatch = {}
         for name in names:
             dist.barrier()
+            clock = dhelix_compile.compile_seconds()
             start = time.perf_counter()
             per_microbatch[name] = step(name, microbatches)
             times[name].append(time.perf_counter() - start)
+            if i == 0 and name == "helix":
+                helix_phases = {k: v - clock[k] for k, v in dhelix_compile.compile_seconds().items()}
         losses = {name: statistics.fmean(values) for name, values in per_microbatch.items()}
         if "eager" in losses:  # the largest difference of one micro-batch's loss
             diff = max(abs(h - e) for h, e in zip(per_microbatch["helix"], per_microbatch["eager"]))
@@ -154,6 +157,9 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         if i == 0:
             compile_s = ", ".join(f"{n} {times[n][0]:.1f} s" for n in names)
             print0(f"first step, compilation included: {compile_s}")
+            phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in helix_phases.items())
+            rest = times["helix"][0] - sum(helix_phases.values())
+            print0(f"helix's first step: {phases}; capture and run (Dynamo, AOTAutograd, the step) {rest:.1f} s")
     if args.steps > 1:
         medians = {n: statistics.median(t[1:]) for n, t in times.items()}
         summary = ", ".join(f"{n} {1e3 * m:.1f} ms" for n, m in medians.items())

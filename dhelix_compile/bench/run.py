@@ -181,15 +181,13 @@ def _compute_cpu_cell(row: dict[str, Any]) -> str:
     return f"{format_ms(row.get('cpu_s_alone_median'))} -> {format_ms(on_link)}"
 
 
-def _compile_times(link_run: dict[str, Any], name: str) -> dict[str, float | None]:
-    """The variant's first step on the link (compile + one step), and its seconds in dhelix's
-    passes and in profiling (the slowest rank's; None for runs that did not record them)."""
-    first = (link_run.get("first_step_s") or {}).get(name)
-    plan = (link_run.get("plan_s") or {}).get(name)
+def _compile_times(link_run: dict[str, Any], name: str) -> dict[str, Any]:
+    """The variant's first step on the link (compile + one step), and where dhelix's compiles in it
+    spent their time (``cost_model.compile_clock``'s phases, the slowest rank's each; None for runs
+    that did not record them)."""
     return {
-        "first_step_s": first,
-        "plan_s": plan[0] if plan else None,
-        "profile_s": plan[1] if plan else None,
+        "first_step_s": (link_run.get("first_step_s") or {}).get(name),
+        "compile_phases_s": (link_run.get("compile_phases_s") or {}).get(name),
     }
 
 
@@ -326,9 +324,11 @@ def _seconds(value: float | None) -> str:
 
 
 def _plan_cell(variant: dict[str, Any]) -> str:
-    if not variant.get("plan_s") and not variant.get("profile_s"):
+    """``profiling / passes / codegen`` seconds of the variant's first step (``-`` without dhelix graphs)."""
+    phases = variant.get("compile_phases_s") or {}
+    if not any(phases.get(name) for name in ("profiling", "passes", "codegen")):
         return "-"
-    return f"{variant['plan_s']:.1f} + {variant['profile_s']:.1f}"
+    return " / ".join(f"{phases.get(name, 0.0):.1f}" for name in ("profiling", "passes", "codegen"))
 
 
 def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
@@ -388,7 +388,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | own T_compute (ms) | own T_comm (ms) "
         "| own limit (ms) | step / own limit | hidden share | step / own ceiling | MB sent / step | transfers / step "
-        "| CPU (gloo's threads) (ms) | idle (ms) | first step (s) | passes + profiling (s) |",
+        "| CPU (gloo's threads) (ms) | idle (ms) | first step (s) | profiling / passes / codegen (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     shared = summary.get("ceiling")
@@ -423,8 +423,10 @@ def markdown(summary: dict[str, Any]) -> str:
         "CPU: the busiest rank's CPU time per step (all its threads; in brackets, gloo's threads'); "
         "idle = step - CPU, the time it waited at least.",
         "first step: the variant's first call on the link, which compiles every graph of the step (graph dumps "
-        "included: the bench writes them for the predictions); passes + profiling: dhelix's graph passes and, with "
-        "cost_model='profile' (the default on a live group), measuring the graphs' ops and collectives.",
+        "included: the bench writes them for the predictions); profiling / passes / codegen: of it, dhelix's "
+        "compiles measuring ops, collectives and segment pairs on the live group (cost_model='profile', the "
+        "default there), running the graph passes and generating code with Inductor (cost_model.compile_clock); "
+        "the rest is Dynamo's trace, AOTAutograd and the step itself.",
     ]
     ceilings = {n: v["ceiling"] for n, v in summary["variants"].items() if v.get("ceiling")}
     if ceilings:

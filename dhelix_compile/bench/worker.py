@@ -21,7 +21,7 @@ A step is one forward and backward per micro-batch (``--microbatches``; gradient
 helix merges consecutive micro-batches) of a workload (``bench.workloads``: the reference
 transformer, an MLP block, an MoE layer, a Hugging Face Llama). A step's time is the slowest
 rank's. Per variant the first step is timed apart (it compiles every graph: the compile time)
-and the dumps give the time spent in dhelix's passes and in profiling (``plan_s``).
+with where dhelix's compiles in it spent their time (``compile_phases_s``: ``cost_model.compile_clock``).
 Rank 0 writes the JSON; every rank exits 0 on success.
 """
 
@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cost_model import compile_clock
 from cost_model.rank_agreement import agree_max, all_agree, gather_floats
 from dhelix_compile.bench.choices import DATA_PARALLEL_MODES, MODEL_NAMES, PIPELINE_VARIANTS, SCHEDULE_KINDS
 from dhelix_compile.bench.data_parallel import data_parallel_collectives_step, data_parallel_step
@@ -221,17 +222,6 @@ def _folder(variant: str) -> str:
     return re.sub(r"[^A-Za-z0-9_=.-]+", "-", variant).strip("-")
 
 
-def _plan_s(dump_dir: Path, rank: int) -> tuple[float, float]:
-    """``(passes, profiling)``: seconds this rank spent in dhelix's graph passes and in
-    measuring costs (``cost_model="profile"``), over every graph of a variant (from its dumps)."""
-    passes = profiling = 0.0
-    for summary in (dump_dir / f"rank{rank}").glob("*/summary.json"):
-        data = json.loads(summary.read_text())
-        passes += sum(data.get("pass_seconds", {}).values())
-        profiling += data.get("records", {}).get("cost_model", {}).get("calibration_s", 0.0)
-    return passes, profiling
-
-
 def _gloo_threads(args: argparse.Namespace) -> str:
     """Every variant runs with gloo's threads as ``--gloo-priority`` says, the baselines too: the
     bench compares schedules, not thread priorities (``dhelix_compile.comm_threads``). What they
@@ -271,6 +261,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
     steps: dict[str, Any] = {}
     errors: dict[str, str] = {}
     first_step_s: dict[str, float] = {}
+    compile_phases_s: dict[str, dict[str, float]] = {}
     for name in parse_variants(args.variants):
         ok = True
         try:
@@ -279,10 +270,12 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
                 for warm_up in range(max(args.warmup, 1)):
                     if barrier:
                         barrier()
+                    clock = compile_clock.totals()
                     start = time.perf_counter()
                     step()
                     if warm_up == 0:  # compiles every graph the step needs, then runs it once
                         first_step_s[name] = time.perf_counter() - start
+                        compile_phases_s[name] = compile_clock.since(clock)
         except Exception:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             errors[name] = traceback.format_exc(limit=3)
             ok = False
@@ -313,7 +306,10 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "cpu_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.cpu_s.items()},
         "gloo_cpu_s": {name: agree_max(samples, dist.group.WORLD) for name, samples in times.gloo_cpu_s.items()},
         "first_step_s": {name: agree_max([first_step_s[name]], dist.group.WORLD)[0] for name in steps},
-        "plan_s": {name: agree_max(list(_plan_s(dump_root / _folder(name), rank)), dist.group.WORLD) for name in steps},
+        "compile_phases_s": {
+            name: dict(zip(compile_clock.PHASES, agree_max(list(compile_phases_s[name].values()), dist.group.WORLD)))
+            for name in steps
+        },
         "errors": errors,
     }
     if args.mode == "link":
