@@ -99,8 +99,10 @@ def test_examples_print_their_help(example: str) -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
+    # whole_stack.py's run is check_whole_stack's (test_whole_stack_equals_eager_fsdp2_in_bf16), which
+    # compares more than its printed losses; its --help runs above (the full suite's 45-minute budget)
     "example,agreed",
-    [("torchtitan_pattern.py", "losses agree with eager"), ("whole_stack.py", "losses agree with eager FSDP2")],
+    [("torchtitan_pattern.py", "losses agree with eager")],
 )
 def test_examples_under_torchrun(example: str, agreed: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
