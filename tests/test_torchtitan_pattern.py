@@ -5,9 +5,10 @@ The rank side is ``dhelix_compile.testing.torchtitan_pattern``. torch 2.13 itsel
 as with dhelix) refuses checkpointed blocks holding DTensors ("expected all
 tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"): pinned here, so that a torch that
 lifts it fails the pin. It also gets the input gradient of a DTensor TP block compiled on its own
-wrong: dhelix equals Inductor there, neither equals eager. The default suite runs the
-functional-collective TP case through dhelix against eager; DHELIX_TEST_FULL=1 adds Inductor, the
-DTensor plans, Hugging Face Llama, the whole stack and the examples under torchrun.
+wrong: dhelix equals Inductor there, neither equals eager. The default suite runs the examples'
+``--help`` (4-rank runs take minutes on 2 cores); DHELIX_TEST_FULL=1 runs the functional-collective
+TP case against eager and Inductor, the DTensor plans, Hugging Face Llama, the whole stack and the
+examples under torchrun.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFUSAL = "expected all tensors_saved_with_vc_check to be Tensors"
 
 
+@full_only
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_functional_tp_checkpointed_blocks_compiled_one_at_a_time_under_fsdp2() -> None:
