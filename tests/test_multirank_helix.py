@@ -125,6 +125,7 @@ def _helix_inductor_code(rank: int, world_size: int, dump_dir: str) -> dict:
 
 @pytest.mark.inductor
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
 def test_merged_graph_through_inductor_keeps_the_interleaved_order(tmp_path: Path) -> None:
     results = run_on_ranks(_helix_inductor_code, 2, str(tmp_path), timeout_s=600)
     merged_dirs = list((tmp_path / "rank0").glob("*_merged"))
