@@ -70,6 +70,19 @@ def timed(name: Phase) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
     return decorate
 
 
+#: The phases a bench table shows, in its order ("profiling / passes / codegen").
+SHOWN: tuple[Phase, ...] = ("profiling", "passes", "codegen")
+
+
+def format_phases(phases: dict[str, float] | None) -> str | None:
+    """``"profiling / passes / codegen"`` seconds of a compile (``"4.0 / 2.1 / 9.3"``), or None
+    when none of them ran (no dhelix graph was compiled)."""
+    phases = phases or {}
+    if not any(phases.get(name) for name in SHOWN):
+        return None
+    return " / ".join(f"{phases.get(name, 0.0):.1f}" for name in SHOWN)
+
+
 def totals() -> dict[str, float]:
     """Seconds per phase in this process so far (every phase named, 0.0 when none ran)."""
     with _lock:

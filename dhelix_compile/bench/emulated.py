@@ -447,6 +447,6 @@ def markdown_emulated(summary: dict[str, Any]) -> str:
 
 
 def _compile_cell(row: dict[str, Any]) -> str:
-    phases = row.get("compile_phases_s") or {}
-    spent = " / ".join(f"{phases.get(name, 0.0):.1f}" for name in ("profiling", "passes", "codegen"))
-    return f"{row.get('compile_s', 0.0):.1f} ({spent})" if any(phases.values()) else f"{row.get('compile_s', 0.0):.1f}"
+    spent = compile_clock.format_phases(row.get("compile_phases_s"))
+    first = f"{row.get('compile_s', 0.0):.1f}"
+    return f"{first} ({spent})" if spent else first

@@ -62,6 +62,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cost_model import compile_clock
 from cost_model.links import describe_presets
 from cost_model.units import format_ms
 from dhelix_compile.bench import link_rate
@@ -325,10 +326,7 @@ def _seconds(value: float | None) -> str:
 
 def _plan_cell(variant: dict[str, Any]) -> str:
     """``profiling / passes / codegen`` seconds of the variant's first step (``-`` without dhelix graphs)."""
-    phases = variant.get("compile_phases_s") or {}
-    if not any(phases.get(name) for name in ("profiling", "passes", "codegen")):
-        return "-"
-    return " / ".join(f"{phases.get(name, 0.0):.1f}" for name in ("profiling", "passes", "codegen"))
+    return compile_clock.format_phases(variant.get("compile_phases_s")) or "-"
 
 
 def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
