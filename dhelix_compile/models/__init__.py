@@ -15,8 +15,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cost_model.lazy_exports import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "GPT": "gpt",
@@ -36,14 +35,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
