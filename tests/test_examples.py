@@ -79,14 +79,14 @@ def test_the_public_api_check_sees_private_imports(tmp_path: Path) -> None:
     example = tmp_path / "example.py"
     example.write_text(
         "import dhelix_compile\n"
-        "from dhelix_compile.testing.llama import Transformer\n"
+        "from dhelix_compile.testing.checks import build_case\n"
         "from dhelix_compile.models import _EXPORTS, GPT\n"
         "from dhelix_compile import _torch_compat\n"
         "dhelix_compile.helix(None, None)\n"
         "dhelix_compile.compiler.compile_graph\n"
     )
     assert _private_uses(example) == [
-        "line 2: dhelix_compile.testing.llama",
+        "line 2: dhelix_compile.testing.checks",
         "line 3: dhelix_compile.models._EXPORTS",
         "line 4: dhelix_compile._torch_compat",
         "line 6: dhelix_compile.compiler",

@@ -17,7 +17,7 @@ from dhelix_compile.config import DHelixConfig
 from dhelix_compile.helix_runtime.merged_candidates import leanest_of_the_fastest
 from dhelix_compile.helix_runtime.schedule import SCHEDULE_KINDS, merged_graph_dirs
 from dhelix_compile.helix_runtime.step import HelixError
-from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
+from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.moe import MoEConfig, ReferenceMoE
 
 EAGER = {"codegen": "eager", "fallback": "error"}

@@ -29,8 +29,8 @@ import dhelix_compile
 from cost_model.op_kinds import op_name
 from dhelix_compile.helix_runtime import strand_handoff
 from dhelix_compile.helix_runtime.random_ops import RNG_STATE_WRAPPERS, draws_random_numbers, random_ops
+from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.checkpointing import CHECKPOINT_KINDS, Checkpointed, CheckpointKind, checkpoint_blocks
-from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.multirank import run_on_ranks
 
 aten = torch.ops.aten
@@ -258,7 +258,7 @@ def test_dropout_with_p_0_in_a_checkpointed_region_runs() -> None:
 
 def test_hf_llama_with_gradient_checkpointing_equals_eager_loop(partitions: Partitions) -> None:
     pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
-    from dhelix_compile.testing.hf_llama import build_hf_llama, hf_llama_batches, hf_llama_loss
+    from dhelix_compile.models.hf_llama import build_hf_llama, hf_llama_batches, hf_llama_loss
 
     model = build_hf_llama("tiny", n_layers=1)
     # transformers 5 names it activation_checkpointing_enable; gradient_checkpointing_enable is its older alias

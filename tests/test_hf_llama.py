@@ -15,7 +15,7 @@ from dhelix_compile.testing.multirank import run_on_ranks
 
 def _check(rank: int, world_size: int, sequence_parallel: bool) -> list[float]:
     import dhelix_compile
-    from dhelix_compile.testing.hf_llama import build_hf_llama, hf_llama_batches, hf_llama_loss, parallelize_hf_llama
+    from dhelix_compile.models.hf_llama import build_hf_llama, hf_llama_batches, hf_llama_loss, parallelize_hf_llama
 
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     models = [parallelize_hf_llama(build_hf_llama("tiny"), mesh, sequence_parallel=sequence_parallel) for _ in "abc"]

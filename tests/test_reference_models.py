@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.checks import MODEL_KINDS, ModelKind, check_all
-from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.moe import MoEConfig, ReferenceMoE, expert_ffn, route
 from dhelix_compile.testing.multirank import MultiRankError, run_on_ranks
 from dhelix_compile.testing.sequence_parallel import shard_sequence

@@ -38,8 +38,8 @@ def _compare(
     import dataclasses
 
     import graph_passes.joint.pass_list as joint_pass_list
-    from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
-    from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
+    from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
+    from dhelix_compile.models.tensor_parallel import parallelize_tp, parallelize_tp_sp
 
     seen: list[dict[str, Any]] = []
     (entry,) = [p for p in joint_pass_list.JOINT_PASSES if p.name == "vocab_parallel_loss"]

@@ -73,7 +73,7 @@ MOE_SIZES: dict[str, tuple[int, int, int, Literal[1, 2], int]] = {
     "moe_medium": (512, 1024, 4, 2, 256),
 }
 
-#: Hugging Face Llama workloads: bench name -> ``testing.hf_llama`` size
+#: Hugging Face Llama workloads: bench name -> ``models.hf_llama`` size
 HF_LLAMA_SIZES: dict[str, str] = {"hf_llama_tiny": "tiny", "hf_llama": "bench"}
 
 MODEL_NAMES: tuple[str, ...] = (*MODEL_SIZES, *MLP_SIZES, *MOE_SIZES, *HF_LLAMA_SIZES)

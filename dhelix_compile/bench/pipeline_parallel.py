@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.bench.choices import PIPELINE_VARIANTS, SCHEDULE_KINDS, ScheduleKind
-from dhelix_compile.testing.llama import Transformer, lm_loss
+from dhelix_compile.models.llama import Transformer, lm_loss
 from dhelix_compile.testing.pipeline_checks import build_schedule, chunks, parallelize_stage_tp, stage_layout
 
 if TYPE_CHECKING:

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import dhelix_compile
     from dhelix_compile.helix_runtime.schedule import merged_graph_dirs
-    from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
-    from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
+    from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
+    from dhelix_compile.models.tensor_parallel import parallelize_tp_sp
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     config = ModelConfig(

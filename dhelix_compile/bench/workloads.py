@@ -1,7 +1,7 @@
 """The models a benchmark runs, by name: what to build, how to feed it, what its loss is.
 
     reference transformer  ``tiny`` ... ``large``: the Llama-style reference model
-                           (``testing.llama``), TP+SP or TP (``--parallel``), or as written
+                           (``models.llama``), TP+SP or TP (``--parallel``), or as written
                            (``"none"``: the data-parallel benchmark)
     MLP block              ``mlp_*``: one TP+SP SwiGLU MLP (all-gather -> w1, w3 -> w2 ->
                            reduce-scatter), its input sequence-sharded and requiring grad, so
@@ -11,7 +11,7 @@
     Hugging Face Llama     ``hf_llama_*``: ``transformers.LlamaForCausalLM`` built from a
                            config (random weights, nothing downloaded; the ``hf`` extra) with
                            PyTorch's ``parallelize_module`` TP plan, or TP + sequence
-                           parallelism (``--parallel``; ``testing.hf_llama``)
+                           parallelism (``--parallel``; ``models.hf_llama``)
 
 Every workload is built from one seed on every rank; each rank gets its own micro-batches. The
 names and sizes are ``bench.choices``' tables (``MODEL_SIZES``, ``MLP_SIZES``, ``MOE_SIZES``,
@@ -35,8 +35,8 @@ from dhelix_compile.bench.choices import (
     MOE_SIZES,
     UNPARALLELIZED_MODELS,
 )
-from dhelix_compile.testing.llama import FeedForward, ModelConfig, Transformer, lm_loss
-from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
+from dhelix_compile.models.llama import FeedForward, ModelConfig, Transformer, lm_loss
+from dhelix_compile.models.tensor_parallel import parallelize_tp, parallelize_tp_sp
 
 Microbatch = Any
 LossFn = Callable[[torch.nn.Module, Microbatch], torch.Tensor]
@@ -182,7 +182,7 @@ def _moe(name: str, world_size: int, microbatches: int, gen: torch.Generator) ->
 
 
 def _hf_llama(name: str, parallel: str, mesh: Any, microbatches: int, gen: torch.Generator) -> Workload:
-    from dhelix_compile.testing import hf_llama
+    from dhelix_compile.models import hf_llama
 
     size = HF_LLAMA_SIZES[name]
 

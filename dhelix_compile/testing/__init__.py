@@ -2,19 +2,17 @@
 
 * ``multirank``          ``run_on_ranks(fn, world_size, ...)``: spawn gloo ranks, collect results,
                          fail with the failing ranks' tracebacks, never hang.
-* ``llama``              the single-process Llama-style reference ``Transformer``, ``lm_loss``
-                         (``dhelix_compile.models.llama``'s, re-exported).
-* ``tensor_parallel``    ``parallelize_tp`` / ``parallelize_tp_sp``: DTensor plans (``models``').
 * ``sequence_parallel``  ``FunctionalSPTransformer``: Megatron-SP with functional collectives.
 * ``moe``                ``ReferenceMoE``, ``ExpertParallelMoE`` (static-split all-to-all).
-* ``hf_llama``           a Hugging Face ``LlamaForCausalLM`` from a config (the ``hf`` extra),
-                         parallelized with PyTorch's TP or TP+SP plan (``models``').
 * ``pipeline_checks``    the reference transformer cut into stage chunks; torch's pipeline
                          schedules eager against ``helix_pipeline`` (PP, PP x TP).
 * ``sharding``           map local shards and gradients to slices of the reference's.
 * ``checks``             rank-side checks of each parallel model (eager, compiled) vs reference.
 * ``compare``            single-process numerics of a compiled model against eager.
 * ``toy_models``         small single-process models.
+
+The reference models these check (the Llama-style ``Transformer``, its TP and TP+SP plans,
+Hugging Face Llama) are public: :mod:`dhelix_compile.models`.
 
 The names below are imported lazily (PEP 562), so ``import dhelix_compile.testing.compare``
 does not pull in DTensor or the parallel models.
@@ -31,9 +29,6 @@ _EXPORTS: dict[str, str] = {
     "build_case": "checks",
     "check_against_reference": "checks",
     "check_all": "checks",
-    "ModelConfig": "llama",
-    "Transformer": "llama",
-    "lm_loss": "llama",
     "ExpertParallelMoE": "moe",
     "MoEConfig": "moe",
     "ReferenceMoE": "moe",
@@ -48,8 +43,6 @@ _EXPORTS: dict[str, str] = {
     "reference_slice": "sharding",
     "shard_dims": "sharding",
     "sync_replicated_grads": "sharding",
-    "parallelize_tp": "tensor_parallel",
-    "parallelize_tp_sp": "tensor_parallel",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -45,11 +45,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
+from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
+from dhelix_compile.models.tensor_parallel import parallelize_tp, parallelize_tp_sp
 from dhelix_compile.testing.moe import ExpertParallelMoE, MoEConfig, ReferenceMoE
 from dhelix_compile.testing.sequence_parallel import FunctionalSPTransformer, shard_sequence
 from dhelix_compile.testing.sharding import assert_matches_reference, local_grad, local_value, sync_replicated_grads
-from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
 
 __all__ = [
     "MODEL_KINDS",

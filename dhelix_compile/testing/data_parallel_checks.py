@@ -66,14 +66,14 @@ def _mesh(world_size: int, tp: int, listed: Any = None) -> DeviceMesh:
 def _build(model: ModelName, mesh: DeviceMesh, tp: int) -> tuple[nn.Module, list[nn.Module]]:
     """The model (tensor-parallel when ``tp > 1``) and its blocks (FSDP2's units)."""
     if model == "reference":
-        from dhelix_compile.testing.llama import ModelConfig, Transformer
-        from dhelix_compile.testing.tensor_parallel import parallelize_tp
+        from dhelix_compile.models.llama import ModelConfig, Transformer
+        from dhelix_compile.models.tensor_parallel import parallelize_tp
 
         ref = Transformer(ModelConfig())
         if tp > 1:
             parallelize_tp(ref, mesh["tp"])
         return ref, list(ref.layers)
-    from dhelix_compile.testing.hf_llama import build_hf_llama, parallelize_hf_llama
+    from dhelix_compile.models.hf_llama import build_hf_llama, parallelize_hf_llama
 
     hf = build_hf_llama("tiny")
     if tp > 1:
@@ -84,7 +84,7 @@ def _build(model: ModelName, mesh: DeviceMesh, tp: int) -> tuple[nn.Module, list
 def _microbatches(model: ModelName, dp_rank: int, n: int) -> tuple[list[Any], Callable[[nn.Module, Any], Any]]:
     generator = torch.Generator().manual_seed(1000 + dp_rank)
     if model == "reference":
-        from dhelix_compile.testing.llama import ModelConfig, lm_loss
+        from dhelix_compile.models.llama import ModelConfig, lm_loss
 
         config = ModelConfig()
         shape = (2, config.max_seq_len)
@@ -96,7 +96,7 @@ def _microbatches(model: ModelName, dp_rank: int, n: int) -> tuple[list[Any], Ca
             for _ in range(n)
         ]
         return mbs, lambda m, mb: lm_loss(m(mb[0]), mb[1])
-    from dhelix_compile.testing.hf_llama import hf_llama_batches, hf_llama_loss
+    from dhelix_compile.models.hf_llama import hf_llama_batches, hf_llama_loss
 
     return hf_llama_batches("tiny", n, generator), hf_llama_loss
 
@@ -451,7 +451,7 @@ def check_checkpoint(
     state = fresh.state_dict()
     dcp.load(state, checkpoint_id=directory)
     fresh.load_state_dict(state)
-    from dhelix_compile.testing.llama import ModelConfig, Transformer
+    from dhelix_compile.models.llama import ModelConfig, Transformer
 
     plain = Transformer(ModelConfig(seed=1))
     plain_state = plain.state_dict()

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dhelix_compile.models.llama import lm_loss
 from dhelix_compile.testing.checks import CheckConfig, ModelKind, build_case
-from dhelix_compile.testing.llama import lm_loss
 from dhelix_compile.testing.sequence_parallel import shard_sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

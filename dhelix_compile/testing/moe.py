@@ -39,7 +39,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from dhelix_compile.testing.llama import init_weights_
+from dhelix_compile.models.llama import init_weights_
 from dhelix_compile.testing.sharding import copy_shards_from
 
 __all__ = ["ExpertParallelMoE", "MoEConfig", "ReferenceMoE", "expert_ffn", "route"]

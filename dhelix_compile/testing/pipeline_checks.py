@@ -4,7 +4,7 @@ eagerly against the same schedule through ``helix_pipeline``.
 Contract
 --------
 * ``TransformerChunk(model, first, last, layers)``: the embedding (first chunk only), a run of
-  blocks, and the final norm and head (last chunk only) of a :class:`~dhelix_compile.testing.llama.Transformer`,
+  blocks, and the final norm and head (last chunk only) of a :class:`~dhelix_compile.models.llama.Transformer`,
   sharing nothing with it (deep copies). ``chunks(model, n)`` cuts a model into ``n`` such chunks,
   the blocks spread as evenly as possible.
 * ``stage_layout(kind, pp)``: the stage indices rank ``r`` holds under a schedule: one stage
@@ -13,7 +13,7 @@ Contract
 * ``check_pipeline(rank, world_size, kind, n_microbatches, model="reference", tp=1, **options)``
   runs on a process group of ``world_size`` ranks, a ``(pp, tp)`` mesh with ``pp = world_size / tp``:
   with ``tp > 1`` every stage chunk is parallelized with PyTorch's TP plan over its row of the mesh
-  (``parallelize_stage_tp``: ``testing.tensor_parallel.tp_plan``; ``hf_llama.tp_layer_plan`` for
+  (``parallelize_stage_tp``: ``models.tensor_parallel.tp_plan``; ``hf_llama.tp_layer_plan`` for
   ``model="hf_llama"``, a Hugging Face ``LlamaForCausalLM`` cut into ``hf_llama.HFLlamaChunk``s)
   and the stages talk over the mesh's pp groups. The same
   seeded model and batch, torch's schedule eager and ``helix_pipeline(schedule, **options)``, two steps each
@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dhelix_compile.bench.choices import ScheduleKind
+from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.helix_checks import full_grads, local_grads
-from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 
 DataParallelMode = Literal["shard", "replicate"]
 
@@ -120,7 +120,7 @@ def parallelize_stage_tp(chunk: nn.Module, mesh: Any) -> None:
     embedding and head stay replicated, as in ``hf_llama.parallelize_hf_llama``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from dhelix_compile.testing.tensor_parallel import tp_plan
+    from dhelix_compile.models.tensor_parallel import tp_plan
 
     layers: Any = chunk.layers
     if isinstance(chunk, TransformerChunk):
@@ -129,7 +129,7 @@ def parallelize_stage_tp(chunk: nn.Module, mesh: Any) -> None:
             chunk, mesh, {name: style for name, style in top.items() if getattr(chunk, name) is not None}
         )
     else:
-        from dhelix_compile.testing.hf_llama import tp_layer_plan
+        from dhelix_compile.models.hf_llama import tp_layer_plan
 
         block = tp_layer_plan()
     for layer in layers:
@@ -170,7 +170,7 @@ def _model_chunks(model: PipelineModel, n_layers: int, seq_len: int) -> tuple[Ca
     if model == "torch_modules":
         return torch_module_chunks, TORCH_MODULES_VOCAB
     if model == "hf_llama":
-        from dhelix_compile.testing.hf_llama import HF_LLAMA_SIZES, build_hf_llama, hf_llama_chunks
+        from dhelix_compile.models.hf_llama import HF_LLAMA_SIZES, build_hf_llama, hf_llama_chunks
 
         if seq_len > HF_LLAMA_SIZES["tiny"]["seq_len"]:
             raise ValueError(f"the Hugging Face chunks take at most {HF_LLAMA_SIZES['tiny']['seq_len']} tokens")

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from dhelix_compile.testing.llama import (
+from dhelix_compile.models.llama import (
     ModelConfig,
     RMSNorm,
     Transformer,

@@ -7,7 +7,7 @@ runs on every rank of an initialised default process group of 4 (``run_on_ranks`
 the model once eagerly and once per backend of ``backends``, each built as torchtitan's
 ``parallelize_llama`` builds it, in its order, on a ``(dp=2, tp=2)`` mesh:
 
-1. tensor parallelism over ``mesh["tp"]``: a DTensor plan of ``testing.tensor_parallel``
+1. tensor parallelism over ``mesh["tp"]``: a DTensor plan of ``models.tensor_parallel``
    (``tp="dtensor"``: Megatron; ``"dtensor_sp"``: torchtitan's Llama plan, with sequence
    parallelism), or the transformer written with functional collectives (``tp="functional"``,
    ``testing.sequence_parallel``: Megatron TP+SP);
@@ -50,9 +50,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.checkpointing import checkpoint_blocks
 from dhelix_compile.testing.helix_checks import full_tensor
-from dhelix_compile.testing.llama import ModelConfig, Transformer, lm_loss
 
 __all__ = [
     "BF16_TOLERANCE",
@@ -101,7 +101,7 @@ class _Titan:
     def build(self) -> nn.Module:
         """The tensor-parallel model (same seeded weights on every call)."""
         if self.model == "hf_llama":
-            from dhelix_compile.testing.hf_llama import build_hf_llama, parallelize_hf_llama
+            from dhelix_compile.models.hf_llama import build_hf_llama, parallelize_hf_llama
 
             return parallelize_hf_llama(build_hf_llama("tiny"), self.mesh["tp"], sequence_parallel=False)
         reference = Transformer(ModelConfig())
@@ -109,7 +109,7 @@ class _Titan:
             from dhelix_compile.testing.sequence_parallel import FunctionalSPTransformer
 
             return FunctionalSPTransformer.from_reference(reference, self.tp_group)
-        from dhelix_compile.testing.tensor_parallel import parallelize_tp, parallelize_tp_sp
+        from dhelix_compile.models.tensor_parallel import parallelize_tp, parallelize_tp_sp
 
         return (parallelize_tp_sp if self.tp == "dtensor_sp" else parallelize_tp)(reference, self.mesh["tp"])
 
@@ -122,7 +122,7 @@ class _Titan:
         """``n`` micro-batches of this DP rank's data for ``step`` (its TP ranks share them)."""
         generator = torch.Generator().manual_seed(1000 * step + self.mesh["dp"].get_local_rank())
         if self.model == "hf_llama":
-            from dhelix_compile.testing.hf_llama import hf_llama_batches
+            from dhelix_compile.models.hf_llama import hf_llama_batches
 
             return hf_llama_batches("tiny", n, generator)
         config = ModelConfig()
@@ -137,7 +137,7 @@ class _Titan:
 
     def loss(self, model: nn.Module, mb: Any) -> torch.Tensor:
         if self.model == "hf_llama":
-            from dhelix_compile.testing.hf_llama import hf_llama_loss
+            from dhelix_compile.models.hf_llama import hf_llama_loss
 
             return hf_llama_loss(model, mb)
         tokens, targets = mb

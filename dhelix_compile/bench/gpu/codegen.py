@@ -22,9 +22,9 @@ def _workload(
     """(make, loss_fn, micro-batches on ``device``) of a bench workload, built on the CPU and moved
     before it is parallelized (buffers such as rotary tables move with it)."""
     from dhelix_compile.bench import workloads
-    from dhelix_compile.testing import hf_llama
-    from dhelix_compile.testing.llama import Transformer, lm_loss
-    from dhelix_compile.testing.tensor_parallel import parallelize_tp_sp
+    from dhelix_compile.models import hf_llama
+    from dhelix_compile.models.llama import Transformer, lm_loss
+    from dhelix_compile.models.tensor_parallel import parallelize_tp_sp
 
     gen = torch.Generator().manual_seed(0)
     if name in workloads.HF_LLAMA_SIZES:
