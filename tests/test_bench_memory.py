@@ -44,3 +44,34 @@ def test_a_rate_puts_the_ranks_on_that_link(
     assert [link.rate for link in links] == ["613mbit", None]
     out = capsys.readouterr().out
     assert "a 613mbit link" in out and "loopback" in out
+
+
+def test_checkpoint_reaches_the_ranks_and_names_the_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def fake_run(fn: Any, ranks: int, *args: Any, **kwargs: Any) -> list[dict[str, int]]:
+        calls.append(args)
+        return [{name: 2**20 for name in args[-1]}] * ranks
+
+    monkeypatch.setattr("dhelix_compile.testing.multirank.run_on_ranks", fake_run)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    argv = ["--model", "tiny", "--parallel", "functional_sp", "--checkpoint", "selective", "--variants", "eager,helix"]
+    assert memory.main(argv) == 0
+    assert calls[0] == ("tiny", "functional_sp", 4, "selective", ["eager", "helix"])
+    assert "functional TP+SP, blocks under selective" in capsys.readouterr().out
+
+
+def _functional_sp_peaks(rank: int, world_size: int) -> dict[str, int]:
+    return memory._rank_peaks(rank, world_size, "tiny", "functional_sp", 2, "checkpoint", ["eager"])
+
+
+@pytest.mark.multirank
+def test_the_checkpointed_functional_sp_workload_runs_on_two_ranks() -> None:
+    """The eager checkpointed loop of the ``functional_sp`` workload runs, and its micro-batches
+    are each rank's sequence shard of one batch (the ranks' losses sum to its mean)."""
+    from dhelix_compile.testing.multirank import run_on_ranks
+
+    peaks = run_on_ranks(_functional_sp_peaks, 2, timeout_s=240)
+    assert all(rank["eager"] > 0 for rank in peaks)

@@ -4,14 +4,19 @@
     python -m dhelix_compile.bench.memory --model small --microbatches 8 --pipeline dualpipev,1f1b
     python -m dhelix_compile.bench.memory --model small --microbatches 4 --data-parallel shard
     python -m dhelix_compile.bench.memory --model moe_medium --microbatches 4 --rate 613mbit
+    python -m dhelix_compile.bench.memory --model small --parallel functional_sp --checkpoint checkpoint
 
 runs a benchmark workload (``--model``: ``bench.workloads``, TP+SP or ``--parallel tp``; the
-TP+SP reference model by default) on gloo ranks (``testing.multirank``; on loopback, or with
+TP+SP reference model by default; ``functional_sp``: its TP+SP written with functional
+collectives) on gloo ranks (``testing.multirank``; on loopback, or with
 ``--rate`` over a rate-limited link, where the profiled cost model plans as it does in ``dhelix
 bench``'s run at that rate: a plan, and its memory, follows the link) and prints, per variant,
 the peak bytes resident during one step above what was resident before it (sampled, see
 ``peak_allocated_bytes``): the eager accumulation loop, the Inductor loop, dhelix single
-strand, and helix. With ``--pipeline``, the model as a pipeline (``bench.pipeline_parallel``) under each
+strand, and helix. With ``--checkpoint KIND`` every transformer block runs under activation
+checkpointing (``testing.checkpointing``: ``checkpoint``, ``checkpoint_wrapper``, ``selective``)
+in every variant, so ``vs eager`` compares with the eager checkpointed loop (``--parallel
+functional_sp``: torch's compile refuses DTensors in checkpointed regions). With ``--pipeline``, the model as a pipeline (``bench.pipeline_parallel``) under each
 schedule named: torch's schedule eager, with Inductor-compiled stages, and ``helix_pipeline``.
 With ``--data-parallel shard`` (or ``replicate``), the reference model data-parallel over the
 ranks: torch's own eager FSDP2 ``fully_shard`` (DDP for ``replicate``) beside ``data_parallel``
@@ -33,6 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from dhelix_compile.testing.checkpointing import CHECKPOINT_KINDS, CheckpointKind
 
 MEMORY_VARIANTS = ("eager", "inductor", "dhelix", "helix")
 #: ``--data-parallel``: torch's own (FSDP2 for shard, DDP for replicate), then ``data_parallel`` under these.
@@ -78,10 +85,17 @@ def peak_allocated_bytes(fn: Callable[[], Any], interval_s: float = 2e-4) -> int
 
 
 def _rank_peaks(
-    rank: int, world_size: int, model: str, parallel: str, microbatches: int, variants: list[str]
+    rank: int,
+    world_size: int,
+    model: str,
+    parallel: str,
+    microbatches: int,
+    checkpoint: CheckpointKind | None,
+    variants: list[str],
 ) -> dict[str, int]:
     from dhelix_compile.bench.steps import step_function
     from dhelix_compile.bench.workloads import build_workload
+    from dhelix_compile.testing.checkpointing import checkpoint_blocks
 
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     workload = build_workload(model, parallel, mesh, world_size, microbatches, torch.Generator().manual_seed(1234))
@@ -89,6 +103,8 @@ def _rank_peaks(
     peaks = {}
     for name in variants:
         module = workload.make()
+        if checkpoint is not None:
+            checkpoint_blocks(module.layers, checkpoint)  # type: ignore[arg-type]
         step = step_function(name, module, workload.loss_fn)
         step(mbs)  # compile, and the gradients exist: later steps accumulate into them
         peaks[name] = peak_allocated_bytes(functools.partial(step, mbs))
@@ -162,7 +178,18 @@ def _eager_of(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small")
-    parser.add_argument("--parallel", choices=("tp_sp", "tp"), default="tp_sp", help="as dhelix bench's")
+    parser.add_argument(
+        "--parallel",
+        choices=("tp_sp", "tp", "functional_sp"),
+        default="tp_sp",
+        help="as dhelix bench's; functional_sp: TP+SP written with functional collectives",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        choices=CHECKPOINT_KINDS,
+        default=None,
+        help="every transformer block under activation checkpointing of this kind (the reference transformer)",
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument(
@@ -206,8 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         what = f"data-parallel {args.data_parallel} (torch: {'DDP' if args.data_parallel == 'replicate' else 'FSDP2'})"
     else:
         variants = parse_variants(args.variants or ",".join(MEMORY_VARIANTS))
-        per_rank = run(memory._rank_peaks, args.ranks, args.model, args.parallel, args.microbatches, variants)
-        what = "" if args.model in MOE_SIZES else {"tp_sp": "TP+SP", "tp": "TP"}[args.parallel]
+        per_rank = run(
+            memory._rank_peaks, args.ranks, args.model, args.parallel, args.microbatches, args.checkpoint, variants
+        )
+        what = (
+            ""
+            if args.model in MOE_SIZES
+            else {"tp_sp": "TP+SP", "tp": "TP", "functional_sp": "functional TP+SP"}[args.parallel]
+        )
+        what += f", blocks under {args.checkpoint}" if args.checkpoint else ""
     peaks = {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
     print(
         f"peak resident bytes in one step (the busiest rank): {what + ' ' if what else ''}{args.model}, "
@@ -222,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"model": args.model, "ranks": args.ranks, "microbatches": args.microbatches, "peak_bytes": peaks},
+                {
+                    "model": args.model,
+                    "ranks": args.ranks,
+                    "microbatches": args.microbatches,
+                    "parallel": args.parallel,
+                    "checkpoint": args.checkpoint,
+                    "peak_bytes": peaks,
+                },
                 f,
                 indent=2,
             )

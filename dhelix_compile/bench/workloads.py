@@ -1,8 +1,12 @@
 """The models a benchmark runs, by name: what to build, how to feed it, what its loss is.
 
     reference transformer  ``tiny`` ... ``large``: the Llama-style reference model
-                           (``models.llama``), TP+SP or TP (``--parallel``), or as written
-                           (``"none"``: the data-parallel benchmark)
+                           (``models.llama``), TP+SP or TP (``--parallel``), as written
+                           (``"none"``: the data-parallel benchmark), or TP+SP written with
+                           functional collectives (``"functional_sp"``,
+                           ``testing.sequence_parallel``: no DTensor, so its blocks can be
+                           checkpointed under ``torch.compile``; the memory benchmark's
+                           ``--checkpoint``)
     MLP block              ``mlp_*``: one TP+SP SwiGLU MLP (all-gather -> w1, w3 -> w2 ->
                            reduce-scatter), its input sequence-sharded and requiring grad, so
                            the backward has the mirror pair
@@ -60,8 +64,9 @@ def build_workload(
 ) -> Workload:
     """The workload ``name`` (``MODEL_NAMES``) on ``mesh``, with ``microbatches`` micro-batches.
 
-    ``parallel``: ``"tp_sp"``, ``"tp"``, or ``"none"`` (the model as written, for data parallelism:
-    the reference transformer and Hugging Face Llama only, ``UNPARALLELIZED_MODELS``)."""
+    ``parallel``: ``"tp_sp"``, ``"tp"``, ``"none"`` (the model as written, for data parallelism:
+    the reference transformer and Hugging Face Llama only, ``UNPARALLELIZED_MODELS``), or
+    ``"functional_sp"`` (the reference transformer's TP+SP with functional collectives)."""
     if parallel == "none" and name not in UNPARALLELIZED_MODELS:
         raise ValueError(
             f"benchmark model {name!r} is tensor-parallel by construction; choose from {UNPARALLELIZED_MODELS}"
@@ -72,8 +77,12 @@ def build_workload(
         return _moe(name, world_size, microbatches, gen)
     if name in HF_LLAMA_SIZES:
         return _hf_llama(name, parallel, mesh, microbatches, gen)
+    if name in MODEL_SIZES and parallel == "functional_sp":
+        return _functional_sp(name, world_size, microbatches, gen)
     if name in MODEL_SIZES:
         return _transformer(name, parallel, mesh, world_size, microbatches, gen)
+    if parallel == "functional_sp":
+        raise ValueError(f"functional_sp is the reference transformer's; choose --model from {', '.join(MODEL_SIZES)}")
     raise ValueError(f"unknown benchmark model {name!r}; choose from {', '.join(MODEL_NAMES)}")
 
 
@@ -116,6 +125,27 @@ def _transformer(
         return lm_loss(model(mb[0]), mb[1])
 
     data = [tuple(torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(2)) for _ in range(microbatches)]
+    return Workload(make, loss_fn, data, _as_strings(config), batch, seq)
+
+
+def _functional_sp(name: str, world_size: int, microbatches: int, gen: torch.Generator) -> Workload:
+    from dhelix_compile.testing.sequence_parallel import FunctionalSPTransformer, shard_sequence
+
+    config, seq, batch = model_config(name)
+    config.validate(world_size)
+    rank = torch.distributed.get_rank()
+
+    def make() -> torch.nn.Module:
+        return FunctionalSPTransformer.from_reference(Transformer(config))
+
+    def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return lm_loss(model(mb[0]), mb[1], normalizer=batch * seq)  # the ranks' losses sum to the mean
+
+    full = [
+        tuple(torch.randint(0, config.vocab_size, (batch, seq), generator=gen) for _ in range(2))
+        for _ in range(microbatches)
+    ]
+    data = [tuple(shard_sequence(t, rank, world_size) for t in mb) for mb in full]
     return Workload(make, loss_fn, data, _as_strings(config), batch, seq)
 
 
