@@ -8,6 +8,7 @@ tensor collective on float64 values, so it needs nothing beyond torch (no pickli
     agree_max_s(times, group)       measured seconds the same way; failed (NaN) on every rank -> FAILED_S
     all_agree(flag, group)          True on every rank iff it is True on every rank
     gather_floats(values, group)    every rank's list, in rank order (NaN stands for "none")
+    gather_texts(text, group)       every rank's string, in rank order (its UTF-8 bytes as floats)
     check_same_signatures(sigs)     raise, never hang, when ranks are about to measure different lists
 
 ``group=None``, a one-rank group and the ``fake`` backend (compute-only runs) agree trivially: each
@@ -94,6 +95,15 @@ def gather_floats(values: Sequence[float | None], group: Any) -> list[list[float
     return [[None if math.isnan(v) else float(v) for v in row] for row in rows]
 
 
+def gather_texts(text: str, group: Any) -> list[str]:
+    """Every rank's ``text``, in rank order: its UTF-8 bytes through ``gather_floats``, padded to
+    one more than the longest rank's length (any lengths on any rank, empty ones too)."""
+    data = text.encode()
+    longest = int(agree_max([float(len(data))], group)[0])
+    rows = gather_floats([*data, *([None] * (longest + 1 - len(data)))], group)
+    return [bytes(int(v) for v in row if v is not None).decode() for row in rows]
+
+
 def check_same_signatures(sigs: Sequence[str], group: Any) -> None:
     """Raise (never hang) when ranks are about to measure different signature lists."""
     if _agrees_alone(group):
@@ -118,4 +128,5 @@ __all__ = [
     "check_same_signatures",
     "comm_device",
     "gather_floats",
+    "gather_texts",
 ]

@@ -139,7 +139,7 @@ def test_the_summary_sets_each_variant_beside_its_own_limit_and_ceiling() -> Non
 
 
 def test_a_run_without_recorded_collectives_sets_every_variant_beside_the_shared_replay() -> None:
-    """A pipeline run: one replay of the step's transfers for every variant."""
+    """A link run's JSON with one replay for every variant (``t_comm_s`` at its top level)."""
     compute = {"step_s": {"inductor": [0.100] * 3, "dhelix": [0.110] * 3}}
     summary = summarize(_run(None), compute, "veth")
     assert {v["t_comm_s"] for v in summary["variants"].values()} == {0.060}

@@ -64,7 +64,7 @@ def test_the_table_sets_each_variant_beside_its_own_limit_and_a_pipelines_shared
             "inductor": _variant(0.150, 0.100),
             "dhelix_decompose": {**_variant(0.120, 0.110, 0.1155, t_comm_s=0.040), "gloo_cpu_s_median": 0.0123},
         },
-        ceiling={  # a pipeline run's: the step's transfers under the top-level T_compute
+        ceiling={  # one for every variant: the step's transfers under the top-level T_compute
             "step_s_median": 0.105,
             "step_s_measured": 0.107,
             "in_flight": 2,

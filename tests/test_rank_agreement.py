@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from cost_model.rank_agreement import FAILED_S, agree_max, agree_max_s, all_agree, check_same_signatures, gather_floats
+from cost_model.rank_agreement import (
+    FAILED_S,
+    agree_max,
+    agree_max_s,
+    all_agree,
+    check_same_signatures,
+    gather_floats,
+    gather_texts,
+)
 from dhelix_compile.testing.multirank import MultiRankError, run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -25,6 +33,7 @@ def _agree_on(rank: int, world_size: int) -> dict[str, object]:
         "gathered": gather_floats([float(rank), None if rank == 0 else 2.0 * rank], group),
         # seconds: failed on rank 0 only, and failed everywhere
         "times": agree_max_s([math.nan if rank == 0 else 0.25, math.nan], group),
+        "texts": gather_texts("é" * rank, group),  # rank 0's is empty
     }
 
 
@@ -40,6 +49,7 @@ def test_ranks_agree_with_tensors_only(world_size: int) -> None:
             "one_false": False,
             "gathered": expected_rows,
             "times": [0.25, FAILED_S],  # the ranks that measured set the time
+            "texts": ["é" * r for r in range(world_size)],
         }
 
 
@@ -61,4 +71,5 @@ def test_without_a_group_each_rank_keeps_its_own() -> None:
     assert agree_max_s([1.0, math.nan], None) == [1.0, FAILED_S]
     assert all_agree(False, None) is False
     assert gather_floats([1.0, None], None) == [[1.0, None]]
+    assert gather_texts("x", None) == ["x"]
     check_same_signatures(["x"], None)

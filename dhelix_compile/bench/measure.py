@@ -27,6 +27,19 @@ Contract
       a variant's *own* collectives, as its final code sends them. ``SentReplay`` issues them
       again on the live group: its time back to back is the variant's own ``T_comm``, and
       ``ceiling_steps`` takes it as it takes ``CollectiveReplay`` (the variant's own ceiling).
+    - ``pair_transfers(every_rank)``: every rank's recorded calls (``gather_sent``) as one list of
+      transfers that every rank replays in the same order, each rank issuing its part of a
+      transfer together and waiting for it before the next; ValueError where the ranks' calls do
+      not pair up (a send without its receive, collectives that differ). A pipeline's ranks send
+      different sequences (one sends what the other receives), and a schedule keeps several in
+      flight (1F1B: rank 0 sends F1 while rank 1 sends B0); each transfer is the fewest calls that
+      every rank can issue in its recorded order and wait for without waiting on a later transfer:
+
+          rank 0:  send F0 | send F1  recv B0 | send F2  recv B1 | recv B2
+          rank 1:  recv F0 | recv F1  send B0 | recv F2  send B1 | send B2
+
+      Every rank has finished every earlier transfer when it issues one, so each transfer finds
+      all its peers posted: the replay cannot deadlock, at any number of transfers in flight.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +60,7 @@ import torch.fx
 from cost_model.collectives import collective_bytes_on_wire
 from cost_model.op_kinds import is_comm, kind_of
 from cost_model.profile.running import run_node, transfer_tensors
+from cost_model.rank_agreement import gather_texts
 from cost_model.timing import back_to_back_s, median_run_s
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.comm_threads import gloo_threads_cpu_s
@@ -271,29 +286,141 @@ def record_sent_collectives(step: Callable[[], Any], rank: int, group_size: int)
     return sent_collectives(compat.process_group_calls(step), rank, group_size)
 
 
+def gather_sent(sent: Sequence[SentCollective], group: Any) -> list[list[SentCollective]]:
+    """Every rank's ``sent``, in rank order (every rank of ``group`` calls it together)."""
+    texts = gather_texts(json.dumps([dataclasses.asdict(c) for c in sent]), group)
+    return [[_sent_from(fields) for fields in json.loads(text)] for text in texts]
+
+
+def _sent_from(fields: dict[str, Any]) -> SentCollective:
+    return SentCollective(
+        op=fields["op"],
+        shape=tuple(fields["shape"]),
+        dtype=fields["dtype"],
+        wire_bytes=fields["wire_bytes"],
+        splits=tuple(fields["splits"]),
+        out_splits=tuple(fields["out_splits"]),
+        peer=fields["peer"],
+    )
+
+
+_P2P = ("send", "recv")
+
+
+def _describe(c: SentCollective) -> str:
+    return f"{c.op} of {'x'.join(map(str, c.shape)) or 'a scalar'} {c.dtype}"
+
+
+def pair_transfers(every_rank: Sequence[Sequence[SentCollective]]) -> list[list[list[int]]]:
+    """``every_rank[r]`` (rank r's recorded calls, in its order) as transfers that every rank
+    replays in the same order (see the module docstring): per transfer, per rank, the indices of
+    that rank's calls in it, consecutive and in its recorded order (none where the rank takes no
+    part). The k-th send from rank s to rank d meets the k-th receive on d from s (same shape and
+    dtype); the k-th collective of every rank is one call (the same op on every rank).
+
+    The transfers, built alike on every rank from the same lists: the first call left of the
+    lowest rank with calls left, and every call that must go with it -- each rank's calls before
+    one in the transfer, and each call's peers -- until nothing more must. ValueError names the
+    first call that pairs with nothing.
+    """
+    size = len(every_rank)
+    message_of = [[-1] * len(calls) for calls in every_rank]
+    members: list[list[tuple[int, int]]] = []
+    sends: dict[tuple[int, int], list[int]] = {}
+    receives: dict[tuple[int, int], list[int]] = {}
+    collectives: list[list[int]] = [[] for _ in range(size)]
+    for rank, calls in enumerate(every_rank):
+        for i, c in enumerate(calls):
+            if c.op not in _P2P:
+                collectives[rank].append(i)
+                continue
+            if c.peer is None or not 0 <= c.peer < size or c.peer == rank:
+                raise ValueError(f"rank {rank}'s call {i} ({_describe(c)}) names peer {c.peer} of {size} ranks")
+            channel = (rank, c.peer) if c.op == "send" else (c.peer, rank)
+            (sends if c.op == "send" else receives).setdefault(channel, []).append(i)
+    for src, dst in sorted({*sends, *receives}):
+        sent, received = sends.get((src, dst), []), receives.get((src, dst), [])
+        for k in range(max(len(sent), len(received))):
+            if k >= len(sent) or k >= len(received):
+                rank, i = (src, sent[k]) if k < len(sent) else (dst, received[k])
+                raise ValueError(
+                    f"rank {rank}'s call {i} ({_describe(every_rank[rank][i])}) has no peer: rank {src} sent "
+                    f"{len(sent)} tensors to rank {dst}, which received {len(received)} from it"
+                )
+            a, b = every_rank[src][sent[k]], every_rank[dst][received[k]]
+            if (a.shape, a.dtype) != (b.shape, b.dtype):
+                raise ValueError(
+                    f"rank {src}'s call {sent[k]} ({_describe(a)} to rank {dst}) meets rank {dst}'s call "
+                    f"{received[k]} ({_describe(b)})"
+                )
+            members.append([(src, sent[k]), (dst, received[k])])
+    counts = {len(indices) for indices in collectives}
+    if len(counts) > 1:
+        raise ValueError(f"the ranks called different numbers of collectives: {[len(c) for c in collectives]}")
+    for k in range(counts.pop() if counts else 0):
+        ops = [every_rank[rank][collectives[rank][k]].op for rank in range(size)]
+        if len(set(ops)) > 1:
+            raise ValueError(f"the ranks' collective {k} is not one call: {ops} (rank order)")
+        members.append([(rank, collectives[rank][k]) for rank in range(size)])
+    for message, ends in enumerate(members):
+        for rank, i in ends:
+            message_of[rank][i] = message
+
+    transfers: list[list[list[int]]] = []
+    start = [0] * size
+    while True:
+        seed = next((rank for rank in range(size) if start[rank] < len(every_rank[rank])), None)
+        if seed is None:
+            return transfers
+        end = list(start)  # per rank, one past its last call in the transfer
+        taken = {message_of[seed][start[seed]]}
+        pending = list(taken)
+        while pending:
+            for rank, i in members[pending.pop()]:
+                while end[rank] <= i:  # the rank's calls before this one go with it
+                    message = message_of[rank][end[rank]]
+                    end[rank] += 1
+                    if message not in taken:
+                        taken.add(message)
+                        pending.append(message)
+        transfers.append([list(range(a, b)) for a, b in zip(start, end, strict=True)])
+        start = end
+
+
+def _consecutive_p2p(sent: Sequence[SentCollective]) -> list[list[int]]:
+    """One transfer per collective, and one per run of consecutive sends and receives."""
+    transfers: list[list[int]] = []
+    for i, collective in enumerate(sent):
+        if collective.op in _P2P and transfers and sent[transfers[-1][-1]].op in _P2P:
+            transfers[-1].append(i)
+        else:
+            transfers.append([i])
+    return transfers
+
+
 class SentReplay:
     """``sent``'s collectives again on the live default group, with tensors of their shapes.
 
-    One *transfer* is one collective, or a run of consecutive sends and receives issued together
-    (as ``batch_isend_irecv`` issues them: a rank waiting for its send before it posts the
-    receive its peer sends first would deadlock). All-reduces, all-to-alls, broadcasts, sends
-    and receives go as they were sent; a reduce-scatter as the all-reduce of its whole input
+    One *transfer* is a group of calls issued together, then waited for. ``transfers``: this
+    rank's part of each of ``pair_transfers``' transfers (empty where it takes no part), the same
+    number on every rank. Without it, one transfer per collective and one per run of consecutive
+    sends and receives (as ``batch_isend_irecv`` issues them: a rank waiting for its send before
+    it posts the receive its peer sends first would deadlock). All-reduces, all-to-alls, broadcasts, sends and
+    receives go as they were sent; a reduce-scatter as the all-reduce of its whole input
     that ProcessGroupGloo runs for it; an all-gather as one all-to-all of its shard repeated
     once per rank (``gather_as_all_to_all``: the same bytes on the link; torch 2.13's gloo
     all-gather in flight beside compute corrupts the heap, which the ceiling's schedule would
     provoke).
     """
 
-    def __init__(self, sent: Sequence[SentCollective], group_size: int) -> None:
+    def __init__(
+        self, sent: Sequence[SentCollective], group_size: int, transfers: Sequence[Sequence[int]] | None = None
+    ) -> None:
         self.sent = list(sent)
         self.group_size = group_size
-        self.transfers: list[list[int]] = []
-        for i, collective in enumerate(self.sent):
-            p2p = collective.op in ("send", "recv")
-            if p2p and self.transfers and self.sent[self.transfers[-1][-1]].op in ("send", "recv"):
-                self.transfers[-1].append(i)
-            else:
-                self.transfers.append([i])
+        self.transfers = [list(t) for t in transfers] if transfers is not None else _consecutive_p2p(self.sent)
+        if [i for t in self.transfers for i in t] != list(range(len(self.sent))):
+            raise ValueError(f"transfers {self.transfers} are not the {len(self.sent)} calls in order")
         self._tensors = [self._buffers(c) for c in self.sent]
 
     def _buffers(self, c: SentCollective) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,9 +17,11 @@ as the emulated bench runs it (``bench.emulated``). Variants:
 
 Every stage is built with static shapes (``input_args``/``output_args``), so torch exchanges no
 shape metadata: the same workload runs on the fake process group (``T_compute``: P2P returns at
-once), on the emulated process group (a receive writes ones) and on the link. ``T_comm`` is the
-step's P2P transfers alone (``P2PReplay``): per micro-batch, each activation crossing ranks and its
-gradient coming back, one after another.
+once), on the emulated process group (a receive writes ones) and on the link. ``transfers`` are the
+step's P2P transfers as the layout declares them: per micro-batch, each activation crossing ranks
+and its gradient coming back; ``P2PReplay`` sends them one after another (``dhelix bench --rate
+auto`` times it to pick the link's rate). Each variant's own ``T_comm`` on the gloo bench is the
+sends and receives its step made, recorded at the process group (``bench.worker``).
 """
 
 from __future__ import annotations

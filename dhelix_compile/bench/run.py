@@ -14,7 +14,8 @@
    (``dhelix_compile.launch``; loopback when that is impossible, and the output says so):
    every variant interleaved; then one more step of each, its calls on the process group
    recorded (``measure.record_sent_collectives``: the collectives its final code sends, with
-   the bytes on the wire), and those collectives alone on the link -> its own ``T_comm``.
+   the bytes on the wire; a pipeline's sends and receives, paired up across the ranks by
+   ``measure.pair_transfers``), and those transfers alone on the link -> its own ``T_comm``.
 3. Summary per variant, against its own numbers: median and spread of the step time, and the
    share of hideable communication it hid::
 
@@ -34,15 +35,16 @@
    hidden under a share of its own ``T_compute`` of synthetic matmuls, with one and with two in
    flight at a time, the faster of the two -- a perfect schedule of this much communication and
    compute. Its hidden share is the most this machine can hide of them; the variant's share is
-   to be read against it, not against 100%. A pipeline run (``--pipeline``) replays the step's
-   transfers once for every variant and times one ceiling under the top-level ``T_compute``.
+   to be read against it, not against 100%. A pipeline variant's ceiling is its own sends and
+   receives under its own ``T_compute``, as any other's.
 
 Writes JSON (per variant ``step_s_median``, ``step_s_all``, ``t_compute_s``, ``t_comm_s``,
 ``limit_s``, ``step_over_limit``, ``hidden_share``, ``wire_bytes_per_step``,
 ``transfers_per_step``, ``collectives``, ``ceiling``, ``step_over_ceiling``, ``cpu_s_median``,
 ``gloo_cpu_s_median``, ``idle_s``; top level ``t_compute_s`` and ``t_comm_s`` of the
 reference variant, Inductor where it ran (``t_comm_variant`` names it), ``t_comm_cpu_s``,
-``t_comm_gloo_cpu_s``, ``limit_s``, ``ceiling`` (a pipeline run's), ``link``, ``rate``,
+``t_comm_gloo_cpu_s``, ``limit_s``, ``ceiling`` (one for every variant, where the link run's
+JSON holds one; the workers time each variant's own), ``link``, ``rate``,
 ``rate_probes``) and prints a markdown table.
 
 With ``--link emulated:<link>`` one process instead runs as one rank of an emulated cluster whose
@@ -233,7 +235,7 @@ def ceiling_row(
 
 def _own_comm(own: dict[str, Any] | None, link_run: dict[str, Any]) -> dict[str, float | None]:
     """A variant's ``T_comm`` and its CPU times (medians): its own collectives' replay, else
-    the run's shared one (a pipeline run)."""
+    the run's shared one (a link run's JSON with one ``t_comm_s`` for every variant)."""
     source = own if own is not None else link_run
 
     def median(key: str) -> float | None:
@@ -415,7 +417,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += [
         "",
         "own T_compute: the variant's step on the fake process group; own T_comm: the collectives its step sent "
-        "(recorded at the process group), replayed back to back alone on the link; own limit = max of the two; "
+        "(recorded at the process group; a pipeline's sends and receives, those in flight together replayed "
+        "together), replayed back to back alone on the link; own limit = max of the two; "
         "hidden share = (own T_compute + own T_comm - step) / (own T_compute + own T_comm - own limit). "
         "MB sent / step: the bytes the rank that sent most put on the wire, as gloo sends them.",
         "CPU: the busiest rank's CPU time per step (all its threads; in brackets, gloo's threads'); "

@@ -6,12 +6,11 @@ Launched (by ``dhelix_compile.launch.ranks.launch_ranks``) with RANK / WORLD_SIZ
     --mode link      gloo over the real (possibly rate-limited) link: every variant's step time,
                      interleaved, each step started together on all ranks (barrier); then each
                      variant's own collectives (one more step, recorded at the process group:
-                     ``measure.record_sent_collectives``) replayed back to back with no compute,
-                     its own T_comm, and its own ceiling (``measure.ceiling_steps``): those
-                     collectives each hidden under a share of its own T_compute
-                     (--own-t-compute-s) of synthetic compute. A pipeline run (--pipeline)
-                     replays the step's transfers once for every variant (T_comm), and with
-                     --t-compute-s times one ceiling under that much compute.
+                     ``measure.record_sent_collectives``; a pipeline's sends and receives too,
+                     paired up across the ranks: ``measure.pair_transfers``) replayed back to
+                     back with no compute, its own T_comm, and its own ceiling
+                     (``measure.ceiling_steps``): those transfers each hidden under a share of
+                     its own T_compute (--own-t-compute-s) of synthetic compute.
     --mode compute   the "fake" process group (collectives return at once, nothing is sent):
                      the same variants' step times are T_compute, the step without communication.
     --mode comm      gloo over the link, T_comm only (``--rate auto`` times it at the rates it
@@ -31,7 +30,6 @@ import argparse
 import dataclasses
 import datetime
 import faulthandler
-import hashlib
 import json
 import os
 import re
@@ -55,6 +53,8 @@ from dhelix_compile.bench.measure import (
     SentCollective,
     SentReplay,
     ceiling_steps,
+    gather_sent,
+    pair_transfers,
     record_collectives,
     record_sent_collectives,
     replay_collectives,
@@ -93,8 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--t-compute-s",
         type=float,
         default=0.0,
-        help="link mode, --pipeline: also time the ceiling, the step's transfers hidden under this much synthetic "
-        "compute",
+        help="link mode: the T_compute of a variant --own-t-compute-s does not name (0: no ceiling for it)",
     )
     parser.add_argument(
         "--own-t-compute-s",
@@ -313,13 +312,10 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         "errors": errors,
     }
     if args.mode == "link":
-        if args.pipeline:
-            result.update(_shared_bound(setup.replay(), args.t_compute_s, repeats, barrier))
-        else:
-            own_compute = {name: float(t) for name, t in json.loads(args.own_t_compute_s).items()}
-            own, failed = _own_bounds(steps, own_compute, args.t_compute_s, args.time_limit_s, repeats, rank)
-            result["own"] = own
-            errors.update(failed)
+        own_compute = {name: float(t) for name, t in json.loads(args.own_t_compute_s).items()}
+        own, failed = _own_bounds(steps, own_compute, args.t_compute_s, args.time_limit_s, repeats, rank)
+        result["own"] = own
+        errors.update(failed)
         predicted = {
             name: _predicted_step_s(dump_root / _folder(name), rank, args.microbatches)
             for name in steps
@@ -392,14 +388,6 @@ def _timed_bound(
     return {"comm": comm, "ceiling": ceiling}
 
 
-def _shared_bound(replay: Replay, t_compute_s: float, repeats: int, barrier: Any) -> dict[str, Any]:
-    """One replay for every variant (a pipeline's transfers): top-level ``t_comm_s`` (and its CPU
-    times) and, with ``t_compute_s``, ``ceiling``."""
-    ceilings = {"step": (replay, t_compute_s)} if t_compute_s > 0 else {}
-    timed = _timed_bound({"step": replay}, ceilings, repeats, barrier)
-    return {**timed["comm"]["step"], **({"ceiling": timed["ceiling"]["step"]} if ceilings else {})}
-
-
 def sent_summary(sent: list[SentCollective]) -> dict[str, Any]:
     """What a variant's recorded collectives come to per step: ``wire_bytes_per_step`` (this
     rank's), ``transfers_per_step`` and ``collectives`` (calls per op, sorted by op)."""
@@ -422,43 +410,46 @@ def _own_bounds(
     rank: int,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Each variant's own bound on the link: one more step of it, its calls on the process group
-    recorded (``measure.record_sent_collectives``); those collectives replayed alone (its own
-    ``T_comm``; variants that sent the same collectives share one replay) and under synthetic
-    compute of its own ``T_compute`` (its own ceiling). Per variant (the slowest rank's numbers,
-    the bytes of the rank that sent most): ``sent_summary``'s keys, ``t_comm_s``,
-    ``t_comm_cpu_s``, ``t_comm_gloo_cpu_s`` and ``ceiling``; and the variants whose recording
-    failed, with why."""
+    recorded (``measure.record_sent_collectives``) on every rank and paired up across the ranks
+    (``measure.pair_transfers``: a pipeline's sends meet their receives); those transfers
+    replayed alone (its own ``T_comm``; variants whose ranks all sent the same calls share one
+    replay) and under synthetic compute of its own ``T_compute`` (its own ceiling). Per variant
+    (the slowest rank's times; the calls and bytes of the rank that put most bytes on the wire):
+    ``sent_summary``'s keys, ``t_comm_s``, ``t_comm_cpu_s``, ``t_comm_gloo_cpu_s`` and
+    ``ceiling``; and the variants whose recording failed or whose ranks' calls do not pair up,
+    with why."""
     world = dist.group.WORLD
     size = dist.get_world_size()
-    sent: dict[str, list[SentCollective]] = {}
+    every_rank: dict[str, list[list[SentCollective]]] = {}
+    plans: dict[str, list[list[list[int]]]] = {}
     errors: dict[str, str] = {}
     for name, step in steps.items():
+        sent: list[SentCollective] = []
         ok = True
         try:
             dist.barrier()
-            sent[name] = record_sent_collectives(step, rank, size)
+            sent = record_sent_collectives(step, rank, size)
         except Exception:  # noqa: BLE001 - reported per variant, not fatal
             errors[name] = "recording its collectives: " + traceback.format_exc(limit=3)
             ok = False
-        ok = all_agree(ok, world)
-        if ok and not _same_on_every_rank(_kinds(sent[name])):  # every rank replays the same sequence of calls
-            errors[name] = "its ranks sent different collectives in the recorded step"
-            ok = False
-        if not ok:
-            sent.pop(name, None)
+        if not all_agree(ok, world):
             errors.setdefault(name, "recording its collectives failed on another rank")
+            continue
+        every_rank[name] = gather_sent(sent, world)
+        try:  # the same lists on every rank: the same transfers, or the same error, everywhere
+            plans[name] = pair_transfers(every_rank[name])
+        except ValueError as exc:
+            errors[name] = f"its ranks' recorded calls do not pair up: {exc}"
+            every_rank.pop(name)
     replays: dict[str, SentReplay] = {}
     key_of: dict[str, str] = {}
-    for name, collectives in sent.items():
-        same = next((key for key, replay in replays.items() if replay.sent == collectives), None)
-        if not all_agree(same is not None, world) or not _same_on_every_rank(str(same)):
-            same = None
-        if same is None:
-            same = name
-            replays[name] = SentReplay(collectives, size)
+    for name, calls in every_rank.items():  # every rank compares every rank's calls: the same keys everywhere
+        same = next((key for key in replays if every_rank[key] == calls), name)
+        if same == name:
+            replays[name] = SentReplay(calls[rank], size, [transfer[rank] for transfer in plans[name]])
         key_of[name] = same
     ceilings: dict[str, tuple[Replay, float]] = {}
-    for name in sent:
+    for name in every_rank:
         compute_s = own_compute_s.get(name, t_compute_s)
         if compute_s > 0 and len(replays[key_of[name]]) > 0:
             ceilings[name] = (replays[key_of[name]], compute_s)
@@ -468,28 +459,16 @@ def _own_bounds(
     round_s = time.perf_counter() - start + 3 * sum(compute_s for _, compute_s in ceilings.values())
     fit = int(time_limit_s / max(agree_max([round_s], world)[0], 1e-6))
     timed = _timed_bound(dict(replays), ceilings, max(3, min(repeats, fit)), dist.barrier)
-    wire = gather_floats([float(sent_summary(sent[name])["wire_bytes_per_step"]) for name in sent], world)
     own: dict[str, dict[str, Any]] = {}
-    for i, name in enumerate(sent):
+    for name, calls in every_rank.items():
+        wire = [sum(c.wire_bytes for c in rank_calls) for rank_calls in calls]
+        busiest = wire.index(max(wire))  # the first rank that put most bytes on the wire
         own[name] = {
-            **sent_summary(sent[name]),
-            "wire_bytes_per_step": max(int(row[i] or 0) for row in wire),
+            **sent_summary(calls[busiest]),
             **timed["comm"][key_of[name]],
             "ceiling": timed["ceiling"].get(name),
         }
     return own, errors
-
-
-def _kinds(sent: list[SentCollective]) -> str:
-    """The sequence of collective kinds (a send and its receive alike), as ranks compare it."""
-    return ",".join("p2p" if c.op in ("send", "recv") else c.op for c in sent)
-
-
-def _same_on_every_rank(text: str) -> bool:
-    """Whether every rank holds the same ``text`` (the same answer on every rank)."""
-    digest = float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "little"))  # exact in float64
-    highest, lowest = agree_max([digest, -digest], dist.group.WORLD)
-    return highest == -lowest
 
 
 def _t_comm_only(setup: _Setup, repeats: int, rank: int) -> dict[str, Any]:
