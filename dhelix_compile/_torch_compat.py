@@ -178,7 +178,60 @@ def inductor_compile_partition(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **inductor_kwargs: Any
 ) -> Callable[..., Any]:
     """Inductor code generation for one partition (``compile_fx_inner``)."""
-    return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
+    with tracing_for_graph_cache(example_inputs), stable_mesh_cache_keys():
+        return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
+
+
+@contextlib.contextmanager
+def stable_mesh_cache_keys() -> Iterator[None]:
+    """Inductor's FX graph cache (and AOTAutograd's) keys a graph's ``DeviceMesh`` inputs (a
+    DTensor graph's) by what it describes -- device type, ranks, shape, dimension names and
+    process-group names -- instead of by pickling the mesh object, within the block.
+
+    torch 2.13 pickles the real mesh with the pickler's memo on (``_reduce_fake_script_object``
+    turns fast mode off for opaque types), so the bytes depend on which equal objects the
+    process happened to share, and a DTensor graph keyed otherwise in every process: the
+    Hugging Face Llama with PyTorch's TP plan found none of its graphs, Inductor's own
+    included, in a warm cache. The description names everything the generated code depends
+    on of the mesh."""
+    from torch._inductor.codecache import FxGraphCachePickler, _ident
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = FxGraphCachePickler._reduce_fake_script_object
+
+    def reduce(self: Any, t: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        real = getattr(t, "real_obj", None)
+        if isinstance(real, DeviceMesh):
+            groups = tuple(getattr(real, "_dim_group_names", None) or ())
+            described = (
+                real.device_type,
+                tuple(real.mesh.flatten().tolist()),
+                tuple(real.mesh.shape),
+                real.mesh_dim_names,
+                groups,
+            )
+            return (_ident, (t.script_class_name, described))
+        return original(self, t)
+
+    FxGraphCachePickler._reduce_fake_script_object = reduce  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FxGraphCachePickler._reduce_fake_script_object = original  # type: ignore[method-assign]
+
+
+def tracing_for_graph_cache(example_inputs: Sequence[Any]) -> contextlib.AbstractContextManager[Any]:
+    """Outside any compile's tracing context (helix's merged graphs are compiled while a step
+    runs), a tracing context of the example inputs' fake mode: Inductor's FX graph cache reads
+    the shape environment from it, and without one bypasses the cache ("No shape env"), so a
+    merged graph was compiled anew in every process. Inside a context, or without a fake mode
+    that has a shape environment: nothing."""
+    if torch._guards.TracingContext.try_get() is not None:
+        return contextlib.nullcontext()
+    fake_mode = torch._guards.detect_fake_mode(list(example_inputs))
+    if fake_mode is None or fake_mode.shape_env is None:
+        return contextlib.nullcontext()
+    return torch._guards.tracing(torch._guards.TracingContext(fake_mode))
 
 
 #: Inductor settings that would move collectives, waits or the compute around them after
@@ -237,7 +290,12 @@ def inductor_compile_partition_keeping_order(
     a collective. Pointwise ops that Inductor inlines into their consumer still run with that
     consumer; matmuls, reductions and other materialized buffers keep their place.
     """
-    with _inductor_config.patch(KEEP_ORDER_CONFIG), _V.set_choices_handler(_NoFusionAcrossCollectives()):
+    with (
+        _inductor_config.patch(KEEP_ORDER_CONFIG),
+        _V.set_choices_handler(_NoFusionAcrossCollectives()),
+        tracing_for_graph_cache(example_inputs),
+        stable_mesh_cache_keys(),
+    ):
         return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
 
 

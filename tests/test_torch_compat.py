@@ -334,3 +334,28 @@ def test_process_group_calls_lists_every_threads_c10d_ops_with_shapes_and_intege
     assert rank0[1][1][:2] == (((5, 2), "float32"), ((4, 2), "float32"))  # output, input
     assert rank0[1][1][3:5] == ([3, 2], [3, 1]) and rank1[1][1][3:5] == ([1, 1], [2, 1])  # the splits
     assert rank0[3][1][0] == [((5,), "int64")] and rank0[3][1][2] == 1  # to the peer
+
+
+def test_tracing_for_graph_cache_gives_inductor_a_shape_env_outside_a_compile() -> None:
+    from torch._guards import TracingContext
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    inputs = [fake.from_tensor(torch.ones(2, 3))]
+    assert TracingContext.try_get() is None
+    with compat.tracing_for_graph_cache(inputs):
+        context = TracingContext.try_get()
+        assert context is not None and context.fake_mode is fake and fake.shape_env is not None
+    assert TracingContext.try_get() is None
+    with compat.tracing_for_graph_cache([torch.ones(2)]):  # real tensors: nothing to key by
+        assert TracingContext.try_get() is None
+
+
+def test_stable_mesh_cache_keys_patches_the_pickler_only_within_the_block() -> None:
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    original = FxGraphCachePickler._reduce_fake_script_object
+    with compat.stable_mesh_cache_keys():
+        assert FxGraphCachePickler._reduce_fake_script_object is not original
+    assert FxGraphCachePickler._reduce_fake_script_object is original
