@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +43,7 @@ import torch.distributed as dist
 import torch.fx
 
 from cost_model import AnalyticEstimator, Device, Estimator, ProfiledEstimator, get_device, measure_cpu_device
+from cost_model.profile import device_key
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.group_timeouts import graph_wait_s
@@ -177,14 +179,29 @@ def _moves_between_meshes(gm: torch.fx.GraphModule) -> bool:
 _PROFILED: dict[tuple[Any, ...], ProfiledEstimator] = {}
 
 
-def _profiled_estimator(config: DHelixConfig, base: AnalyticEstimator, link: str) -> ProfiledEstimator:
+def _profiled_estimator(config: DHelixConfig, base: AnalyticEstimator, link: str, cuda: bool) -> ProfiledEstimator:
     group = dist.group.WORLD if dist.is_initialized() else None
     key = (config.cache_dir, base.device.name, link, base.world_size, base.comm_backend, id(group))
     if key not in _PROFILED:
+        wait = compat.wait_for_compile_workers if config.codegen == "inductor" else None
         _PROFILED[key] = ProfiledEstimator(
-            base, Path(config.cache_dir).expanduser(), runner=compat.run_outside_compilation
+            base,
+            Path(config.cache_dir).expanduser(),
+            runner=compat.run_outside_compilation,
+            # its compile workers would share the cores with the measurements
+            before_measuring=wait,
+            replay_link=replay_link(base, link, cuda),
         )
     return _PROFILED[key]
+
+
+def replay_link(base: AnalyticEstimator, link: str, cuda: bool) -> str:
+    """The link key of a measurement log (``cost_model.profile.replay``): this device (as the
+    disk cache names it), the link option, world size, backend and host. A process replays the
+    log of the last process of the same program under ``cache_dir``; another ``cache_dir``
+    measures anew."""
+    device = device_key(torch.device("cuda" if cuda else "cpu"))
+    return f"{device}-{link}-w{base.world_size}-{base.comm_backend}-{socket.gethostname()}"
 
 
 def _emulated_link() -> str | None:
@@ -210,9 +227,7 @@ def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inpu
     )
     if resolve_cost_model(config, gm) == "analytic":
         return base
-    profiled = _profiled_estimator(config, base, link)
-    if config.codegen == "inductor":  # its compile workers would share the cores with the measurements
-        compat.wait_for_compile_workers()
+    profiled = _profiled_estimator(config, base, link, cuda)
     report = compat.run_outside_compilation(lambda: profiled.calibrate(gm))
     log.info("cost model calibrated: %s", report)
     return profiled

@@ -114,6 +114,7 @@ contention factor :mod:`cost_model.profile.contention`, segment pairs
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -122,7 +123,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import sympy
 import torch
@@ -143,7 +144,8 @@ from cost_model.profile.contention import (
     measure_contention,
     transfer_of,
 )
-from cost_model.profile.pairs import SegmentSignature, segment_pair_times
+from cost_model.profile.pairs import SegmentSignature, segment_pair_times, segment_signature
+from cost_model.profile.replay import MeasurementLog, call_key, state_delta
 from cost_model.profile.running import (
     device_of_nodes,
     median_run_or_nan_s,
@@ -243,6 +245,11 @@ class ProfiledEstimator(EstimatorBase):
         runner: runs measurements made while a graph pass is running
             (:meth:`segment_pair_times`); ``dhelix_compile`` passes one that leaves the
             compiler's fake-tensor mode. None runs them inline.
+        replay_link: the link key of a measurement log (:mod:`cost_model.profile.replay`):
+            the measuring calls replay a log another process of the same program wrote under
+            ``cache_dir`` for this key, and write their own. None keeps no log.
+        before_measuring: called once, before the first measurement this estimator makes
+            (``dhelix_compile`` waits for Inductor's compile workers there).
     """
 
     def __init__(
@@ -257,6 +264,8 @@ class ProfiledEstimator(EstimatorBase):
         device_name: str | None = None,
         measure_contention: bool = True,
         runner: Callable[[Callable[[], Any]], Any] | None = None,
+        replay_link: str | None = None,
+        before_measuring: Callable[[], object] | None = None,
     ) -> None:
         if repeats < 1 or warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
@@ -298,6 +307,9 @@ class ProfiledEstimator(EstimatorBase):
         self.pair_measurements: dict[tuple[SegmentSignature, SegmentSignature], float] = {}
         #: measured segments (cost_model.profile.segments), kept for later compiles in this process
         self.segment_measurements: dict[SegmentSignature, float] = {}
+        self.replay_link = replay_link
+        self._log: MeasurementLog | None = None
+        self._before_measuring = before_measuring
 
     # ------------------------------------------------------------------ estimator API
 
@@ -370,12 +382,98 @@ class ProfiledEstimator(EstimatorBase):
         self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
     ) -> dict[Pair, float]:
         """Measured co-execution time of segment pairs (:mod:`cost_model.profile.pairs`)."""
-        return segment_pair_times(self, fwd, bwd, runner=self.runner)
+        sigs = [
+            *(_joined(segment_signature(self, s)) for s in fwd),
+            "||",
+            *(_joined(segment_signature(self, s)) for s in bwd),
+        ]
+        return self._logged("pairs", sigs, lambda: segment_pair_times(self, fwd, bwd, runner=self.runner))
 
     @compile_clock.timed("profiling")
     def segment_times(self, segments: Sequence[Sequence[torch.fx.Node]]) -> list[float | None]:
         """Measured seconds of each segment run with its dataflow (:mod:`cost_model.profile.segments`)."""
-        return segment_times(self, segments, runner=self.runner)
+        sigs = [f"{len(s)}:{_joined(segment_signature(self, s))}" for s in segments]
+        return self._logged("segments", sigs, lambda: segment_times(self, segments, runner=self.runner))
+
+    # ------------------------------------------------------------------ measurement log
+
+    def state(self) -> dict[str, Any]:
+        """Every number a plan reads that measuring sets, as JSON holds it (tuple keys as JSON
+        text): what a measurement log records (:mod:`cost_model.profile.replay`)."""
+        state: dict[str, Any] = {name: dict(getattr(self, name)) for name in _STATE_DICTS}
+        state["_compute_ratios"] = {op: dict(r) for op, r in self._compute_ratios.items()}
+        state["pair_measurements"] = {json.dumps(k): t for k, t in self.pair_measurements.items()}
+        state["segment_measurements"] = {json.dumps(k): t for k, t in self.segment_measurements.items()}
+        state["_speed_ratios"] = list(self._speed_ratios)
+        state["transfers_take_compute_cpu"] = self.transfers_take_compute_cpu
+        return state
+
+    def apply_state(self, delta: dict[str, Any]) -> None:
+        """Set the entries of a :meth:`state` delta (:func:`cost_model.profile.replay.state_delta`)."""
+        for name in _STATE_DICTS:
+            getattr(self, name).update(delta.get(name, {}))
+        for op, ratios in delta.get("_compute_ratios", {}).items():
+            self._compute_ratios[op] = dict(ratios)
+        for k, t in delta.get("pair_measurements", {}).items():
+            self.pair_measurements[_tuples(json.loads(k))] = t
+        for k, t in delta.get("segment_measurements", {}).items():
+            self.segment_measurements[_tuples(json.loads(k))] = t
+        self._speed_ratios.extend(delta.get("_speed_ratios", []))
+        if "transfers_take_compute_cpu" in delta:
+            self.transfers_take_compute_cpu = bool(delta["transfers_take_compute_cpu"])
+
+    def _replayed(self, kind: str, signatures: Sequence[str]) -> tuple[str, dict[str, Any] | None] | None:
+        """(the call's key, its logged delta or None to measure), or None without a log."""
+        if self.replay_link is None:
+            return None
+        if self._log is None:
+            self._log = MeasurementLog(self.cache_dir, self.replay_link, self.agreement_group())
+        key = call_key(kind, signatures)
+        return key, self._log.next_delta(key)
+
+    def _logged(self, kind: str, signatures: Sequence[str], measure: Callable[[], _R]) -> _R:
+        """``measure()`` with the log: its delta applied first when replayed (the memos then
+        answer it without measuring), else recorded after it."""
+        replayed = self._replayed(kind, signatures)
+        if replayed is None:
+            return measure()
+        key, delta = replayed
+        if delta is not None:
+            self.apply_state(delta)
+            return measure()
+        before = self.state()
+        self._measuring()
+        result = measure()
+        self._record(key, before)
+        return result
+
+    def _measuring(self) -> None:
+        """``before_measuring``, the first time this estimator may measure."""
+        if self._before_measuring is not None:
+            hook, self._before_measuring = self._before_measuring, None
+            hook()
+
+    def _link_as_logged(self, items: Sequence[_Item], delta: dict[str, Any]) -> bool:
+        """Whether the link still runs the slowest collective of a replayed calibration in its
+        logged time (:meth:`cost_model.profile.replay.MeasurementLog.check_link`)."""
+        logged = delta.get("measurements", {})
+        transfers = [it for it in items if it.is_collective and not it.is_p2p and it.sig in logged]
+
+        def measure() -> tuple[float, float] | None:
+            if not transfers:
+                return None
+            item = max(transfers, key=lambda it: logged[it.sig])  # graph order on ties
+            shares, issues = dict(self.transfer_cpu_shares), dict(self.issue_measurements)
+            now = agree_max_s([self._measure(item)], self.agreement_group())[0]
+            self.transfer_cpu_shares, self.issue_measurements = shares, issues  # the log's stand
+            return logged[item.sig], now
+
+        assert self._log is not None
+        return self._log.check_link(measure)
+
+    def _record(self, key: str, before: dict[str, Any]) -> None:
+        if self._log is not None:
+            self._log.record(key, state_delta(before, self.state()))
 
     def signature(self, node: torch.fx.Node) -> str | None:
         """The node's measurement key (:mod:`cost_model.profile.signatures`), or None for nodes
@@ -500,6 +598,22 @@ class ProfiledEstimator(EstimatorBase):
             items.append(_Item(sig, node, kind in ("collective", "p2p"), kind == "p2p"))
 
         check_same_signatures([it.sig for it in items], agree_group)
+        replayed = self._replayed("calibrate", [it.sig for it in items])
+        if replayed is not None and replayed[1] is not None:
+            if self._link_as_logged(items, replayed[1]):
+                self.apply_state(replayed[1])
+                return CalibrationReport(
+                    measured=0,
+                    cached=len(items),
+                    skipped=skipped,
+                    contention_factor=max(self.measured_contention.values(), default=None),
+                    seconds=time.perf_counter() - t_start,
+                    speed=self.speed,
+                )
+            assert self._log is not None
+            self._log.reject()
+        before = self.state() if replayed is not None else None
+        self._measuring()
         # Collectives depend on the link, which the cache key cannot name: they come only from
         # this process's own measurements, never from (or into) the disk cache.
         settled_s = {k: cached_seconds(v) for k, v in cache.items() if settled(v) and not is_collective_signature(k)}
@@ -588,6 +702,8 @@ class ProfiledEstimator(EstimatorBase):
                         self.standin_cpu_shares[transfer] = statistics.median(standin_shares)
                     contention = max(contention or 1.0, pooled)
         self.disk_cache.store(key, {k: v for k, v in cache.items() if not k.startswith(CONTENTION_KEY_PREFIX)})
+        if replayed is not None and before is not None:
+            self._record(replayed[0], before)
         return CalibrationReport(
             measured=measured,
             cached=cached,
@@ -723,6 +839,31 @@ class ProfiledEstimator(EstimatorBase):
             return call_target(node)(*args, **kwargs)
 
         return median_run_or_nan_s(run_compute, self.warmup, self.repeats, device)
+
+
+_R = TypeVar("_R")
+
+#: ``ProfiledEstimator.state``'s flat dicts of floats, by attribute name.
+_STATE_DICTS: tuple[str, ...] = (
+    "measurements",
+    "issue_measurements",
+    "measured_contention",
+    "transfer_cpu_shares",
+    "standin_cpu_shares",
+    "_standin_shares",
+    "_contention_cache",
+    "_link_ratios",
+)
+
+
+def _joined(signature: SegmentSignature | None) -> str:
+    """A segment signature as one string (``-`` for a segment that cannot be measured)."""
+    return "-" if signature is None else "|".join(signature)
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back as the tuples they were (a logged key)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 #: ``speed`` (module docstring): cached compute ops measured again by each calibration that uses the cache

@@ -1,0 +1,120 @@
+"""The measurement log (cost_model.profile.replay): a second process of the same program replays
+what the first measured, call by call, and plans from the same numbers."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from cost_model import AnalyticEstimator, Device, Link, ProfiledEstimator
+from cost_model.profile.replay import LINK_TOLERANCE, state_delta
+from cost_model.testing import trace_aten
+from dhelix_compile.testing.multirank import run_on_ranks
+
+DEVICE = Device("unit_cpu", {torch.float32: 1e10}, 1e10, 1e-6, "unit test")
+LINK = Link("unit_lo", 1e9, 1e-5, "unit test")
+
+
+def _mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w).sum(0)
+
+
+def _estimator(cache: pathlib.Path, **kwargs: Any) -> ProfiledEstimator:
+    return ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), cache, warmup=0, repeats=1, progress=False, **kwargs)
+
+
+def test_state_delta_holds_what_a_call_set() -> None:
+    before = {
+        "measurements": {"a": 1.0, "b": float("nan")},
+        "_speed_ratios": [1.0],
+        "transfers_take_compute_cpu": False,
+    }
+    after = {
+        "measurements": {"a": 1.0, "b": float("nan"), "c": 2.0},
+        "_speed_ratios": [1.0, 1.5],
+        "transfers_take_compute_cpu": True,
+    }
+    assert state_delta(before, after) == {
+        "measurements": {"c": 2.0},
+        "_speed_ratios": [1.5],
+        "transfers_take_compute_cpu": True,
+    }
+    assert state_delta(after, after) == {}
+
+
+def test_a_second_process_replays_the_first_ones_calibration(tmp_path: pathlib.Path) -> None:
+    gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    waits: list[int] = []
+    first = _estimator(tmp_path, replay_link="unit", before_measuring=lambda: waits.append(1))
+    assert first.calibrate(gm).measured == 3
+    assert waits == [1]
+    assert len(list((tmp_path / "replay" / "unit").glob("*.json"))) == 1
+
+    second = _estimator(tmp_path, replay_link="unit", before_measuring=lambda: waits.append(2))
+    report = second.calibrate(gm)
+    assert (report.measured, report.cached) == (0, 3)
+    assert second.state() == first.state()  # the same numbers: the same plans
+    assert waits == [1]  # nothing measured: Inductor's compile workers are not waited for
+
+    # another program (another first graph) keeps its own log; without a link key, no log at all
+    other = _estimator(tmp_path, replay_link="unit")
+    assert other.calibrate(trace_aten(_mlp, torch.randn(8, 16), torch.randn(16, 8))).measured == 3
+    assert len(list((tmp_path / "replay" / "unit").glob("*.json"))) == 2
+    assert _estimator(tmp_path / "none").calibrate(gm).measured == 3
+    assert not (tmp_path / "none" / "replay").exists()
+
+
+def test_a_call_that_differs_ends_the_replay(tmp_path: pathlib.Path) -> None:
+    one = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    two = trace_aten(lambda x: (x * 2).neg(), torch.randn(64, 64))
+    three = trace_aten(lambda x: x.exp(), torch.randn(64, 64))
+    first = _estimator(tmp_path, replay_link="unit")
+    first.calibrate(one)
+    first.calibrate(two)
+    second = _estimator(tmp_path, replay_link="unit")
+    assert second.calibrate(one).measured == 0
+    assert second.calibrate(three).measured == 1  # not the logged second call: measured
+    assert second.calibrate(two).measured == 2  # ... and nothing replays after it
+    log = json.loads(next((tmp_path / "replay" / "unit").glob("*.json")).read_text())
+    assert len(log["calls"]) == 3  # the replayed call, then this process's own
+
+
+def _replay_on_gloo(rank: int, world_size: int, cache_root: str) -> list[tuple[int, int]]:
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x @ w, "sum", dist.group.WORLD).relu()
+
+    gm = trace_aten(step, torch.randn(64, 64), torch.randn(64, 64))
+    base = AnalyticEstimator(DEVICE, LINK, comm_backend="gloo")
+    cache = pathlib.Path(cache_root, f"rank{rank}")  # each rank its own folder, as on two hosts
+
+    def calibrate() -> tuple[int, int]:
+        est = ProfiledEstimator(base, cache, warmup=1, repeats=3, progress=False, replay_link="unit")
+        report = est.calibrate(gm)
+        return report.measured, len(est.measurements)
+
+    counts = [calibrate(), calibrate()]
+    path = next((cache / "replay" / "unit").glob("*.json"))
+    log = json.loads(path.read_text())
+    measurements = log["calls"][0]["delta"]["measurements"]
+    for sig in measurements:  # the link logged as far slower than it runs
+        if "c10d" in sig:
+            measurements[sig] *= 10 * LINK_TOLERANCE
+    path.write_text(json.dumps(log))
+    counts.append(calibrate())
+    return counts
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_gloo_ranks_replay_a_link_as_logged_and_measure_one_that_is_not(tmp_path: pathlib.Path) -> None:
+    r0, r1 = run_on_ranks(_replay_on_gloo, 2, str(tmp_path), timeout_s=100)
+    assert r0 == r1
+    assert r0[0] == (3, 3)  # mm, all_reduce, relu measured
+    assert r0[1] == (0, 3)  # replayed
+    assert r0[2] == (3, 3)  # the all-reduce measured outside the tolerance: measured again
