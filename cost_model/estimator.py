@@ -53,7 +53,7 @@ size so liveness can count graph inputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -143,10 +143,14 @@ class Estimator(Protocol):
         ...
 
     def segment_pair_times(
-        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+        self,
+        fwd: Sequence[Sequence[torch.fx.Node]],
+        bwd: Sequence[Sequence[torch.fx.Node]],
+        pairs: Collection[Pair] | None = None,
     ) -> dict[Pair, float]:
         """Measured seconds of forward segment ``i`` and backward segment ``j`` run together, keyed
-        ``(i, j)`` (``None`` for "no segment": one run alone); pairs without a measurement are absent."""
+        ``(i, j)`` (``None`` for "no segment": one run alone), of the keys in ``pairs`` (None: of
+        every pair); pairs without a measurement are absent."""
         ...
 
     def measure_new(self, nodes: Sequence[torch.fx.Node]) -> object:
@@ -172,7 +176,10 @@ class EstimatorBase:
         return self._contention_factor
 
     def segment_pair_times(
-        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+        self,
+        fwd: Sequence[Sequence[torch.fx.Node]],
+        bwd: Sequence[Sequence[torch.fx.Node]],
+        pairs: Collection[Pair] | None = None,
     ) -> dict[Pair, float]:
         """Nothing measured: ``{}``."""
         return {}
@@ -425,9 +432,12 @@ class MemoizedEstimator:
         return cost
 
     def segment_pair_times(
-        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+        self,
+        fwd: Sequence[Sequence[torch.fx.Node]],
+        bwd: Sequence[Sequence[torch.fx.Node]],
+        pairs: Collection[Pair] | None = None,
     ) -> dict[Pair, float]:
-        return self.base.segment_pair_times(fwd, bwd)
+        return self.base.segment_pair_times(fwd, bwd, pairs)
 
     def measure_new(self, nodes: Sequence[torch.fx.Node]) -> object:
         return self.base.measure_new(nodes)

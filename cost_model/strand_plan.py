@@ -137,6 +137,48 @@ def plan_pairs(
     return path, best[a][b]
 
 
+def usable_pairs(
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    *,
+    budget_bytes: float = math.inf,
+    fwd_base_bytes: int = 0,
+    bwd_base_bytes: int = 0,
+) -> list[Pair]:
+    """The pairs whose ``P`` can decide :func:`plan_pairs`' path and time with these arguments,
+    in ``(i, j)`` order: each move within the budget from a state that moves within the budget
+    reach from the start to a state from which they reach the end, and the sequential path's
+    moves (its fallback when no path fits). ``P`` of any other pair is never read into the
+    path's time: a caller that measures ``P`` measures these alone and plans the same path."""
+    a, b = len(fwd), len(bwd)
+    peaks = _MovePeaks(fwd, bwd, fwd_base_bytes, bwd_base_bytes)
+    fits = {
+        (i, j, ti, tj, pair)
+        for i in range(a + 1)
+        for j in range(b + 1)
+        for ti, tj, pair in _moves(i, j, a, b)
+        if peaks.of(i, j, pair) <= budget_bytes
+    }
+    reached = {(0, 0)}
+    for i in range(a + 1):  # moves only increase i and j: one pass in this order settles both sets
+        for j in range(b + 1):
+            if (i, j) in reached:
+                reached.update((ti, tj) for ti, tj, _ in _moves(i, j, a, b) if (i, j, ti, tj, _) in fits)
+    reaching = {(a, b)}
+    for i in range(a, -1, -1):
+        for j in range(b, -1, -1):
+            if any((ti, tj) in reaching for ti, tj, p in _moves(i, j, a, b) if (i, j, ti, tj, p) in fits):
+                reaching.add((i, j))
+    used = {pair for i, j, ti, tj, pair in fits if (i, j) in reached and (ti, tj) in reaching}
+    used.update(sequential_path(a, b))
+    return sorted(used, key=pair_order)
+
+
+def pair_order(pair: Pair) -> tuple[int, int]:
+    """A sort key of pairs: by forward index, then backward index, "no segment" first."""
+    return (-1 if pair[0] is None else pair[0], -1 if pair[1] is None else pair[1])
+
+
 def sequential_path(fwd_segments: int, bwd_segments: int) -> list[Pair]:
     """All of the backward, then all of the forward: the plans' fallback and their yardstick."""
     return [(None, j) for j in range(bwd_segments)] + [(i, None) for i in range(fwd_segments)]

@@ -379,6 +379,8 @@ def test_every_estimator_answers_the_whole_protocol(tmp_path) -> None:
         assert est.segment_pair_times([nodes[:2]], [nodes[2:]]) == {}  # nothing measured
     pairs = MemoizedEstimator(profiled).segment_pair_times([nodes[:2]], [nodes[2:]])  # measured here
     assert set(pairs) == {(0, None), (None, 0), (0, 0)} and min(pairs.values()) > 0
+    asked = MemoizedEstimator(profiled).segment_pair_times([nodes[:2]], [nodes[2:]], [(0, 0)])  # those asked for
+    assert asked == {(0, 0): pairs[(0, 0)]}  # from the memo: measured above
     assert table.contention_factor == MemoizedEstimator(table).contention_factor == 1.0
     assert profiled.contention_factor == MemoizedEstimator(profiled).contention_factor == 1.2
     assert table.measure_new(nodes) is None and MemoizedEstimator(analytic).measure_new(nodes) is None

@@ -23,6 +23,7 @@ from cost_model.strand_plan import (
     plan_pairs,
     plan_timed,
     refine_path,
+    usable_pairs,
 )
 from cost_model.testing import aot_partitions, fake_world, trace_aten
 from graph_passes import PassContext
@@ -146,6 +147,47 @@ def test_dp_finds_the_cheapest_alignment(f_costs, b_costs) -> None:
     price = formula_cost(fwd, bwd)
     assert cost == pytest.approx(math.fsum(price(*p) for p in path))
     assert cost <= _brute_force(price, len(fwd), len(bwd)) + 1e-9
+
+
+def test_usable_pairs_leave_out_moves_over_the_budget_and_the_states_they_strand() -> None:
+    """The budget example above (a budget of 20 bytes): F_0 cannot run first, and from state
+    (1, 1) no move within the budget reaches the end, so pairs (0, 0), (1, 0) and (1, 1) are
+    never read; the sequential fallback's pairs always stay."""
+    fwd = [_seg(0, 1.0, 1.0, live=10, peak=10) for _ in range(2)]
+    bwd = [_seg(1, 1.0, 1.0, live=0, peak=20) for _ in range(2)]
+    assert len(usable_pairs(fwd, bwd, bwd_base_bytes=20)) == 8  # unbounded: every pair
+    tight = usable_pairs(fwd, bwd, bwd_base_bytes=20, budget_bytes=20)
+    assert tight == [(None, 0), (None, 1), (0, None), (0, 1), (1, None)]
+    none_fit = usable_pairs(fwd, bwd, bwd_base_bytes=20, budget_bytes=5)
+    assert none_fit == [(None, 0), (None, 1), (0, None), (1, None)]  # the sequential path's, in (i, j) order
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 6), st.integers(0, 9)), min_size=1, max_size=5
+    ),
+    st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 6), st.integers(0, 9)), min_size=1, max_size=5
+    ),
+    st.integers(0, 30),
+    st.integers(0, 8),
+)
+def test_the_dp_reads_nothing_but_usable_pairs(f_specs, b_specs, budget, bwd_base) -> None:
+    """Whatever ``P`` says of the pairs ``usable_pairs`` leaves out, ``plan_pairs`` returns the
+    same path and time: measuring the usable pairs alone plans what measuring all of them does."""
+    fwd = [_seg(0, float(c), float(x), live, live + extra) for c, x, live, extra in f_specs]
+    bwd = [_seg(1, float(c), float(x), live, live + extra) for c, x, live, extra in b_specs]
+    price = formula_cost(fwd, bwd, 1.3)
+    usable = set(usable_pairs(fwd, bwd, budget_bytes=budget, bwd_base_bytes=bwd_base))
+    for garbage in (0.0, 1e6):
+
+        def scrambled(i, j, garbage=garbage):
+            return price(i, j) if (i, j) in usable else garbage
+
+        assert plan_pairs(fwd, bwd, cost=scrambled, budget_bytes=budget, bwd_base_bytes=bwd_base) == plan_pairs(
+            fwd, bwd, cost=price, budget_bytes=budget, bwd_base_bytes=bwd_base
+        )
 
 
 def _brute_force(price, a: int, b: int) -> float:
@@ -337,6 +379,46 @@ def test_interleave_pass_interleaves_keeping_each_strands_order(timed_width: int
         1 for a, b in itertools.pairwise(body) if a.meta["dhelix"]["strand"] != b.meta["dhelix"]["strand"]
     )
     assert strand_changes >= 3
+
+
+class _PairMeasuring(TableEstimator):
+    """A table estimator that "measures" segment pairs: a fixed time per key, any key asked for
+    (``every``: every key, whatever was asked), each call's keys kept."""
+
+    def __init__(self, every: bool) -> None:
+        super().__init__(kind_times_s={"compute": 1e-3, "collective": 1e-3})
+        self.every, self.asked = every, []
+
+    def segment_pair_times(self, fwd, bwd, pairs=None):
+        keys = [(i, j) for i in (None, *range(len(fwd))) for j in (None, *range(len(bwd))) if (i, j) != (None, None)]
+        if pairs is not None and not self.every:
+            keys = [k for k in keys if k in set(pairs)]
+        self.asked.append(keys)
+        return {(i, j): 1e-3 * (1 + (3 * (i or 0) + 5 * (j or 0) + (i is None) + 2 * (j is None)) % 4) for i, j in keys}
+
+
+@pytest.mark.parametrize("memory_budget_ratio", [1.0, 1.15, 2.0])
+def test_interleave_pass_plans_alike_from_the_usable_pairs_alone(memory_budget_ratio: float) -> None:
+    """The pass asks for the pairs its DP can use (``strand_plan.usable_pairs``), fewer than all
+    under a tight budget, and plans the same order as from every pair measured."""
+    orders, records, asked = [], [], []
+    for every in (False, True):
+        estimator = _PairMeasuring(every)
+        ctx = _ctx(estimator, memory_budget_ratio=memory_budget_ratio)
+        gm = interleave_pass(annotate_pass(_merged_tp_graph(), ctx), ctx)
+        orders.append([n.name for n in gm.graph.nodes])
+        records.append(
+            {
+                k: v
+                for k, v in ctx.records["interleave"].items()
+                if k not in ("measured_pairs", "plan_time_s", "pair_measure_s")
+            }
+        )
+        asked.append(sum(len(keys) for keys in estimator.asked))
+    assert orders[0] == orders[1] and records[0] == records[1]
+    assert asked[0] <= asked[1]
+    if memory_budget_ratio == 1.0:
+        assert asked[0] < asked[1]
 
 
 def test_interleave_pass_keeps_the_memory_budget() -> None:

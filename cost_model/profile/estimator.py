@@ -121,7 +121,7 @@ import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -379,15 +379,18 @@ class ProfiledEstimator(EstimatorBase):
 
     @compile_clock.timed("profiling")
     def segment_pair_times(
-        self, fwd: Sequence[Sequence[torch.fx.Node]], bwd: Sequence[Sequence[torch.fx.Node]]
+        self,
+        fwd: Sequence[Sequence[torch.fx.Node]],
+        bwd: Sequence[Sequence[torch.fx.Node]],
+        pairs: Collection[Pair] | None = None,
     ) -> dict[Pair, float]:
         """Measured co-execution time of segment pairs (:mod:`cost_model.profile.pairs`)."""
         sigs = [
             *(_joined(segment_signature(self, s)) for s in fwd),
             "||",
             *(_joined(segment_signature(self, s)) for s in bwd),
-        ]
-        return self._logged("pairs", sigs, lambda: segment_pair_times(self, fwd, bwd, runner=self.runner))
+        ]  # not ``pairs``: a logged call's delta holds the pairs it measured, the memo answers any subset
+        return self._logged("pairs", sigs, lambda: segment_pair_times(self, fwd, bwd, runner=self.runner, pairs=pairs))
 
     @compile_clock.timed("profiling")
     def segment_times(self, segments: Sequence[Sequence[torch.fx.Node]]) -> list[float | None]:

@@ -7,14 +7,16 @@ measures it, as DHelix's profiler does.
 
 Contract
 --------
-``segment_pair_times(profiled, fwd, bwd, runner=None, max_pairs=256) -> dict[(i, j), seconds]``
+``segment_pair_times(profiled, fwd, bwd, runner=None, max_pairs=256, pairs=None) -> dict[(i, j), seconds]``
 
 * ``profiled``: a :class:`PairProfiler` -- what a measurement needs of the profiled estimator
   (its signatures, skip reasons, real arguments, agreement group, warmup / repeats, and the
   memo); :class:`cost_model.profile.ProfiledEstimator` is one, and answers
   ``Estimator.segment_pair_times`` by calling this function with itself.
 * ``fwd`` / ``bwd``: each strand's segments as node lists; keys ``(i, j)`` use ``None`` for "no
-  segment of that strand" (a segment run alone).
+  segment of that strand" (a segment run alone). ``pairs``: the keys to measure and return
+  (None: every pair); the interleave pass asks for those its DP can use
+  (``strand_plan.usable_pairs``).
 * A segment's *signature* is the tuple of ``profiled.signature`` of its compute and collective
   nodes, and of ``signatures.p2p_signature`` of its P2P transfers (the decompose pass's
   ``dhelix::exchange``: peers and tags left out, so every rank names its own transfer of a
@@ -30,7 +32,7 @@ Contract
   runs the same segments in the same order, so each exchange meets its peer's) -- and wait
   for every transfer at the end; the median of ``profiled.repeats`` runs after
   ``profiled.warmup``, agreed across ranks by ``all_reduce(MAX)``.
-* More distinct pairs than ``max_pairs``: nothing is measured (``{}``).
+* More distinct pairs than ``max_pairs`` (of those asked for): nothing is measured (``{}``).
 * Results are memoized in ``profiled.pair_measurements`` for later compiles in the same
   process, never on disk: they include collectives, whose cost depends on the link.
 * ``runner(fn)`` runs the measurement (``dhelix_compile`` passes one that leaves the compiler's
@@ -40,7 +42,7 @@ Contract
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import sympy
@@ -118,19 +120,21 @@ def segment_pair_times(
     *,
     runner: Callable[[Callable[[], Any]], Any] | None = None,
     max_pairs: int = 256,
+    pairs: Collection[Pair] | None = None,
 ) -> dict[Pair, float]:
-    """Measured ``P`` for every pair of segments (see the module docstring)."""
+    """Measured ``P`` for every pair of segments, or for those in ``pairs`` (see the module docstring)."""
     fwd_sigs = [segment_signature(profiled, s) for s in fwd]
     bwd_sigs = [segment_signature(profiled, s) for s in bwd]
     # (segment index or None for "no segment", its signature): unmeasurable segments are left out.
     alone: list[tuple[int | None, SegmentSignature]] = [(None, ())]
     fwd_options = alone + [(i, s) for i, s in enumerate(fwd_sigs) if s is not None]
     bwd_options = alone + [(j, s) for j, s in enumerate(bwd_sigs) if s is not None]
+    wanted = None if pairs is None else frozenset(pairs)
     first_of: dict[tuple[SegmentSignature, SegmentSignature], Pair] = {}
     key_of: dict[Pair, tuple[SegmentSignature, SegmentSignature]] = {}
     for i, fwd_sig in fwd_options:
         for j, bwd_sig in bwd_options:
-            if i is None and j is None:
+            if (i is None and j is None) or (wanted is not None and (i, j) not in wanted):
                 continue
             sig = (fwd_sig, bwd_sig)
             key_of[(i, j)] = sig
