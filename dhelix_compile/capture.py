@@ -67,6 +67,8 @@ def capture(
     mode: str | None = None,
 ) -> Callable[..., Any]:
     """Compile a Dynamo graph with dhelix; returns what ``torch.compile`` expects of a backend."""
+    if config.codegen == "inductor":  # its workers start while AOTAutograd traces the joint graph
+        compat.start_compile_workers()
     inner = functools.partial(compile_partition, config=config)
     return compat.compile_with_aot_autograd(
         gm,

@@ -332,6 +332,19 @@ def test_bad_options_fail_at_helix() -> None:
         dhelix_compile.helix(_ScalarLossModel(), codgen="eager")
 
 
+def test_helix_starts_inductors_compile_workers_when_it_generates_inductor_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``helix`` starts Inductor's compile workers (without waiting) when its codegen is
+    Inductor, so they start while the first call traces; with eager codegen it does not."""
+    started: list[bool] = []
+    monkeypatch.setattr(compat, "start_compile_workers", lambda: started.append(True) or True)
+    dhelix_compile.helix(_ScalarLossModel(), **EAGER)
+    assert started == []
+    dhelix_compile.helix(_ScalarLossModel(), codegen="inductor")
+    assert started == [True]
+
+
 def test_not_a_module_is_refused() -> None:
     with pytest.raises(HelixError, match=r"torch.nn.Module"):
         dhelix_compile.helix(lambda x: x)

@@ -251,6 +251,15 @@ def test_waiting_for_inductors_compile_workers_is_a_no_op_without_a_pool() -> No
         compat.wait_for_compile_workers(timeout_s=5.0)
 
 
+def test_starting_inductors_compile_workers_is_a_no_op_without_a_pool() -> None:
+    """dhelix starts Inductor's compile pool when a model is handed to it; with one compile
+    thread Inductor compiles in-process and nothing starts."""
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(compile_threads=1):
+        assert compat.start_compile_workers() is False
+
+
 def test_a_placeholder_marked_donated_lends_its_buffer_to_the_graphs_output() -> None:
     """``mark_donated`` + ``donated_placeholders`` (codegen.generate): Inductor writes the output
     over the handed-over input, as it does over a backward's saved activations; unmarked, not."""

@@ -86,6 +86,8 @@ class HelixStep:
         self._compiled = torch.compile(
             with_own_code(self._loss, "helix_loss"), backend=self._strands.backend, fullgraph=True, dynamic=False
         )
+        if config.codegen == "inductor":  # its workers start while the first call traces the model
+            compat.start_compile_workers()
 
     @property
     def schedule_kind(self) -> HelixScheduleKind:
