@@ -221,3 +221,56 @@ def test_unpicklable_function_fails_fast_without_leaving_workers() -> None:
 def test_invalid_arguments(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         run_on_ranks(_sum_of_ranks, **kwargs)
+
+
+def _rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+def _failure(detail: str) -> Any:
+    from dhelix_compile.testing.multirank import MultiRankError, RankFailure
+
+    return MultiRankError("run_on_ranks: rank 0 of 2 failed first", [RankFailure(0, "exception", detail)], 2, [1, 2])
+
+
+_NOT_CONNECTED = (
+    'Traceback (most recent call last):\n  File "rank_main.py", line 40, in main\n'
+    '    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=pg_timeout_s))\n'
+    "RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:4790"
+)
+
+
+def test_a_mesh_gloo_could_not_connect_is_launched_once_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a failure inside init_process_group's socket mesh, before fn ran, is launched again, once."""
+    from dhelix_compile.testing import multirank
+
+    calls: list[int] = []
+
+    def flaky(*args: Any) -> list[int]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise _failure(_NOT_CONNECTED)
+        return [0, 1]
+
+    monkeypatch.setattr(multirank, "_run_job", flaky)
+    assert multirank.run_on_ranks(_rank, 2) == [0, 1] and len(calls) == 2
+
+    def always(*args: Any) -> list[int]:
+        calls.append(1)
+        raise _failure(_NOT_CONNECTED)
+
+    calls.clear()
+    monkeypatch.setattr(multirank, "_run_job", always)
+    with pytest.raises(multirank.MultiRankError, match="connectFullMesh"):
+        multirank.run_on_ranks(_rank, 2)
+    assert len(calls) == 2
+
+    def raises_in_fn(*args: Any) -> list[int]:
+        calls.append(1)
+        raise _failure("RuntimeError: Connection closed by peer (in fn, after init_process_group)")
+
+    calls.clear()
+    monkeypatch.setattr(multirank, "_run_job", raises_in_fn)
+    with pytest.raises(multirank.MultiRankError):
+        multirank.run_on_ranks(_rank, 2)
+    assert len(calls) == 1

@@ -31,6 +31,9 @@ Contract
   is SIGKILLed and reaped on every exit path (success, failure, timeout, KeyboardInterrupt).
 * ``timeout_s`` counts from the first spawn, so it includes process start-up (importing torch
   and the package, several seconds per rank on a small machine).
+* A rank that fails inside ``init_process_group`` because gloo could not connect the ranks'
+  sockets ("connectFullMesh failed"), before ``fn`` ran, has the whole job launched once more,
+  with a warning on the ``dhelix.multirank`` logger; a second such failure raises.
 
 Rendezvous
 ----------
@@ -44,6 +47,7 @@ after a failure, the timeout, killing and reaping every process group) does the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import signal
@@ -59,6 +63,7 @@ from dhelix_compile.launch import forkserver
 from dhelix_compile.launch.ranks import LaunchResult, LinkSpec, launch_ranks
 
 _LOOPBACK = LinkSpec(rate=None)
+log = logging.getLogger("dhelix.multirank")
 
 __all__ = [
     "MultiRankError",
@@ -175,6 +180,26 @@ def run_on_ranks(
     if pg_timeout_s is None:  # outlive the harness's own timeout: the harness stops a hang, with stacks
         pg_timeout_s = timeout_s + _PG_TIMEOUT_MARGIN_S
     job = pickle.dumps((fn, args, kwargs, pg_timeout_s, num_threads))
+    try:
+        return _run_job(job, world_size, timeout_s, grace_s, link, forked)
+    except MultiRankError as err:
+        if not _gloo_mesh_not_connected(err):
+            raise
+        log.warning("run_on_ranks: gloo could not connect the ranks' mesh; launching them once more:\n%s", err)
+        return _run_job(job, world_size, timeout_s, grace_s, link, forked)
+
+
+def _gloo_mesh_not_connected(err: MultiRankError) -> bool:
+    """Whether a rank failed inside ``init_process_group`` when gloo connected the ranks' sockets
+    (``connectFullMesh``), before ``fn`` ran: on a loaded machine a rank's peer closed that
+    connection once (docs/testing.md), and nothing of ``fn`` ran, so the job is launched again."""
+    return any(
+        f.kind == "exception" and "dist.init_process_group(" in f.detail and "connectFullMesh failed" in f.detail
+        for f in err.failures
+    )
+
+
+def _run_job(job: bytes, world_size: int, timeout_s: float, grace_s: float, link: LinkSpec, forked: bool) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="dhelix_multirank_") as workdir:
         (Path(workdir) / "job.pkl").write_bytes(job)
         launched = launch_ranks(
