@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from dhelix_compile.bench import memory
 
@@ -75,3 +76,11 @@ def test_the_checkpointed_functional_sp_workload_runs_on_two_ranks() -> None:
 
     peaks = run_on_ranks(_functional_sp_peaks, 2, timeout_s=240)
     assert all(rank["eager"] > 0 for rank in peaks)
+
+
+def test_functional_sp_is_refused_for_a_model_other_than_the_reference_transformer() -> None:
+    """Hugging Face Llama would otherwise be built with PyTorch's TP plan under the name functional_sp."""
+    from dhelix_compile.bench.workloads import build_workload
+
+    with pytest.raises(ValueError, match="functional_sp is the reference transformer's"):
+        build_workload("hf_llama_tiny", "functional_sp", None, 2, 1, torch.Generator())

@@ -16,8 +16,9 @@ the peak bytes resident during one step above what was resident before it (sampl
 strand, and helix. With ``--checkpoint KIND`` every transformer block runs under activation
 checkpointing (``testing.checkpointing``: ``checkpoint``, ``checkpoint_wrapper``, ``selective``)
 in every variant, so ``vs eager`` compares with the eager checkpointed loop (``--parallel
-functional_sp``: torch's compile refuses DTensors in checkpointed regions). With ``--pipeline``, the model as a pipeline (``bench.pipeline_parallel``) under each
-schedule named: torch's schedule eager, with Inductor-compiled stages, and ``helix_pipeline``.
+functional_sp``: torch's compile refuses DTensors in checkpointed regions). With
+``--pipeline``, the model as a pipeline (``bench.pipeline_parallel``) under each schedule named:
+torch's schedule eager, with Inductor-compiled stages, and ``helix_pipeline``.
 With ``--data-parallel shard`` (or ``replicate``), the reference model data-parallel over the
 ranks: torch's own eager FSDP2 ``fully_shard`` (DDP for ``replicate``) beside ``data_parallel``
 run eagerly, through ``backend="dhelix"`` and by ``helix``; bracket options as ``dhelix bench``'s
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from dhelix_compile.testing.checkpointing import CHECKPOINT_KINDS, CheckpointKind
+from dhelix_compile.testing.checkpointing import CHECKPOINT_KINDS, CheckpointKind, checkpoint_blocks
 
 MEMORY_VARIANTS = ("eager", "inductor", "dhelix", "helix")
 #: ``--data-parallel``: torch's own (FSDP2 for shard, DDP for replicate), then ``data_parallel`` under these.
@@ -95,7 +96,6 @@ def _rank_peaks(
 ) -> dict[str, int]:
     from dhelix_compile.bench.steps import step_function
     from dhelix_compile.bench.workloads import build_workload
-    from dhelix_compile.testing.checkpointing import checkpoint_blocks
 
     mesh = torch.distributed.device_mesh.DeviceMesh("cpu", list(range(world_size)))
     workload = build_workload(model, parallel, mesh, world_size, microbatches, torch.Generator().manual_seed(1234))

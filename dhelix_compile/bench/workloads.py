@@ -71,6 +71,8 @@ def build_workload(
         raise ValueError(
             f"benchmark model {name!r} is tensor-parallel by construction; choose from {UNPARALLELIZED_MODELS}"
         )
+    if parallel == "functional_sp" and name not in MODEL_SIZES:
+        raise ValueError(f"functional_sp is the reference transformer's; choose --model from {', '.join(MODEL_SIZES)}")
     if name in MLP_SIZES:
         return _mlp(name, mesh, world_size, microbatches, gen)
     if name in MOE_SIZES:
@@ -81,8 +83,6 @@ def build_workload(
         return _functional_sp(name, world_size, microbatches, gen)
     if name in MODEL_SIZES:
         return _transformer(name, parallel, mesh, world_size, microbatches, gen)
-    if parallel == "functional_sp":
-        raise ValueError(f"functional_sp is the reference transformer's; choose --model from {', '.join(MODEL_SIZES)}")
     raise ValueError(f"unknown benchmark model {name!r}; choose from {', '.join(MODEL_NAMES)}")
 
 
@@ -124,8 +124,13 @@ def _transformer(
     def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return lm_loss(model(mb[0]), mb[1])
 
-    data = [tuple(torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(2)) for _ in range(microbatches)]
+    data = _token_batches(vocab, batch, seq, microbatches, gen)
     return Workload(make, loss_fn, data, _as_strings(config), batch, seq)
+
+
+def _token_batches(vocab: int, batch: int, seq: int, microbatches: int, gen: torch.Generator) -> list[Microbatch]:
+    """``microbatches`` pairs of token ids and targets, each ``[batch, seq]``."""
+    return [tuple(torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(2)) for _ in range(microbatches)]
 
 
 def _functional_sp(name: str, world_size: int, microbatches: int, gen: torch.Generator) -> Workload:
@@ -141,10 +146,7 @@ def _functional_sp(name: str, world_size: int, microbatches: int, gen: torch.Gen
     def loss_fn(model: torch.nn.Module, mb: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return lm_loss(model(mb[0]), mb[1], normalizer=batch * seq)  # the ranks' losses sum to the mean
 
-    full = [
-        tuple(torch.randint(0, config.vocab_size, (batch, seq), generator=gen) for _ in range(2))
-        for _ in range(microbatches)
-    ]
+    full = _token_batches(config.vocab_size, batch, seq, microbatches, gen)
     data = [tuple(shard_sequence(t, rank, world_size) for t in mb) for mb in full]
     return Workload(make, loss_fn, data, _as_strings(config), batch, seq)
 
