@@ -159,6 +159,31 @@ def test_the_ledger_holds_each_operation_on_the_link_model(cluster: dhelix_compi
     assert [t.seconds for t in cluster.ledger.transfers()] == [0.0]
 
 
+def test_the_ledger_times_each_transfer_in_the_step_part_that_issued_and_waited_for_it(
+    cluster: dhelix_compile.emulation.Emulation,
+) -> None:
+    from dhelix_compile.step_phases import current_step_phase, recording_phases, step_phase
+
+    cluster.set_link("alpha=0us,bandwidth=0.02GB/s")  # 4 MB: 0.2 s per all-reduce of 8 ranks, each way
+    x, y = torch.ones(2**20), torch.ones(2**20)
+    cluster.ledger.clear()
+    with recording_phases() as spans:
+        with step_phase("F0"):
+            first = dist.all_reduce(x, async_op=True)
+            second = dist.all_reduce(y, async_op=True)  # queued behind the first on the link
+            assert current_step_phase() == "F0"
+        with step_phase("B0"):
+            assert first is not None and second is not None
+            first.wait()
+            second.wait()
+    assert current_step_phase() is None
+    assert [span.name for span in spans] == ["F0", "B0"]
+    timed = [times for _, times in cluster.ledger.timed()]
+    assert [(t.phase, t.waited_phase) for t in timed] == [("F0", "B0"), ("F0", "B0")]
+    assert timed[1].queued_s > 0 and timed[1].start_s >= timed[0].end_s
+    assert timed[0].blocked_s > 0 and spans[1].seconds >= timed[0].blocked_s + timed[1].blocked_s
+
+
 def test_a_queue_runs_its_operations_in_order() -> None:
     queues = CpuQueues()
     first = queues.schedule("tp", 0.5)
@@ -229,7 +254,7 @@ def test_the_planner_prices_collectives_on_the_emulated_link(cluster: dhelix_com
 
 @pytest.mark.parametrize(
     ("variants", "data_parallel"),
-    [(["eager"], None), (["torch_eager", "eager"], "shard")],
+    [(["eager", "helix"], None), (["torch_eager", "eager"], "shard")],
     ids=["tensor_parallel", "data_parallel"],
 )
 def test_the_bench_puts_each_variant_beside_its_own_limit(variants: list[str], data_parallel: str | None) -> None:
@@ -253,6 +278,12 @@ def test_the_bench_puts_each_variant_beside_its_own_limit(variants: list[str], d
         assert row["t_compute_s"] > 0 and row["t_comm_s"] > 0 and row["wire_bytes_per_step"] > 0
         assert row["limit_s"] == max(row["t_compute_s"], row["t_comm_s"])
         assert len(row["step_s_all"]) == 2
+        # the parts of the step carry every transfer's link time (each part's issued ones)
+        assert sum(part["comm_s"] for part in row["parts"]) == pytest.approx(row["t_comm_s"])
+        assert all(part["exposed_s"] >= part["busy_s"] >= 0 for part in row["parts"])
+    parts = {name: [part["name"] for part in row["parts"]] for name, row in summary["variants"].items()}
+    if data_parallel is None:
+        assert parts == {"eager": ["F0", "B0", "F1", "B1"], "helix": ["F0", "B0+F1", "B1"]}
     assert all(name in markdown_emulated(summary) for name in variants)
 
 

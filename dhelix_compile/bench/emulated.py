@@ -46,6 +46,8 @@ from cost_model.collectives import collective_time_s
 from cost_model.hardware import Link
 from cost_model.timing import synchronize
 from cost_model.units import format_ms
+from dhelix_compile.bench import exposure
+from dhelix_compile.step_phases import recording_phases
 
 EMULATED_PREFIX = "emulated:"
 BALANCED = "balanced"
@@ -141,6 +143,7 @@ class _VariantTimes:
     ops: dict[str, int] = dataclasses.field(default_factory=dict)
     compile_s: float = 0.0
     compile_phases_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    parts: list[exposure.Repeat] = dataclasses.field(default_factory=list)
 
 
 def _to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -352,18 +355,28 @@ def _measure_variants(
         for name in variants:
             row = times[name]
             cluster.ledger.clear()
-            row.step_s.append(_timed(steps[name], device, row.host_s))
+            with recording_phases() as on_link:
+                row.step_s.append(_timed(steps[name], device, row.host_s))
+            timed = [
+                exposure.TimedTransfer(t.op, t.seconds, *_times_fields(times)) for t, times in cluster.ledger.timed()
+            ]
             transfers = cluster.ledger.transfers()
             row.comm_s.append(link_time_s(transfers))
             row.wire_bytes.append(sum(t.wire_bytes for t in transfers))
             row.transfers = len(transfers)
             row.ops = dict(sorted(collections.Counter(t.op for t in transfers).items()))
-            with cluster.link_free():
+            with cluster.link_free(), recording_phases() as link_free:
                 row.compute_s.append(_timed(steps[name], device))
+            if device.type == "cpu":  # CUDA: the host's spans are launch times, not the device's
+                row.parts.append(exposure.Repeat(on_link, link_free, timed))
         done += 1
         if time.perf_counter() - started > time_limit_s:
             break
     return times, done
+
+
+def _times_fields(times: Any) -> tuple[str | None, str | None, float, float]:
+    return times.phase, times.waited_phase, times.blocked_s, times.queued_s
 
 
 def _summary(
@@ -398,6 +411,7 @@ def _summary(
             "operations_per_step": row.ops,
             "compile_s": row.compile_s,
             "compile_phases_s": row.compile_phases_s,
+            "parts": [part.as_dict() for part in exposure.part_rows(row.parts)],
         }
     return {
         "emulated": dataclasses.asdict(emulated),
@@ -443,6 +457,14 @@ def markdown_emulated(summary: dict[str, Any]) -> str:
         "first step: the variant's first call, which compiles every graph of the step; in brackets, of it, dhelix's "
         "compiles measuring costs, running the graph passes and generating code (cost_model.compile_clock).",
     ]
+    parts = [
+        line
+        for name, row in summary["variants"].items()
+        for line in exposure.markdown_parts(name, row.get("parts", []))
+    ]
+    if parts:
+        lines += ["", "Where each variant's communication is exposed, part by part of the step (bench.exposure):", ""]
+        lines += [*exposure.PARTS_HEADER, *parts]
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from dhelix_compile.bench.choices import HELIX_VARIANTS, STEP_VARIANTS
 from dhelix_compile.bench.variants import compile_variant
+from dhelix_compile.step_phases import step_phase
 
 Microbatch = Any
 LossFn = Callable[[torch.nn.Module, Microbatch], torch.Tensor]
@@ -95,6 +96,9 @@ def step_function(
     def run_loop(microbatches: list[Microbatch]) -> None:
         for k, mb in enumerate(microbatches):
             with gradient_sync(k == len(microbatches) - 1) if gradient_sync else contextlib.nullcontext():
-                loss_fn(compiled, mb).backward()
+                with step_phase(f"F{k}"):
+                    loss = loss_fn(compiled, mb)
+                with step_phase(f"B{k}"):
+                    loss.backward()
 
     return run_loop

@@ -85,10 +85,15 @@ class CpuQueues:
 
     def schedule(self, queue: Hashable, seconds: float) -> float:
         """The deadline of an operation issued now that takes ``seconds`` on ``queue``."""
+        return self.schedule_span(queue, seconds)[1]
+
+    def schedule_span(self, queue: Hashable, seconds: float) -> tuple[float, float]:
+        """When an operation issued now that takes ``seconds`` on ``queue`` starts (after the
+        queue's earlier operations) and its deadline."""
         start = max(time.perf_counter(), self._free_at_s.get(queue, 0.0))
         end = start + max(0.0, seconds - self.host_overhead_s)
         self._free_at_s[queue] = end
-        return end
+        return start, end
 
     def calibrate(self, round_trip: Callable[[], None], repeats: int = 50) -> None:
         """Set :attr:`host_overhead_s` to the fastest of ``repeats`` issue-and-wait round trips of

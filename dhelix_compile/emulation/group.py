@@ -41,6 +41,7 @@ from cost_model.collectives import collective_bytes_on_wire, collective_time_s
 from cost_model.hardware import Link
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.emulation.clock import CpuQueues, CudaQueues, wait_until
+from dhelix_compile.step_phases import current_step_phase
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -69,24 +70,62 @@ class Transfer:
         return int(collective_bytes_on_wire(self.op, self.nbytes, self.group_size))
 
 
+@dataclasses.dataclass
+class TransferTimes:
+    """When a transfer ran on the CPU clock (``perf_counter`` seconds) and what it cost its caller.
+
+    ``phase`` / ``waited_phase``: the step part (``step_phases``) that issued / first waited for it.
+    ``blocked_s``: how long that first wait blocked the calling thread (its exposed time);
+    ``queued_s`` of it can be put down to the link being busy with earlier transfers."""
+
+    phase: str | None
+    issued_s: float
+    start_s: float
+    end_s: float
+    waited_phase: str | None = None
+    wait_called_s: float | None = None
+    blocked_s: float = 0.0
+
+    @property
+    def queued_s(self) -> float:
+        """How long it waited behind earlier transfers of its side of the link before starting."""
+        return max(0.0, self.start_s - self.issued_s)
+
+    def record_wait(self, called_s: float, returned_s: float) -> None:
+        """Note the first wait for it (later waits of a finished transfer do not block)."""
+        if self.wait_called_s is None:
+            self.wait_called_s = called_s
+            self.waited_phase = current_step_phase()
+            self.blocked_s = max(0.0, returned_s - called_s)
+
+
 class Ledger:
-    """The operations issued since the last :meth:`clear` (thread-safe)."""
+    """The operations issued since the last :meth:`clear` (thread-safe), with their
+    :class:`TransferTimes` where the clock is the CPU's."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._transfers: list[Transfer] = []
+        self._times: list[TransferTimes | None] = []
 
-    def add(self, transfer: Transfer) -> None:
+    def add(self, transfer: Transfer, times: TransferTimes | None = None) -> None:
         with self._lock:
             self._transfers.append(transfer)
+            self._times.append(times)
 
     def clear(self) -> None:
         with self._lock:
             self._transfers.clear()
+            self._times.clear()
 
     def transfers(self) -> list[Transfer]:
         with self._lock:
             return list(self._transfers)
+
+    def timed(self) -> list[tuple[Transfer, TransferTimes]]:
+        """The transfers with CPU times, each with them."""
+        with self._lock:
+            return [(t, times) for t, times in zip(self._transfers, self._times, strict=True) if times is not None]
 
     def wire_bytes(self) -> int:
         """Bytes this rank sent over its link."""
@@ -134,10 +173,12 @@ class EmulatedWork(dist.Work):
         written: concurrent.futures.Future[None] | None = None,
         event: Any = None,
         device: Any = None,
+        times: TransferTimes | None = None,
     ) -> None:
         super().__init__()
         self._result = result
         self._deadline_s = deadline_s
+        self._times = times
         self._written = written
         self._event = event
         self._device = device
@@ -146,9 +187,12 @@ class EmulatedWork(dist.Work):
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
             return True
+        called = time.perf_counter()
         wait_until(self._deadline_s)
         if self._written is not None:
             self._written.result()
+        if self._times is not None:
+            self._times.record_wait(called, time.perf_counter())
         return True
 
     def is_completed(self) -> bool:
@@ -244,7 +288,6 @@ class EmulatedGroup(dist.ProcessGroup):
         state = self._state
         seconds = 0.0 if state.link is None else collective_time_s(op, nbytes, self._size, state.link)
         transfer = Transfer(op, int(nbytes), self._size, self._name, seconds)
-        state.ledger.add(transfer)
         key = transfer.queue
 
         def write() -> None:  # as the wire writes: outside autograd (a pipeline receives into leaves that require grad)
@@ -253,10 +296,15 @@ class EmulatedGroup(dist.ProcessGroup):
 
         cuda = next((t.device for t in tensors if t.is_cuda), None)
         if cuda is not None:
+            state.ledger.add(transfer)
             event = state.cuda_queues(cuda).issue(key, seconds, write, tensors, transfer.wire_bytes)
             return EmulatedWork(result, event=event, device=cuda)
         written = state.cpu.write(write, self._nbytes(result))
-        return EmulatedWork(result, deadline_s=state.cpu.schedule(key, seconds), written=written)
+        issued = time.perf_counter()
+        start, deadline = state.cpu.schedule_span(key, seconds)
+        times = TransferTimes(current_step_phase(), issued, start, deadline)
+        state.ledger.add(transfer, times)
+        return EmulatedWork(result, deadline_s=deadline, written=written, times=times)
 
     @staticmethod
     def _nbytes(tensors: Sequence[torch.Tensor]) -> int:

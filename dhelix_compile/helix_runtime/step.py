@@ -55,6 +55,7 @@ from dhelix_compile.helix_runtime.schedule import (
 )
 from dhelix_compile.helix_runtime.strand_handoff import HelixError, Strands, find_helix_error
 from dhelix_compile.own_code import with_own_code
+from dhelix_compile.step_phases import step_phase
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -119,11 +120,12 @@ class HelixStep:
                 write_schedule(rank_folder(self.config.dump_dir), self.schedule_kind, steps)
                 self._recorded = steps
             for step in steps:
-                if len(step) == 1:
-                    run(step[0])
-                else:
-                    first, second = step
-                    self._strands.run_together(functools.partial(run, first), functools.partial(run, second))
+                with step_phase("+".join(map(str, step))):
+                    if len(step) == 1:
+                        run(step[0])
+                    else:
+                        first, second = step
+                        self._strands.run_together(functools.partial(run, first), functools.partial(run, second))
         return [losses[i] for i in range(len(items))]
 
     # ------------------------------------------------------------------ compile

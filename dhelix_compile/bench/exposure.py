@@ -1,0 +1,186 @@
+"""Where a step's communication is exposed, part by part, and why (emulated link, CPU).
+
+The step drivers name the parts of a step (``dhelix_compile.step_phases``: ``F0``, ``B0+F1``,
+... for ``helix``; ``F0``, ``B0``, ... for an accumulation loop), and the emulated process group
+times each transfer on the CPU clock (``emulation.group.TransferTimes``). Per part, the medians
+over the repeats of::
+
+    step      its wall time on the link
+    compute   its wall time with the link free
+    comm      the link time of the transfers it issued
+    exposed   how long its waits blocked (each transfer charged to the part that first waited),
+              in all and by kind of operation (the mean over the repeats)
+    busy      of that, the time those transfers spent queued behind earlier ones on the link
+
+and a reason, the first that holds:
+
+    hidden              exposed under 5% of the part's step (and under 1 ms)
+    communication-bound comm > compute: no order hides more than compute of it
+    link busy           most of the exposed time is queueing behind earlier transfers
+    one strand          a single strand call (the step's ends under ``helix``, every part of a loop):
+                        its ops need each transfer's result soon after issuing it
+    used soon           two strands, yet a transfer's result is needed before it arrives: the
+                        other strand's compute between issue and use runs out (the dependency
+                        order, or the plan's placement)
+
+Transfers issued outside every named part (a data-parallel hook after the last backward, a
+pipeline schedule, which names no parts) go to the part ``"-"``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from dhelix_compile.step_phases import PhaseSpan
+
+OUTSIDE = "-"
+
+#: Exposed time below this share of a part's step (and below :data:`HIDDEN_ABS_S`) reads "hidden".
+HIDDEN_SHARE = 0.05
+HIDDEN_ABS_S = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedTransfer:
+    """What the exposure table needs of one emulated transfer."""
+
+    op: str
+    seconds: float
+    phase: str | None
+    waited_phase: str | None
+    blocked_s: float
+    queued_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Repeat:
+    """One repeat of a variant: its parts on the link, with the link free, and its transfers."""
+
+    on_link: Sequence[PhaseSpan]
+    link_free: Sequence[PhaseSpan]
+    transfers: Sequence[TimedTransfer]
+
+
+@dataclasses.dataclass(frozen=True)
+class PartRow:
+    name: str
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_s: float
+    busy_s: float
+    ops: dict[str, int]
+    exposed_by_op: dict[str, float]
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _strands(name: str) -> int:
+    return name.count("+") + 1
+
+
+def reason(name: str, step_s: float, compute_s: float, comm_s: float, exposed_s: float, busy_s: float) -> str:
+    """The first reason of the module docstring's list that holds."""
+    if exposed_s < HIDDEN_ABS_S and exposed_s < HIDDEN_SHARE * max(step_s, 1e-12):
+        return "hidden"
+    if comm_s > compute_s:
+        return "communication-bound"
+    if busy_s > 0.5 * exposed_s:
+        return "link busy"
+    if name != OUTSIDE and _strands(name) == 1:
+        return "one strand"
+    return "used soon"
+
+
+def _seconds_by_name(spans: Sequence[PhaseSpan]) -> dict[str, float]:
+    totals: dict[str, float] = collections.defaultdict(float)
+    for span in spans:
+        totals[span.name] += span.seconds
+    return totals
+
+
+def part_rows(repeats: Sequence[Repeat]) -> list[PartRow]:
+    """One row per named part (in the order the first repeat ran them, ``"-"`` last), each the
+    median over ``repeats``."""
+    if not repeats:
+        return []
+    names = list(dict.fromkeys(span.name for span in repeats[0].on_link))
+    if any(t.phase is None or t.waited_phase is None for r in repeats for t in r.transfers):
+        names.append(OUTSIDE)
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {k: [] for k in ("step", "compute", "comm", "exposed", "busy")} for n in names
+    }
+    ops: dict[str, collections.Counter[str]] = {n: collections.Counter() for n in names}
+    by_op: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for index, repeat in enumerate(repeats):
+        on_link, free = _seconds_by_name(repeat.on_link), _seconds_by_name(repeat.link_free)
+        comm: dict[str, float] = collections.defaultdict(float)
+        exposed: dict[str, float] = collections.defaultdict(float)
+        busy: dict[str, float] = collections.defaultdict(float)
+        exposed_op: dict[tuple[str, str], float] = collections.defaultdict(float)
+        for t in repeat.transfers:
+            issued_in, waited_in = t.phase or OUTSIDE, t.waited_phase or OUTSIDE
+            comm[issued_in] += t.seconds
+            exposed[waited_in] += t.blocked_s
+            busy[waited_in] += min(t.blocked_s, t.queued_s)
+            exposed_op[waited_in, t.op] += t.blocked_s
+            if index == 0 and issued_in in ops:
+                ops[issued_in][t.op] += 1
+        for key, seconds in exposed_op.items():
+            by_op[key].append(seconds)
+        for name in names:
+            got = samples[name]
+            got["step"].append(on_link.get(name, 0.0))
+            got["compute"].append(free.get(name, 0.0))
+            got["comm"].append(comm.get(name, 0.0))
+            got["exposed"].append(exposed.get(name, 0.0))
+            got["busy"].append(busy.get(name, 0.0))
+    rows = []
+    for name in names:
+        step, compute, comm_s, exposed_s, busy_s = (
+            statistics.median(samples[name][k]) for k in ("step", "compute", "comm", "exposed", "busy")
+        )
+        rows.append(
+            PartRow(
+                name,
+                step,
+                compute,
+                comm_s,
+                exposed_s,
+                busy_s,
+                dict(sorted(ops[name].items())),
+                {
+                    op: sum(v) / len(repeats)  # a repeat with none of it exposed counts as 0
+                    for (part, op), v in sorted(by_op.items())
+                    if part == name and sum(v) / len(repeats) >= 1e-4
+                },
+                reason(name, step, compute, comm_s, exposed_s, busy_s),
+            )
+        )
+    return rows
+
+
+def markdown_parts(variant: str, rows: Sequence[dict[str, Any]]) -> list[str]:
+    """A variant's parts as table rows (``variant | part | step | compute | comm | exposed | busy | why``)."""
+    lines = []
+    for k, row in enumerate(rows):
+        ops = ", ".join(f"{n} {op}" for op, n in row["ops"].items()) or "none"
+        by_op = ", ".join(f"{op} {s * 1e3:.1f}" for op, s in row.get("exposed_by_op", {}).items())
+        lines.append(
+            f"| {variant if k == 0 else ''} | {row['name']} | {row['step_s'] * 1e3:.1f} | {row['compute_s'] * 1e3:.1f} | "
+            f"{row['comm_s'] * 1e3:.1f} ({ops}) | {row['exposed_s'] * 1e3:.1f}{f' ({by_op})' if by_op else ''} | {row['busy_s'] * 1e3:.1f} | "
+            f"{row['reason']} |"
+        )
+    return lines
+
+
+PARTS_HEADER = [
+    "| variant | part | step ms | compute ms | comm ms (issued) | exposed ms (by kind, mean) | of it link busy | why |",
+    "|---|---|---:|---:|---:|---:|---:|---|",
+]
