@@ -22,7 +22,7 @@ def _spans(*parts: tuple[str, float]) -> list[PhaseSpan]:
 def test_each_part_gets_what_it_issued_and_what_its_waits_blocked() -> None:
     transfers = [
         TimedTransfer("all_gather", 0.010, "F0", "F0", blocked_s=0.008, queued_s=0.0),
-        TimedTransfer("reduce_scatter", 0.010, "B0+F1", "B0+F1", blocked_s=0.006, queued_s=0.005),
+        TimedTransfer("reduce_scatter", 0.010, "B0+F1", "B0+F1", 0.006, 0.005, 2_000_000, 0.021, 0.025),
         TimedTransfer("all_gather", 0.010, "B0+F1", "B1", blocked_s=0.002, queued_s=0.0),
         TimedTransfer("all_reduce", 0.004, None, None, blocked_s=0.004, queued_s=0.0),
     ]
@@ -37,6 +37,16 @@ def test_each_part_gets_what_it_issued_and_what_its_waits_blocked() -> None:
     assert rows["B0+F1"].ops == {"all_gather": 1, "reduce_scatter": 1}
     assert rows["B0+F1"].exposed_s == pytest.approx(0.006) and rows["B0+F1"].busy_s == pytest.approx(0.005)
     assert rows["B0+F1"].reason == "link busy"
+    assert rows["B0+F1"].exposed_transfers == [
+        {
+            "op": "reduce_scatter",
+            "mb": 2.0,
+            "issued_ms": pytest.approx(1.0),
+            "link_ms": 10.0,
+            "work_before_wait_ms": pytest.approx(4.0),
+            "blocked_ms": 6.0,
+        }
+    ]
     assert rows["B1"].exposed_by_op == {"all_gather": pytest.approx(0.002)}
     assert rows["F0"].reason == "one strand"
     assert rows[OUTSIDE].comm_s == pytest.approx(0.004) and rows[OUTSIDE].step_s == 0.0

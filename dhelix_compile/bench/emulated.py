@@ -357,9 +357,7 @@ def _measure_variants(
             cluster.ledger.clear()
             with recording_phases() as on_link:
                 row.step_s.append(_timed(steps[name], device, row.host_s))
-            timed = [
-                exposure.TimedTransfer(t.op, t.seconds, *_times_fields(times)) for t, times in cluster.ledger.timed()
-            ]
+            timed = [_timed_transfer(t, times) for t, times in cluster.ledger.timed()]
             transfers = cluster.ledger.transfers()
             row.comm_s.append(link_time_s(transfers))
             row.wire_bytes.append(sum(t.wire_bytes for t in transfers))
@@ -375,8 +373,19 @@ def _measure_variants(
     return times, done
 
 
-def _times_fields(times: Any) -> tuple[str | None, str | None, float, float]:
-    return times.phase, times.waited_phase, times.blocked_s, times.queued_s
+def _timed_transfer(transfer: Any, times: Any) -> exposure.TimedTransfer:
+    """The exposure table's view of one emulated transfer (``emulation.group``'s ledger)."""
+    return exposure.TimedTransfer(
+        transfer.op,
+        transfer.seconds,
+        times.phase,
+        times.waited_phase,
+        times.blocked_s,
+        times.queued_s,
+        transfer.nbytes,
+        times.issued_s,
+        times.wait_called_s,
+    )
 
 
 def _summary(

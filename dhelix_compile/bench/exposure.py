@@ -54,6 +54,9 @@ class TimedTransfer:
     waited_phase: str | None
     blocked_s: float
     queued_s: float
+    nbytes: int = 0
+    issued_s: float = 0.0
+    wait_called_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,10 @@ class PartRow:
     ops: dict[str, int]
     exposed_by_op: dict[str, float]
     reason: str
+    exposed_transfers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The transfers whose waits blocked in this part, in the last repeat (the warmest): kind,
+    MB, ms from the part's start to the issue, link ms, ms of work between issue and wait,
+    ms blocked."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -161,7 +168,30 @@ def part_rows(repeats: Sequence[Repeat]) -> list[PartRow]:
                     if part == name and sum(v) / len(repeats) >= 1e-4
                 },
                 reason(name, step, compute, comm_s, exposed_s, busy_s),
+                _exposed_transfers(repeats[-1], name),
             )
+        )
+    return rows
+
+
+def _exposed_transfers(repeat: Repeat, name: str) -> list[dict[str, Any]]:
+    """Each transfer that blocked in part ``name`` of ``repeat`` (more than 0.1 ms)."""
+    start = next((span.start_s for span in repeat.on_link if span.name == name), None)
+    rows = []
+    for t in repeat.transfers:
+        if (t.waited_phase or OUTSIDE) != name or t.blocked_s < 1e-4:
+            continue
+        rows.append(
+            {
+                "op": t.op,
+                "mb": round(t.nbytes / 1e6, 3),
+                "issued_ms": None if start is None else round((t.issued_s - start) * 1e3, 2),
+                "link_ms": round(t.seconds * 1e3, 2),
+                "work_before_wait_ms": None
+                if t.wait_called_s is None
+                else round((t.wait_called_s - t.issued_s) * 1e3, 2),
+                "blocked_ms": round(t.blocked_s * 1e3, 2),
+            }
         )
     return rows
 
