@@ -83,6 +83,7 @@ from dhelix_compile.pipeline_runtime.pairing import (
     pair_forwards_with_backwards,
 )
 from dhelix_compile.pipeline_runtime.steps import PipelineSteps
+from dhelix_compile.step_phases import step_phase
 
 __all__ = ["SUPPORTED_SCHEDULES", "helix_pipeline"]
 
@@ -220,6 +221,10 @@ class _HelixStages:
         return run
 
     def forward(self, action: Any, ctx: Any) -> None:
+        with step_phase(_part_name(action)):
+            self._forward(action, ctx)
+
+    def _forward(self, action: Any, ctx: Any) -> None:
         _, stage, microbatch, _ = compat.pipeline_action_fields(action)
         if stage in self.before_forward:
             self.before_forward[stage](microbatch == self.last_backwards[stage])
@@ -227,15 +232,24 @@ class _HelixStages:
             self.steps.forward(action, ctx)
 
     def backward(self, action: Any, ctx: Any) -> None:
-        self.steps.backward(action)()
+        with step_phase(_part_name(action)):
+            self.steps.backward(action)()
 
     def overlap(self, action: Any, ctx: Any) -> None:
         _, _, _, subs = compat.pipeline_action_fields(action)
         assert subs is not None, "an overlap holds a forward and a backward"
         forward, backward = subs
-        run_backward = self.steps.backward(backward)  # its output gradient is here before F starts
-        with self.steps.hand_overs_after():  # in one order on every rank, not the two threads'
-            self.strands.run_together(run_backward, lambda: self.forward(forward, ctx))
+        with step_phase(f"{_part_name(backward)}+{_part_name(forward)}"):
+            run_backward = self.steps.backward(backward)  # its output gradient is here before F starts
+            with self.steps.hand_overs_after():  # in one order on every rank, not the two threads'
+                self.strands.run_together(run_backward, lambda: self._forward(forward, ctx))
+
+
+def _part_name(action: Any) -> str:
+    """``F2s3``: the forward of micro-batch 2 on stage 3 (``B2s3`` its backward), as
+    ``dhelix_compile.step_phases`` names a part of the step."""
+    kind, stage, microbatch, _ = compat.pipeline_action_fields(action)
+    return f"{kind}{microbatch}s{stage}"
 
 
 def _raising_helix_errors(step: Callable[..., Any], n_microbatches: int) -> Callable[..., Any]:
