@@ -1,4 +1,4 @@
-"""cost_model.cluster against the emulated cluster: GQA shapes, the bench's programs, the recorded GPU runs."""
+"""cost_model.cluster against the emulated cluster: GQA shapes, the bench's programs, the recorded GPU and CPU runs."""
 
 from __future__ import annotations
 
@@ -8,17 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from cost_model.cluster import EMULATED_SETTINGS, Parallelism, get_setting, model_flops_per_step, strands
 from cost_model.cluster.emulated import (
+    PER_PEER_OPERATIONS,
     TOLERANCE,
     BenchRecord,
     compare_bench,
+    per_peer_steps,
     predict_variant,
     recorded_link,
     variant_setting,
 )
-from cost_model.cluster.strands import matmul_time_s
+from cost_model.cluster.strands import elementwise_time_s, matmul_time_s
 from cost_model.hardware import get_device
 from dhelix_compile.bench.recorded import setting_from_bench
 from dhelix_compile.cli import main
@@ -30,6 +33,15 @@ RECORDED = {
     "2026-11-28-h200-emulated-tp8-nvlink4.json": "h200-emulated-llama3_8b_gpu-tp8-nvlink4",
 }
 IB400 = "2026-11-28-h200-emulated-tp8-ib400.json"
+HF_TP = "2026-11-28-cpu-emulated-hf_tp.json"
+HF_TP_SP = "2026-11-28-cpu-emulated-hf_tp_sp.json"
+#: The recorded CPU runs (BENCHMARKS.md, "The emulated cluster, predicted") and the variants whose
+#: run issued per-peer steps (decompose="auto"), which no modeled program holds.
+RECORDED_CPU = {
+    "2026-11-28-cpu-emulated-l8b_ib400.json": (),
+    HF_TP: ("dhelix", "helix"),
+    HF_TP_SP: ("dhelix", "helix"),
+}
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -182,3 +194,98 @@ def test_cli_emulated_setting(capsys: pytest.CaptureFixture[str]) -> None:
     assert get_setting("h200-emulated-llama3_8b_gpu-tp8-nvlink4").parallel == Parallelism(
         dp=1, tp=8, sequence_parallel=False
     )
+
+
+# --------------------------------------------------------------------------- the recorded CPU runs
+
+
+def test_hugging_face_llama_is_the_bench_shape_under_its_tp_plans() -> None:
+    tp, _ = setting_from_bench(_load(HF_TP))
+    sp, _ = setting_from_bench(_load(HF_TP_SP))
+    m = tp.model
+    assert (m.layers, m.hidden, m.heads, m.key_value_heads, m.ffn_hidden, m.vocab) == (2, 512, 8, 8, 1536, 2048)
+    assert (tp.seq_len, tp.micro_batch_size, tp.micro_batches, tp.dtype, tp.device) == (256, 2, 4, "float32", "cpu")
+    assert sp.model == m and (tp.parallel.tp, sp.parallel.tp) == (2, 2)
+    # the TP plan covers the decoder layers only; TP + SP shards the embedding and the head as the reference's
+    assert (tp.ends, tp.parallel.sequence_parallel) == ("replicated", False)
+    assert (sp.ends, sp.parallel.sequence_parallel) == ("vocab_parallel", True)
+    with pytest.raises(ValueError, match="replicated ends need tp without sequence parallelism"):
+        dataclasses.replace(sp, ends="replicated").validate()
+
+
+def test_replicated_ends_send_nothing_and_compute_every_logit() -> None:
+    setting, _ = setting_from_bench(_load(HF_TP))
+    fwd, bwd = strands(variant_setting(setting, "dhelix"))
+    assert [s.collective for s in fwd] == ["all_reduce (attn-out)", "all_reduce (mlp-out)"] * 2 + [None]
+    assert fwd[0].ops[0] == "embedding" and fwd[-1].ops[-2:] == ("logits", "cross-entropy")
+    assert [s.collective for s in bwd if s.collective is not None] == [
+        "all_reduce (mlp-in grad)",
+        "all_reduce (attn-in grad)",
+    ] * 2
+    # the last segment: final norm, all 2048 logits of the 512 tokens, the loss over them (float32)
+    cpu, tokens, e = get_device("cpu"), 512, 4
+    head = (
+        elementwise_time_s(4 * tokens * 512 * e, cpu)
+        + matmul_time_s(tokens, 2048, 512, cpu, dtype=torch.float32)
+        + elementwise_time_s(3 * tokens * 2048 * e, cpu)
+    )
+    assert fwd[-1].compute_s == pytest.approx(head, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(RECORDED_CPU))
+def test_what_the_cpu_runs_sent_is_predicted_exactly(name: str) -> None:
+    """Transfers by kind, bytes and link time equal the ledger's; where decompose="auto" issued
+    collectives as per-peer steps, the bytes still do, and the collectives replaced, the steps and
+    their fixed costs account for the rest exactly."""
+    setting, record = setting_from_bench(_load(name))
+    assert set(record.variants) == {"inductor", "inductor_overlap", "dhelix", "helix"}
+    for variant, measured in record.variants.items():
+        predicted = predict_variant(setting, variant)
+        assert predicted.wire_bytes == pytest.approx(measured.wire_bytes, rel=1e-9), variant
+        steps = per_peer_steps(setting, predicted, measured)
+        if variant not in RECORDED_CPU[name]:
+            assert steps is None, variant
+            assert predicted.transfers == measured.transfers, variant
+            assert predicted.operations == measured.operations, variant
+            assert predicted.comm_s == pytest.approx(measured.t_comm_s, rel=1e-9), variant
+            continue
+        assert steps is not None and steps.sends == steps.recvs > 0, variant
+        left = {op: n - steps.replaced.get(op, 0) for op, n in predicted.operations.items()}
+        assert {op: n for op, n in left.items() if n} == {
+            op: n for op, n in measured.operations.items() if op not in PER_PEER_OPERATIONS
+        }, variant
+        assert predicted.transfers - sum(steps.replaced.values()) + steps.sends + steps.recvs == measured.transfers
+        assert steps.comm_s == pytest.approx(measured.t_comm_s, rel=1e-9), variant
+
+
+@pytest.mark.parametrize("name", list(RECORDED_CPU))
+def test_claimed_predictions_are_within_tolerance_of_the_recorded_cpu_steps(name: str) -> None:
+    setting, record = setting_from_bench(_load(name))
+    rows = compare_bench(setting, record).rows
+    claimed = {r.variant for r in rows if r.measured_inputs_claimed}
+    assert claimed == {r.variant for r in rows} - set(RECORDED_CPU[name])
+    for row in rows:
+        assert not row.analytic_claimed, row.variant  # no roofline describes Python dispatch
+        if row.measured_inputs_claimed:
+            assert abs(row.measured_inputs_ratio - 1) <= TOLERANCE, (row.variant, row.measured_inputs_ratio)
+
+
+def test_helix_has_no_logits_gather_to_rewrite_under_the_hugging_face_tp_plan() -> None:
+    setting, record = setting_from_bench(_load(HF_TP))
+    rows = {r.variant: r for r in compare_bench(setting, record).rows}
+    assert any("vocab_parallel_loss has no logits gather" in note for note in rows["helix"].notes)
+    assert not rows["dhelix"].notes
+    # its program's loss field changes nothing where the head is replicated
+    gathered = dataclasses.replace(variant_setting(setting, "helix"), loss="gathered_logits")
+    assert strands(gathered) == strands(variant_setting(setting, "helix"))
+
+
+def test_cli_from_bench_hugging_face_llama(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--from-bench", str(RESULTS / HF_TP), "--from-bench", str(RESULTS / HF_TP_SP)]) == 0
+    out = capsys.readouterr().out
+    assert "### cpu-emulated-hf_llama-tp2-balanced against" in out
+    assert "### cpu-emulated-hf_llama-tp_sp2-balanced against" in out
+    assert "embedding and LM head replicated (outside the TP plan)" in out
+    assert "| 59 / 59 | 56 / 56 | 392.2 / 392.2 |" in out and "| 50 / 50 | 84 / 84 | 381.1 / 381.1 |" in out
+    assert "none: per-peer steps" in out
+    assert "decompose='auto' issued 16 all_reduce a step as per-peer steps (48 sends, 48 receives" in out

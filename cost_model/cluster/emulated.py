@@ -44,9 +44,17 @@ Two predictions per variant:
                      CPU: the compute is the host's own and a wait blocks it; the segments'
                      compute scaled so that one step's sums to the measured t_compute_s.
 
+What no variant's program here holds: per-peer steps. dhelix's ``decompose="auto"`` may rewrite
+an all-gather, reduce-scatter or all-reduce beside its matmul into sends and receives with each
+peer where the compile measured that faster on the live link (``graph_passes.decompose``). A
+record whose transfers hold sends and receives the program does not (``operations_per_step``)
+gets :class:`PerPeerSteps`: the collectives replaced, and the link time with them sent as those
+steps (same bytes, each send its own fixed cost), which accounts for the recorded one.
+
 A prediction is *claimed* (``TOLERANCE``) where its inputs describe the run: measured inputs
 always; the analytic one on CUDA when the run is not host-bound (host_s_median below
-``HOST_BOUND_SHARE`` of the step), never on CPU (no roofline describes Python dispatch).
+``HOST_BOUND_SHARE`` of the step), never on CPU (no roofline describes Python dispatch); neither
+where the run holds per-peer steps.
 
 Contract
 --------
@@ -54,22 +62,33 @@ Contract
   :class:`VariantPrediction`; deterministic; ``ValueError`` names an unknown variant.
 * :meth:`BenchRecord.from_json` reads ``dhelix bench --link emulated:... --out`` JSON; ``ValueError``
   names a missing field. :func:`compare_bench` -> :class:`BenchComparison`, one row per variant
-  the record holds and :data:`VARIANT_PROGRAMS` knows (others are listed as not modeled).
+  the record holds and :data:`VARIANT_PROGRAMS` knows (others are listed as not modeled), with
+  :func:`per_peer_steps` where the run holds them.
 * :data:`EMULATED_SETTINGS`: the recorded GPU runs' settings (the bench's ``llama3_8b_gpu`` at
   TP=8 on one H200, ib400 and nvlink4).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cost_model.cluster.setting import ClusterSetting, Loss, ModelShape, PaperReport, Parallelism, ProjectionReduces
+from cost_model.cluster.setting import (
+    ClusterSetting,
+    Ends,
+    Loss,
+    ModelShape,
+    PaperReport,
+    Parallelism,
+    ProjectionReduces,
+)
 from cost_model.cluster.step_model import MEASURED_ATTENTION_EFFICIENCY, MEASURED_MATMUL_EFFICIENCY
 from cost_model.cluster.strands import ClusterSegment, strands
+from cost_model.collectives import alpha_beta_terms, base_latency_s
 from cost_model.links import Link, get_link, register_link
 from cost_model.strand_plan import (
     Pair,
@@ -137,6 +156,8 @@ class VariantPrediction:
     wire_bytes: float
     """Bytes this rank sends in one step."""
     transfers: int
+    operations: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Its transfers in one step by kind (``all_reduce``, ``all_gather``, ...)."""
 
 
 def _plan_segments(side: Sequence[ClusterSegment], strand: int, *, defer: bool, scale: float) -> list[Segment]:
@@ -237,7 +258,13 @@ def predict_variant(
         comm_s=m * math.fsum(c.comm_s for c in both),
         wire_bytes=m * math.fsum(c.wire_bytes for c in both),
         transfers=m * sum(1 for c in both if c.collective is not None),
+        operations={op: m * n for op, n in sorted(_operations(both).items())},
     )
+
+
+def _operations(segments: Sequence[ClusterSegment]) -> collections.Counter[str]:
+    """The segments' transfers by kind: a collective's label is ``"<kind> (<what>)"``."""
+    return collections.Counter(c.collective.split(" ", 1)[0] for c in segments if c.collective is not None)
 
 
 # --------------------------------------------------------------------------- recorded runs
@@ -253,6 +280,8 @@ class MeasuredVariant:
     host_s: float
     wire_bytes: float
     transfers: int
+    operations: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Its transfers in one step by kind (``operations_per_step``; empty where not recorded)."""
 
 
 @dataclass(frozen=True)
@@ -284,6 +313,7 @@ class BenchRecord:
                     host_s=float(row["host_s_median"]),
                     wire_bytes=float(row["wire_bytes_per_step"]),
                     transfers=int(row["transfers_per_step"]),
+                    operations={str(k): int(v) for k, v in row.get("operations_per_step", {}).items()},
                 )
                 for name, row in data["variants"].items()
             }
@@ -354,9 +384,11 @@ def emulated_setting(
     device: str,
     dtype: Literal["bfloat16", "float32"] = "bfloat16",
     sequence_parallel: bool = False,
+    ends: Ends = "vocab_parallel",
 ) -> ClusterSetting:
     """A tensor-parallel job of ``ranks`` on one emulated link, as the bench writes it (PyTorch's
-    TP plan: per-projection all-reduces, logits gathered for the loss)."""
+    TP plan: per-projection all-reduces, logits gathered for the loss; ``ends="replicated"``:
+    the plan on the decoder layers only, ``ClusterSetting.ends``)."""
     return ClusterSetting(
         name=name,
         model=model,
@@ -373,6 +405,7 @@ def emulated_setting(
         projection_reduces="per_projection",
         loss="gathered_logits",
         contention_factor=EMULATED_CONTENTION_FACTOR if device != "cpu" else 1.0,
+        ends=ends,
     )
 
 
@@ -408,6 +441,53 @@ EMULATED_SETTINGS: dict[str, ClusterSetting] = {
 }
 
 
+#: The transfers of a per-peer step (``dhelix::exchange``: a send and a receive), as the emulator records them.
+PER_PEER_OPERATIONS: tuple[str, str] = ("send", "recv")
+
+
+@dataclass(frozen=True)
+class PerPeerSteps:
+    """Collectives of the modeled program that a run issued as per-peer steps instead.
+
+    ``graph_passes.decompose`` (``decompose="auto"``, dhelix's default) rewrites an all-gather ->
+    matmul, matmul -> reduce-scatter or matmul -> all-reduce site into exchanges with each peer,
+    in 1, 2 or 4 pieces, where the compile measured it faster on the live link: a choice the
+    model does not make, and an overlap of each piece with the site's matmul it does not model.
+    The rewrite sends the same bytes; each send is a transfer with its own fixed cost."""
+
+    replaced: Mapping[str, int]
+    """Collectives a step of the modeled program issues and the run did not, by kind."""
+    sends: int
+    recvs: int
+    comm_s: float
+    """The modeled program's link time with ``replaced`` sent as the ``sends`` (the emulator's
+    accounting: collectives and sends on the outbound queue; the receives, as many and as large,
+    on the inbound one)."""
+
+
+def per_peer_steps(
+    setting: ClusterSetting, predicted: VariantPrediction, measured: MeasuredVariant
+) -> PerPeerSteps | None:
+    """What the run issued as per-peer steps instead of ``predicted``'s collectives (None: nothing,
+    or no record of its transfers by kind). Each transfer costs ``base + steps * alpha + wire / B``
+    and the steps keep the bytes, so the link time differs by the fixed costs alone."""
+    sends, recvs = (measured.operations.get(op, 0) for op in PER_PEER_OPERATIONS)
+    if sends == recvs == 0 or any(op in predicted.operations for op in PER_PEER_OPERATIONS):
+        return None
+    replaced = {
+        op: n - measured.operations.get(op, 0)
+        for op, n in predicted.operations.items()
+        if n > measured.operations.get(op, 0)
+    }
+    link, group = setting.tp_link, setting.parallel.tp
+
+    def fixed_s(op: str) -> float:
+        return base_latency_s("nccl") + alpha_beta_terms(op, group)[0] * link.latency_s
+
+    comm_s = predicted.comm_s + sends * fixed_s("send") - math.fsum(k * fixed_s(op) for op, k in replaced.items())
+    return PerPeerSteps(replaced, sends, recvs, comm_s)
+
+
 @dataclass(frozen=True)
 class VariantComparison:
     """A variant's predictions beside its measurement."""
@@ -420,6 +500,15 @@ class VariantComparison:
     """What the measured-inputs prediction took from the run."""
     host_bound: bool
     analytic_claimed: bool
+    per_peer: PerPeerSteps | None = None
+    """Where the run's program holds per-peer steps the modeled one does not: neither prediction
+    is claimed."""
+    notes: tuple[str, ...] = ()
+    """Where the variant's program on this setting differs from its description."""
+
+    @property
+    def measured_inputs_claimed(self) -> bool:
+        return self.per_peer is None
 
     @property
     def analytic_ratio(self) -> float:
@@ -440,6 +529,15 @@ class BenchComparison:
     attention_efficiency: float
     rows: tuple[VariantComparison, ...]
     not_modeled: tuple[str, ...]
+
+
+def _program_notes(setting: ClusterSetting, variant: str) -> tuple[str, ...]:
+    if setting.ends == "replicated" and _program(variant).loss == "vocab_parallel":
+        return (
+            "no column-wise LM head (the embedding and head are replicated): vocab_parallel_loss has no "
+            "logits gather to rewrite, the loss is the replicated head's, as the other variants'",
+        )
+    return ()
 
 
 def compare_bench(
@@ -464,6 +562,7 @@ def compare_bench(
             scale = measured.t_compute_s / analytic.compute_s
             inputs_s = predict_variant(setting, variant, compute_scale=scale, **efficiencies).step_s
             inputs = "t_compute_s"
+        per_peer = per_peer_steps(setting, analytic, measured)
         rows.append(
             VariantComparison(
                 variant=variant,
@@ -472,7 +571,9 @@ def compare_bench(
                 measured_inputs_s=inputs_s,
                 measured_inputs=inputs,
                 host_bound=host_bound,
-                analytic_claimed=record.on_cuda and not host_bound,
+                analytic_claimed=record.on_cuda and not host_bound and per_peer is None,
+                per_peer=per_peer,
+                notes=_program_notes(setting, variant),
             )
         )
     not_modeled = tuple(v for v in record.variants if v not in VARIANT_PROGRAMS)
@@ -484,11 +585,13 @@ __all__ = [
     "EMULATED_SETTINGS",
     "HOST_BOUND_SHARE",
     "LLAMA3_8B_2_LAYERS",
+    "PER_PEER_OPERATIONS",
     "TOLERANCE",
     "VARIANT_PROGRAMS",
     "BenchComparison",
     "BenchRecord",
     "MeasuredVariant",
+    "PerPeerSteps",
     "VariantComparison",
     "VariantPrediction",
     "VariantProgram",
@@ -496,6 +599,7 @@ __all__ = [
     "device_entry",
     "emulated_setting",
     "emulated_setting_name",
+    "per_peer_steps",
     "predict_variant",
     "recorded_link",
     "variant_setting",

@@ -187,11 +187,27 @@ def format_variant_predictions(
 
 
 def _claim(row: VariantComparison) -> str:
+    if not row.measured_inputs_claimed:
+        return "none: per-peer steps"
     within = abs(row.measured_inputs_ratio - 1.0) <= TOLERANCE
     claims = [f"measured inputs{'' if within else ' (MISSED)'}"]
     if row.analytic_claimed:
         claims.append("analytic" if abs(row.analytic_ratio - 1.0) <= TOLERANCE else "analytic (MISSED)")
     return ", ".join(claims)
+
+
+def _row_notes(row: VariantComparison) -> list[str]:
+    notes = list(row.notes)
+    p = row.per_peer
+    if p is not None:
+        replaced = ", ".join(f"{n} {op}" for op, n in p.replaced.items())
+        notes.append(
+            f"decompose='auto' issued {replaced} a step as per-peer steps ({p.sends} sends, {p.recvs} receives; "
+            f"graph_passes.decompose), which the model does not choose: same bytes, link time with them "
+            f"{format_ms(p.comm_s)} ms (measured {format_ms(row.measured.t_comm_s)}); their overlap with the "
+            "matmul beside them is not modeled, so neither prediction is claimed"
+        )
+    return notes
 
 
 def format_bench_comparison(comparison: BenchComparison, source: str = "") -> str:
@@ -228,6 +244,9 @@ def format_bench_comparison(comparison: BenchComparison, source: str = "") -> st
             f"{a.wire_bytes / 1e6:.0f} / {m.wire_bytes / 1e6:.0f} | {a.transfers} / {m.transfers} | "
             f"{format_ms(a.comm_s)} / {format_ms(m.t_comm_s)} | {format_ms(a.compute_s)} / {format_ms(m.t_compute_s)} |"
         )
+    notes = [f"- {row.variant}: {note}." for row in comparison.rows for note in _row_notes(row)]
+    if notes:
+        lines += ["", *notes]
     if comparison.not_modeled:
         lines += ["", f"Not modeled (no program model): {', '.join(comparison.not_modeled)}."]
     return "\n".join([*lines, ""])

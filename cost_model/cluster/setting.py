@@ -14,7 +14,9 @@ what is sent: ``projection_reduces`` (without SP, one all-reduce of a layer inpu
 Megatron's fused QKV and gate/up projections need, or one per projection, as PyTorch's TP plan
 on separate q, k, v, gate and up issues) and ``loss`` (Megatron's vocab-parallel cross-entropy,
 or the logits all-gathered and the loss computed on all of them, as PyTorch's
-``ColwiseParallel(output_layouts=Replicate())`` head does).
+``ColwiseParallel(output_layouts=Replicate())`` head does), and ``ends``: the embedding and the
+LM head split over the vocabulary (Megatron's, and the TP + SP plans'), or left out of the TP
+plan and replicated on every rank (PyTorch's TP plan applied to the decoder layers only).
 
 Ranks are ordered tp (fastest), cp, dp, pp, as in Megatron-LM; a group of ``size`` ranks
 ``stride`` apart stays inside a node when ``stride * size <= gpus_per_node`` and runs over the
@@ -41,6 +43,7 @@ from cost_model.hardware import Link, get_device, get_link
 Family = Literal["llama", "gpt"]
 ProjectionReduces = Literal["fused", "per_projection"]
 Loss = Literal["vocab_parallel", "gathered_logits"]
+Ends = Literal["vocab_parallel", "replicated"]
 Dtype = Literal["bfloat16", "float32"]
 
 #: Bytes of one element of each :data:`Dtype`.
@@ -161,6 +164,12 @@ class ClusterSetting:
     ``"gathered_logits"``: the logits all-gathered, the loss computed on all of them on every rank."""
     contention_factor: float | None = None
     """Compute slowdown while a transfer is in flight; None: the device's (``cost_model.hardware``)."""
+    ends: Ends = "vocab_parallel"
+    """``"vocab_parallel"``: the embedding row-parallel over the vocabulary (its output reduced) and
+    the LM head column-parallel (``loss`` says what follows it); ``"replicated"``: the embedding,
+    the final norm and the LM head outside the TP plan, whole on every rank (the plan covers the
+    decoder layers only): no transfer at either end, every rank computes all the logits and the
+    loss; ``loss`` does not apply. Without SP only (SP needs the embedding's sequence shards)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that does not fit the model or cluster."""
@@ -188,6 +197,8 @@ class ClusterSetting:
             raise ValueError(f"{self.name}: gpus_per_node must be >= 1")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"{self.name}: dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.ends == "replicated" and p.sequence_parallel and p.tp > 1:
+            raise ValueError(f"{self.name}: replicated ends need tp without sequence parallelism")
         if self.contention_factor is not None and self.contention_factor < 1.0:
             raise ValueError(f"{self.name}: contention_factor must be >= 1.0, got {self.contention_factor}")
         get_device(self.device)
@@ -236,7 +247,9 @@ class ClusterSetting:
             f"FFN {m.ffn_hidden}, vocab {m.vocab}) on {p.gpus}x {self.device} ({nodes} nodes x "
             f"{self.gpus_per_node}, {self.intra_node_link} / {self.inter_node_link}); {p.label()}; "
             f"seq {self.seq_len}, micro-batch {self.micro_batch_size}, {self.micro_batches} micro-batches "
-            f"per step" + ("" if self.dtype == "bfloat16" else f", {self.dtype}")
+            f"per step"
+            + ("" if self.dtype == "bfloat16" else f", {self.dtype}")
+            + ("; embedding and LM head replicated (outside the TP plan)" if self.ends == "replicated" else "")
         )
 
 
@@ -244,6 +257,7 @@ __all__ = [
     "DTYPE_BYTES",
     "ClusterSetting",
     "Dtype",
+    "Ends",
     "Family",
     "Loss",
     "ModelShape",

@@ -35,7 +35,10 @@ after that projection's backward, and only their sum waits::
 The output head: ``loss="vocab_parallel"`` is Megatron's vocab-parallel cross-entropy on the
 rank's logits shard, three all-reduces of T float32 (max, target logit, sum of exponentials);
 ``loss="gathered_logits"`` all-gathers the logits (T*V*e bytes) and computes the loss on all of
-them on every rank (its backward slices the rank's shard out: no transfer).
+them on every rank (its backward slices the rank's shard out: no transfer). With
+``ends="replicated"`` (the TP plan on the decoder layers only) the embedding and the head are
+whole on every rank: no embedding all-reduce, all V logits computed on each rank (T*V*h), no
+transfer for the loss either way.
 
 Grouped-query attention (``ModelShape.kv_heads``): the K and V projections are ``h x kv_dim``
 each, rope touches Q and K, the CP ring carries K and V of ``kv_dim``; attention FLOPs count the
@@ -276,16 +279,24 @@ class _StageBuilder:
         return ops
 
     def embedding(self) -> list[_Op]:
-        """Vocab-parallel embedding (first stage): a row gather, then the partial sums reduced.
-        Its backward is the embedding table's gradient (a weight gradient)."""
+        """Vocab-parallel embedding (first stage): a row gather, then the partial sums reduced
+        (replicated: the gather alone). Its backward is the embedding table's gradient (a weight
+        gradient)."""
         t_fwd = elementwise_time_s(2 * self.tokens * self.s.model.hidden * self.e, self.dev)
         t_bwd = elementwise_time_s(4 * self.tokens * self.s.model.hidden * self.e, self.dev)
-        return [_Op("embedding", fwd_s=t_fwd, bwd_s=t_bwd, bwd_weight_s=t_bwd), self._exit("embedding-out")]
+        lookup = _Op("embedding", fwd_s=t_fwd, bwd_s=t_bwd, bwd_weight_s=t_bwd)
+        if self.s.ends == "replicated":
+            return [lookup]
+        return [lookup, self._exit("embedding-out")]
 
     def head(self) -> list[_Op]:
-        """Final norm, vocab-parallel logits, the loss (module docstring: ``loss``)."""
+        """Final norm, vocab-parallel logits, the loss (module docstring: ``loss``, ``ends``)."""
         m, T, tp = self.s.model, self.tokens, self.tp
         ops = [self._elementwise("final norm", 4 * self.norm_tokens * m.hidden * self.e)]
+        if self.s.ends == "replicated":  # every rank all the logits, nothing sent either way
+            ops.append(self._mm("logits", T, m.vocab, m.hidden))
+            ops.append(self._elementwise("cross-entropy", 3 * T * m.vocab * FP32_BYTES))
+            return ops
         ops.extend(self._projections("head-in", (("logits", m.vocab),)))
         if self.s.loss == "gathered_logits":
             logits_bytes = float(T * m.vocab * self.e)

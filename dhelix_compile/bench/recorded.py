@@ -3,16 +3,26 @@
 ``dhelix bench --link emulated:<link>,ranks=N --out FILE`` records every variant's step beside
 its own compute, communication, bytes and host time (``bench.emulated``). :func:`setting_from_bench`
 reads such a file and builds the :class:`~cost_model.cluster.setting.ClusterSetting` it ran -- the
-reference transformer's shape from ``bench.choices.MODEL_SIZES`` (with ``MODEL_KV_HEADS``), TP or
-TP + SP over the ranks, the recorded link, device, dtype and micro-batches -- so that
-``cost_model.cluster.emulated.compare_bench`` can set the predictions beside the measurements.
-The shapes live here because ``cost_model`` knows no benchmark.
+model's shape, TP or TP + SP over the ranks, the recorded link, device, dtype and micro-batches --
+so that ``cost_model.cluster.emulated.compare_bench`` can set the predictions beside the
+measurements. The shapes live here because ``cost_model`` knows no benchmark:
+
+    reference transformer  ``bench.choices.MODEL_SIZES`` (with ``MODEL_KV_HEADS``)
+    Hugging Face Llama     ``bench.choices.HF_LLAMA_SIZES`` -> ``models.hf_llama.HF_LLAMA_SIZES``
+                           (its config fields). The same Llama block under PyTorch's TP plan (q/k/v,
+                           gate/up column-wise, o, down row-wise: ``models.hf_llama``). Its TP plan
+                           covers the decoder layers only: the embedding, final norm and LM head are
+                           replicated (``ClusterSetting.ends="replicated"``: no embedding all-reduce,
+                           no logits gather, every rank computes all the logits). Its TP + SP plan is
+                           the reference's: the embedding row-wise into sequence shards (a
+                           reduce-scatter), the LM head column-wise from sequence shards to
+                           replicated logits (an all-gather of its input, one of the logits).
 
 Contract
 --------
 ``setting_from_bench(data) -> (ClusterSetting, BenchRecord)``; ``load_bench(path)`` reads the
 file first. ``ValueError`` names what it cannot model: a workload other than the reference
-transformer, a data-parallel or pipeline run, a device without a ``cost_model.hardware`` entry,
+transformer and Hugging Face Llama, a data-parallel or pipeline run, a device without a ``cost_model.hardware`` entry,
 a link whose name the cost model holds with other numbers.
 """
 
@@ -30,18 +40,20 @@ from cost_model.cluster.emulated import (
     emulated_setting_name,
     recorded_link,
 )
-from cost_model.cluster.setting import ClusterSetting, ModelShape
-from dhelix_compile.bench.choices import MODEL_KV_HEADS, MODEL_SIZES
+from cost_model.cluster.setting import ClusterSetting, Ends, ModelShape
+from dhelix_compile.bench.choices import HF_LLAMA_SIZES, MODEL_KV_HEADS, MODEL_SIZES
 
 _SEQUENCE_PARALLEL: dict[str, bool] = {"tp": False, "tp_sp": True}
 
 
 def bench_model_shape(name: str) -> tuple[ModelShape, int, int]:
-    """The reference transformer ``name`` (``MODEL_SIZES``) as a ModelShape, its sequence length and batch."""
+    """The bench model ``name`` (``MODEL_SIZES`` or ``HF_LLAMA_SIZES``) as a ModelShape, its
+    sequence length and batch."""
+    if name in HF_LLAMA_SIZES:
+        return _hf_llama_shape(name)
     if name not in MODEL_SIZES:
-        raise ValueError(
-            f"bench model {name!r} has no cluster model; the reference transformer's sizes: {', '.join(MODEL_SIZES)}"
-        )
+        known = ", ".join((*MODEL_SIZES, *HF_LLAMA_SIZES))
+        raise ValueError(f"bench model {name!r} has no cluster model; the modeled sizes: {known}")
     dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[name]
     source = f"the bench's {name} (dhelix_compile.bench.choices.MODEL_SIZES)"
     return (
@@ -49,6 +61,30 @@ def bench_model_shape(name: str) -> tuple[ModelShape, int, int]:
         seq,
         batch,
     )
+
+
+def _hf_llama_shape(name: str) -> tuple[ModelShape, int, int]:
+    from dhelix_compile.models.hf_llama import HF_LLAMA_SIZES as CONFIGS
+
+    c = CONFIGS[HF_LLAMA_SIZES[name]]
+    heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+    shape = ModelShape(
+        name,
+        "llama",
+        c["num_hidden_layers"],
+        c["hidden_size"],
+        heads,
+        c["intermediate_size"],
+        c["vocab_size"],
+        f"the bench's {name} (dhelix_compile.models.hf_llama.HF_LLAMA_SIZES[{HF_LLAMA_SIZES[name]!r}])",
+        kv_heads=None if kv_heads == heads else kv_heads,
+    )
+    return shape, c["seq_len"], c["batch"]
+
+
+def _ends(model: str, parallel: str) -> Ends:
+    """Hugging Face Llama's TP plan leaves the embedding and LM head out (module docstring)."""
+    return "replicated" if model in HF_LLAMA_SIZES and parallel == "tp" else "vocab_parallel"
 
 
 def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRecord]:
@@ -74,6 +110,7 @@ def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRe
         device=device,
         dtype=dtype,
         sequence_parallel=_SEQUENCE_PARALLEL[record.parallel],
+        ends=_ends(record.model, record.parallel),
     )
     return setting, record
 
