@@ -207,7 +207,11 @@ class DHelixConfig:
         "graph's parameters and other inputs it never frees: what the step adds to the memory it "
         "already holds. On the MoE layer the default leaves out an order that sends the forward's "
         "all-to-all first: 6-10% faster, but it holds both micro-batches' expert activations, "
-        "1.31-1.45x the eager accumulation loop's peak (2.0 lets it in; BENCHMARKS.md).",
+        "1.31-1.45x the eager accumulation loop's peak (2.0 lets it in; BENCHMARKS.md). At the default, a "
+        "merged graph whose backward recomputes (activation checkpointing) gets 1.0: its order may not "
+        "raise the predicted peak at all (the reference transformer with checkpointed blocks peaked at "
+        "1.12-1.15x the eager checkpointed loop's instead of 1.19-1.26x; docs/helix.md); any other value "
+        "applies to every merged graph.",
     )
     interleave_defer_weight_grads: tuple[int, ...] = _option(
         (1,),

@@ -24,14 +24,16 @@ import pytest
 import torch
 import torch.fx
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import dhelix_compile
 from cost_model.op_kinds import op_name
-from dhelix_compile.helix_runtime import strand_handoff
+from dhelix_compile.helix_runtime import merged_candidates, strand_handoff
 from dhelix_compile.helix_runtime.random_ops import RNG_STATE_WRAPPERS, draws_random_numbers, random_ops
 from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
 from dhelix_compile.testing.checkpointing import CHECKPOINT_KINDS, Checkpointed, CheckpointKind, checkpoint_blocks
 from dhelix_compile.testing.multirank import run_on_ranks
+from graph_passes.joint.regather import REGATHER_AC_GRAPH_ID
 
 aten = torch.ops.aten
 higher_order = torch.ops.higher_order
@@ -209,6 +211,60 @@ def test_backend_accepts_checkpointed_blocks() -> None:
     compiled: Any = torch.compile(model, backend="dhelix", options=EAGER)
     losses = _eager_loop(compiled, _lm_loss_fn, mbs)
     _assert_same(model, reference, losses, _eager_loop(reference, _lm_loss_fn, mbs))
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "want_ratio"),
+    [
+        (None, {}, 1.25),
+        ("checkpoint", {}, merged_candidates.RECOMPUTE_MEMORY_BUDGET_RATIO),
+        ("selective", {}, merged_candidates.RECOMPUTE_MEMORY_BUDGET_RATIO),
+        ("checkpoint", {"interleave_memory_budget_ratio": 2.0}, 2.0),  # set by the user: as given
+    ],
+    ids=["plain", "checkpoint", "selective", "checkpoint_option_set"],
+)
+def test_merged_graph_of_a_recomputing_backward_gets_the_recompute_budget(
+    kind: CheckpointKind | None, options: dict[str, Any], want_ratio: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default options, the merged graph of a checkpointed model is planned and compiled
+    with the recompute budget (its backward strand recomputes); a model without checkpointing,
+    or a budget the user set, keeps ``interleave_memory_budget_ratio``."""
+    ratios: list[float] = []
+    compile_partition = merged_candidates.compile_partition
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        ratios.append(kwargs["config"].interleave_memory_budget_ratio)
+        return compile_partition(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(merged_candidates, "compile_partition", recording)
+    config = ModelConfig(n_layers=1)
+    model = Transformer(config)
+    if kind is not None:
+        checkpoint_blocks(model.layers, kind)
+    reference = copy.deepcopy(model)
+    mbs = _transformer_batches(2, config)  # F0 | B0+F1 | B1: one merged graph
+    losses = dhelix_compile.helix(model, _lm_loss_fn, **EAGER, **options)(mbs)
+    _assert_same(model, reference, losses, _eager_loop(reference, _lm_loss_fn, mbs))
+    assert ratios == [want_ratio]
+
+
+def test_recomputes_counts_checkpointed_ops_but_not_parameter_regathers() -> None:
+    """``recomputes`` reads the partitioner's ``meta["recompute"]`` tags: a checkpointing tag
+    counts, ``data_parallel``'s regathers (their own ``ac_graph_id``) and a saved op do not."""
+
+    def graph_tagged(policy: CheckpointPolicy | None, ac_graph_id: int) -> torch.fx.GraphModule:
+        gm = _graph_calling(_call(aten.mm.default, "x", "x"))
+        node = next(n for n in gm.graph.nodes if n.op == "call_function")
+        if policy is not None:
+            node.meta["recompute"] = policy
+            node.meta["ac_graph_id"] = ac_graph_id
+        return gm
+
+    assert merged_candidates.recomputes(graph_tagged(CheckpointPolicy.PREFER_RECOMPUTE, 0))
+    assert merged_candidates.recomputes(graph_tagged(CheckpointPolicy.MUST_RECOMPUTE, 1))
+    assert not merged_candidates.recomputes(graph_tagged(CheckpointPolicy.MUST_RECOMPUTE, REGATHER_AC_GRAPH_ID))
+    assert not merged_candidates.recomputes(graph_tagged(CheckpointPolicy.MUST_SAVE, 0))
+    assert not merged_candidates.recomputes(graph_tagged(None, 0))
 
 
 # ---------------------------------------------------------------- dropout in a checkpointed region

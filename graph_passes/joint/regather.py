@@ -37,12 +37,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from cost_model.op_kinds import reshapes_or_casts
 
-__all__ = ["REGATHER", "mark_regathers"]
+__all__ = ["REGATHER", "REGATHER_AC_GRAPH_ID", "mark_regathers"]
 
 #: The annotation (``torch.fx.traceback.annotate``) of a parameter's gather to do again in the backward.
 REGATHER: dict[str, str] = {"dhelix": "regather"}
 
-_AC_GRAPH_ID = 1_000_000  # one region of its own, as selective checkpointing numbers its regions
+#: The ``ac_graph_id`` of the marked nodes: one region of its own, as selective checkpointing numbers its regions.
+REGATHER_AC_GRAPH_ID = 1_000_000
 
 
 def _annotated(node: torch.fx.Node) -> bool:
@@ -74,5 +75,5 @@ def mark_regathers(graph: torch.fx.Graph) -> int:
         if _annotated(node) or (reshapes_or_casts(node) and inputs and all(source in marked for source in inputs)):
             marked.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = _AC_GRAPH_ID
+            node.meta["ac_graph_id"] = REGATHER_AC_GRAPH_ID
     return len(marked)
