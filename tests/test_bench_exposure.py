@@ -51,6 +51,11 @@ def test_each_part_gets_what_it_issued_and_what_its_waits_blocked() -> None:
     assert rows["F0"].reason == "one strand"
     assert rows[OUTSIDE].comm_s == pytest.approx(0.004) and rows[OUTSIDE].step_s == 0.0
     assert sum(row.comm_s for row in rows.values()) == pytest.approx(sum(t.seconds for t in transfers))
+    receives = Repeat(
+        _spans(("F0", 0.02)), _spans(("F0", 0.01)), [*transfers[:1], TimedTransfer("recv", 0.007, "F0", "F0", 0, 0)]
+    )
+    (row,) = part_rows([receives])
+    assert row.comm_s == pytest.approx(0.010)  # a receive runs on the other side of the link, beside the send
     table = markdown_parts("helix", [row.as_dict() for row in rows.values()])
     assert table[0].startswith("| helix | F0 |") and len(table) == 4
 

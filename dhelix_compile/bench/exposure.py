@@ -7,7 +7,8 @@ over the repeats of::
 
     step      its wall time on the link
     compute   its wall time with the link free
-    comm      the link time of the transfers it issued
+    comm      the link time of the transfers it issued (the busier side of the link: receives
+              run on the inbound side beside the sends, as ``emulation.group.link_time_s``)
     exposed   how long its waits blocked (each transfer charged to the part that first waited),
               in all and by kind of operation (the mean over the repeats)
     busy      of that, the time those transfers spent queued behind earlier ones on the link
@@ -127,13 +128,13 @@ def part_rows(repeats: Sequence[Repeat]) -> list[PartRow]:
     by_op: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     for index, repeat in enumerate(repeats):
         on_link, free = _seconds_by_name(repeat.on_link), _seconds_by_name(repeat.link_free)
-        comm: dict[str, float] = collections.defaultdict(float)
+        comm: dict[tuple[str, str], float] = collections.defaultdict(float)  # (part, side of the link)
         exposed: dict[str, float] = collections.defaultdict(float)
         busy: dict[str, float] = collections.defaultdict(float)
         exposed_op: dict[tuple[str, str], float] = collections.defaultdict(float)
         for t in repeat.transfers:
             issued_in, waited_in = t.phase or OUTSIDE, t.waited_phase or OUTSIDE
-            comm[issued_in] += t.seconds
+            comm[issued_in, "in" if t.op == "recv" else "out"] += t.seconds
             exposed[waited_in] += t.blocked_s
             busy[waited_in] += min(t.blocked_s, t.queued_s)
             exposed_op[waited_in, t.op] += t.blocked_s
@@ -145,7 +146,7 @@ def part_rows(repeats: Sequence[Repeat]) -> list[PartRow]:
             got = samples[name]
             got["step"].append(on_link.get(name, 0.0))
             got["compute"].append(free.get(name, 0.0))
-            got["comm"].append(comm.get(name, 0.0))
+            got["comm"].append(max(comm.get((name, "out"), 0.0), comm.get((name, "in"), 0.0)))
             got["exposed"].append(exposed.get(name, 0.0))
             got["busy"].append(busy.get(name, 0.0))
     rows = []
