@@ -58,6 +58,9 @@ def test_each_part_gets_what_it_issued_and_what_its_waits_blocked() -> None:
     assert row.comm_s == pytest.approx(0.010)  # a receive runs on the other side of the link, beside the send
     table = markdown_parts("helix", [row.as_dict() for row in rows.values()])
     assert table[0].startswith("| helix | F0 |") and len(table) == 4
+    assert (
+        "| 8.0 (all_gather 8.0) | 0.0 | 0.0 | one strand |" in table[0]
+    )  # exposed, link busy, slowed (20 - 12 - 8 ms)
 
 
 def test_medians_over_repeats() -> None:
@@ -77,7 +80,8 @@ def test_medians_over_repeats() -> None:
     ("name", "step", "compute", "comm", "exposed", "busy", "why"),
     [
         ("B0+F1", 0.100, 0.099, 0.050, 0.0005, 0.0, "hidden"),
-        ("B0+F1", 0.100, 0.040, 0.060, 0.030, 0.020, "communication-bound"),
+        ("B0+F1", 0.090, 0.040, 0.060, 0.030, 0.020, "communication-bound"),
+        ("B0+F1", 0.100, 0.050, 0.040, 0.010, 0.0, "slowed"),
         ("B0+F1", 0.100, 0.080, 0.050, 0.020, 0.015, "link busy"),
         ("F0", 0.100, 0.080, 0.050, 0.020, 0.0, "one strand"),
         ("B0+F1", 0.100, 0.080, 0.050, 0.020, 0.0, "used soon"),

@@ -12,10 +12,15 @@ over the repeats of::
     exposed   how long its waits blocked (each transfer charged to the part that first waited),
               in all and by kind of operation (the mean over the repeats)
     busy      of that, the time those transfers spent queued behind earlier ones on the link
+    slowed    step - compute - exposed: how much longer its own work took on the link than with
+              it free (on CPU the emulated link writes each output on a helper thread, as gloo's
+              threads copy, beside the compute; and runs differ)
 
 and a reason, the first that holds:
 
-    hidden              exposed under 5% of the part's step (and under 1 ms)
+    hidden              exposed and slowed each under 5% of the part's step (or under 1 ms)
+    slowed              slowed > exposed: the part lost more to its compute running slower
+                        beside the transfers than to waiting for them
     communication-bound comm > compute: no order hides more than compute of it
     link busy           most of the exposed time is queueing behind earlier transfers
     one strand          a single strand call (the step's ends under ``helix``, every part of a loop):
@@ -93,10 +98,17 @@ def _strands(name: str) -> int:
     return name.count("+") + 1
 
 
+def _small(seconds: float, step_s: float) -> bool:
+    return seconds < HIDDEN_ABS_S or seconds < HIDDEN_SHARE * step_s
+
+
 def reason(name: str, step_s: float, compute_s: float, comm_s: float, exposed_s: float, busy_s: float) -> str:
     """The first reason of the module docstring's list that holds."""
-    if exposed_s < HIDDEN_ABS_S and exposed_s < HIDDEN_SHARE * max(step_s, 1e-12):
+    slowed = step_s - compute_s - exposed_s
+    if _small(exposed_s, step_s) and _small(slowed, step_s):
         return "hidden"
+    if slowed > exposed_s:
+        return "slowed"
     if comm_s > compute_s:
         return "communication-bound"
     if busy_s > 0.5 * exposed_s:
@@ -206,12 +218,13 @@ def markdown_parts(variant: str, rows: Sequence[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {variant if k == 0 else ''} | {row['name']} | {row['step_s'] * 1e3:.1f} | {row['compute_s'] * 1e3:.1f} | "
             f"{row['comm_s'] * 1e3:.1f} ({ops}) | {row['exposed_s'] * 1e3:.1f}{f' ({by_op})' if by_op else ''} | {row['busy_s'] * 1e3:.1f} | "
+            f"{(row['step_s'] - row['compute_s'] - row['exposed_s']) * 1e3:.1f} | "
             f"{row['reason']} |"
         )
     return lines
 
 
 PARTS_HEADER = [
-    "| variant | part | step ms | compute ms | comm ms (issued) | exposed ms (by kind, mean) | of it link busy | why |",
-    "|---|---|---:|---:|---:|---:|---:|---|",
+    "| variant | part | step ms | compute ms | comm ms (issued) | exposed ms (by kind, mean) | of it link busy | slowed ms | why |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---|",
 ]
