@@ -58,6 +58,7 @@ def test_each_part_gets_what_it_issued_and_what_its_waits_blocked() -> None:
     assert row.comm_s == pytest.approx(0.010)  # a receive runs on the other side of the link, beside the send
     table = markdown_parts("helix", [row.as_dict() for row in rows.values()])
     assert table[0].startswith("| helix | F0 |") and len(table) == 4
+    assert "| - | communication-bound |" in table[3]  # transfers outside every part: no span, no slowed time
     assert (
         "| 8.0 (all_gather 8.0) | 0.0 | 0.0 | one strand |" in table[0]
     )  # exposed, link busy, slowed (20 - 12 - 8 ms)

@@ -104,7 +104,7 @@ def _small(seconds: float, step_s: float) -> bool:
 
 def reason(name: str, step_s: float, compute_s: float, comm_s: float, exposed_s: float, busy_s: float) -> str:
     """The first reason of the module docstring's list that holds."""
-    slowed = step_s - compute_s - exposed_s
+    slowed = step_s - compute_s - exposed_s if name != OUTSIDE else 0.0  # "-" has no span of its own
     if _small(exposed_s, step_s) and _small(slowed, step_s):
         return "hidden"
     if slowed > exposed_s:
@@ -214,11 +214,12 @@ def markdown_parts(variant: str, rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = []
     for k, row in enumerate(rows):
         ops = ", ".join(f"{n} {op}" for op, n in row["ops"].items()) or "none"
+        slowed = "-" if row["name"] == OUTSIDE else f"{(row['step_s'] - row['compute_s'] - row['exposed_s']) * 1e3:.1f}"
         by_op = ", ".join(f"{op} {s * 1e3:.1f}" for op, s in row.get("exposed_by_op", {}).items())
         lines.append(
             f"| {variant if k == 0 else ''} | {row['name']} | {row['step_s'] * 1e3:.1f} | {row['compute_s'] * 1e3:.1f} | "
             f"{row['comm_s'] * 1e3:.1f} ({ops}) | {row['exposed_s'] * 1e3:.1f}{f' ({by_op})' if by_op else ''} | {row['busy_s'] * 1e3:.1f} | "
-            f"{(row['step_s'] - row['compute_s'] - row['exposed_s']) * 1e3:.1f} | "
+            f"{slowed} | "
             f"{row['reason']} |"
         )
     return lines
