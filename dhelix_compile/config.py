@@ -40,6 +40,11 @@ def _option(default: Any, doc: str, env: str | None = None, *, experimental: boo
     return dataclasses.field(default=default, metadata={"doc": doc, "env": env, "experimental": experimental})
 
 
+#: The merged graph's memory budget where ``interleave_memory_budget_ratio`` is None and its
+#: backward does not recompute.
+INTERLEAVE_MEMORY_BUDGET_RATIO: float = 1.25
+
+
 @dataclasses.dataclass(frozen=True)
 class DHelixConfig:
     """Every knob of the dhelix backend. Build it with :meth:`from_options`; see :meth:`describe`."""
@@ -200,18 +205,17 @@ class DHelixConfig:
         "accumulated yet, gets its gradient as usual; off in helix_pipeline (one graph serves "
         "several stage modules).",
     )
-    interleave_memory_budget_ratio: float = _option(
-        1.25,
-        "helix: the merged graph's order may raise its predicted peak memory to at most this multiple "
-        "of the backward-then-forward order's (>= 1). The peak counted is the live bytes above the "
+    interleave_memory_budget_ratio: float | None = _option(
+        None,
+        "helix: a merged graph may raise its predicted peak memory to at most this multiple "
+        "of its backward-then-forward order's (>= 1; None: 1.25, 1.0 if B recomputes). The peak counted is the live bytes above the "
         "graph's parameters and other inputs it never frees: what the step adds to the memory it "
-        "already holds. On the MoE layer the default leaves out an order that sends the forward's "
-        "all-to-all first: 6-10% faster, but it holds both micro-batches' expert activations, "
-        "1.31-1.45x the eager accumulation loop's peak (2.0 lets it in; BENCHMARKS.md). At the default, a "
-        "merged graph whose backward recomputes (activation checkpointing) gets 1.0: its order may not "
-        "raise the predicted peak at all (the reference transformer with checkpointed blocks peaked at "
-        "1.12-1.15x the eager checkpointed loop's instead of 1.19-1.26x; docs/helix.md); any other value "
-        "applies to every merged graph.",
+        "already holds. A merged graph whose backward recomputes gets 1.0 by default "
+        "(activation checkpointing asks for memory: the reference transformer with checkpointed blocks "
+        "peaked at 1.12-1.15x the eager checkpointed loop's instead of 1.19-1.26x; docs/helix.md); a "
+        "value applies to every merged graph. On the MoE layer 1.25 leaves out an order that sends the "
+        "forward's all-to-all first: 6-10% faster, but it holds both micro-batches' expert activations, "
+        "1.31-1.45x the eager accumulation loop's peak (2.0 lets it in; docs/options.md).",
     )
     interleave_defer_weight_grads: tuple[int, ...] = _option(
         (1,),
@@ -287,6 +291,15 @@ class DHelixConfig:
 
     # ------------------------------------------------------------------ construction
 
+    @property
+    def interleave_budget_ratio(self) -> float:
+        """``interleave_memory_budget_ratio`` as the interleave pass applies it: the value set, else
+        :data:`INTERLEAVE_MEMORY_BUDGET_RATIO` (``helix_runtime.merged_candidates`` sets a merged
+        graph's own where its backward recomputes)."""
+        if self.interleave_memory_budget_ratio is None:
+            return INTERLEAVE_MEMORY_BUDGET_RATIO
+        return self.interleave_memory_budget_ratio
+
     @classmethod
     def from_options(
         cls, options: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None
@@ -343,7 +356,8 @@ class DHelixConfig:
         _check_number("decompose_min_gain_ratio", self.decompose_min_gain_ratio, float, minimum=0.0)
         if self.decompose_min_gain_ratio >= 1.0:
             raise ConfigError(f"dhelix option decompose_min_gain_ratio={self.decompose_min_gain_ratio!r}: must be < 1")
-        _check_number("interleave_memory_budget_ratio", self.interleave_memory_budget_ratio, float, minimum=1.0)
+        if self.interleave_memory_budget_ratio is not None:
+            _check_number("interleave_memory_budget_ratio", self.interleave_memory_budget_ratio, float, minimum=1.0)
         for distance in self.interleave_defer_weight_grads:
             _check_number("interleave_defer_weight_grads", distance, int, minimum=1)
         _check_number("interleave_refine_evals", self.interleave_refine_evals, int, minimum=0)

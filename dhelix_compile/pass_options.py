@@ -41,7 +41,6 @@ FIELDS: dict[str, tuple[type, dict[str, str]]] = {
     "interleave": (
         InterleaveOptions,
         {
-            "memory_budget_ratio": "interleave_memory_budget_ratio",
             "defer_weight_grads": "interleave_defer_weight_grads",
             "refine_evals": "interleave_refine_evals",
             "timed_width": "interleave_timed_width",
@@ -52,7 +51,8 @@ FIELDS: dict[str, tuple[type, dict[str, str]]] = {
 
 #: Options fields computed from config fields rather than copied: (pass, field) -> config fields read.
 DERIVED: dict[tuple[str, str], tuple[str, ...]] = {
-    ("decompose", "patterns"): ("decompose_chains", "decompose_all_to_all_chains")
+    ("decompose", "patterns"): ("decompose_chains", "decompose_all_to_all_chains"),
+    ("interleave", "memory_budget_ratio"): ("interleave_memory_budget_ratio",),
 }
 
 
@@ -60,7 +60,10 @@ def _derived(config: DHelixConfig) -> dict[str, dict[str, Any]]:
     chains = ((CHAIN,) if config.decompose_chains else ()) + (
         (A2A_CHAIN,) if config.decompose_all_to_all_chains else ()
     )
-    return {"decompose": {"patterns": chains + SINGLE_SITE_PATTERNS}}
+    return {
+        "decompose": {"patterns": chains + SINGLE_SITE_PATTERNS},
+        "interleave": {"memory_budget_ratio": config.interleave_budget_ratio},
+    }
 
 
 def pass_options(config: DHelixConfig) -> dict[str, Any]:

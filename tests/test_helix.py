@@ -354,7 +354,7 @@ def test_the_merged_candidate_compiled_is_the_leanest_of_the_fastest_within_the_
     """Of a merged graph's candidates (rewritten, plain, ...): none whose peak exceeds the budget
     over the leanest sequential order; of the rest, the leanest of those within the minimum gain
     of the fastest."""
-    config = DHelixConfig()  # interleave_memory_budget_ratio 1.25, decompose_min_gain_ratio 0.02
+    config = DHelixConfig()  # merged budget 1.25 (interleave_memory_budget_ratio None), decompose_min_gain_ratio 0.02
     nan = float("nan")
     # (planned peak, sequential peak) per candidate
     assert leanest_of_the_fastest([1.0, 1.5], [(100.0, 100.0), (90.0, 90.0)], config) == 0  # clearly faster

@@ -220,8 +220,9 @@ def test_backend_accepts_checkpointed_blocks() -> None:
         ("checkpoint", {}, merged_candidates.RECOMPUTE_MEMORY_BUDGET_RATIO),
         ("selective", {}, merged_candidates.RECOMPUTE_MEMORY_BUDGET_RATIO),
         ("checkpoint", {"interleave_memory_budget_ratio": 2.0}, 2.0),  # set by the user: as given
+        ("checkpoint", {"interleave_memory_budget_ratio": 1.25}, 1.25),  # the plain models' budget, asked for
     ],
-    ids=["plain", "checkpoint", "selective", "checkpoint_option_set"],
+    ids=["plain", "checkpoint", "selective", "checkpoint_option_set", "checkpoint_plain_budget_set"],
 )
 def test_merged_graph_of_a_recomputing_backward_gets_the_recompute_budget(
     kind: CheckpointKind | None, options: dict[str, Any], want_ratio: float, monkeypatch: pytest.MonkeyPatch
@@ -233,7 +234,7 @@ def test_merged_graph_of_a_recomputing_backward_gets_the_recompute_budget(
     compile_partition = merged_candidates.compile_partition
 
     def recording(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        ratios.append(kwargs["config"].interleave_memory_budget_ratio)
+        ratios.append(kwargs["config"].interleave_budget_ratio)
         return compile_partition(gm, example_inputs, **kwargs)
 
     monkeypatch.setattr(merged_candidates, "compile_partition", recording)

@@ -15,7 +15,7 @@ Contract
 
 Pseudo-code::
 
-    config = merged_config(config, F, B)  # budget 1.0 when B recomputes and the option is default
+    config = merged_config(config, F, B)  # budget 1.0 when B recomputes and the option is not set
     candidates = [merge(F, B) as scheduled]
     if a pass chose to rewrite F or B:   candidates += [merge(F, B) as captured, those passes off]
     if F or B holds an all-to-all chain: candidates += [merge(F, B) planned without chains]
@@ -94,16 +94,13 @@ class Merged:
 
 
 #: ``interleave_memory_budget_ratio`` of a merged graph whose backward strand recomputes, when
-#: the option is at its default: M's order may not raise its predicted peak above the
+#: the option is not set: M's order may not raise its predicted peak above the
 #: backward-then-forward order's. Checkpointing asks for memory, and the peak model misses part
 #: of what an interleaved order holds there: on the reference transformer ``medium`` with every
 #: block checkpointed (functional TP+SP, 2 ranks) M at budget 1.0 was predicted to hold what its
 #: sequential order holds (31.5 MiB) and the step peaked at 1.12-1.15x the eager checkpointed
 #: loop's, against 0.95x for the sequential order and 1.19-1.26x at 1.25 (docs/helix.md).
 RECOMPUTE_MEMORY_BUDGET_RATIO = 1.0
-
-#: The default of ``interleave_memory_budget_ratio``: the value :func:`merged_config` replaces.
-_DEFAULT_MEMORY_BUDGET_RATIO: float = DHelixConfig().interleave_memory_budget_ratio
 
 _RECOMPUTE_POLICIES = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -127,9 +124,9 @@ def recomputes(gm: torch.fx.GraphModule) -> bool:
 def merged_config(config: DHelixConfig, first: Strand, second: Strand) -> DHelixConfig:
     """The config a merged graph of ``first`` and ``second`` is planned and compiled with:
     ``config``, with ``interleave_memory_budget_ratio`` at :data:`RECOMPUTE_MEMORY_BUDGET_RATIO`
-    when the option is at its default and a backward strand recomputes (:func:`recomputes`).
-    Any other value of the option applies as given."""
-    if config.interleave_memory_budget_ratio != _DEFAULT_MEMORY_BUDGET_RATIO:
+    when the option is not set (None) and a backward strand recomputes (:func:`recomputes`).
+    A value set applies as given."""
+    if config.interleave_memory_budget_ratio is not None:
         return config
     if not any(s.phase == "bwd" and recomputes(s.raw) for s in (first, second)):
         return config
@@ -324,7 +321,7 @@ def leanest_of_the_fastest(times: Sequence[float], peaks: Sequence[tuple[float, 
     peaked at 1.89x the eager accumulation loop's against 1.07x (BENCHMARKS.md).
     """
     base = min((s for _, s in peaks if not math.isnan(s)), default=math.nan)
-    budget = config.interleave_memory_budget_ratio * base
+    budget = config.interleave_budget_ratio * base
     fits = [i for i, (p, _) in enumerate(peaks) if math.isnan(p) or math.isnan(base) or p <= budget]
     fits = fits or list(range(len(times)))
     fastest = min(times[i] for i in fits)
