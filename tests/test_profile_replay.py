@@ -85,6 +85,25 @@ def test_a_call_that_differs_ends_the_replay(tmp_path: pathlib.Path) -> None:
     assert len(log["calls"]) == 3  # the replayed call, then this process's own
 
 
+def test_the_log_is_read_and_agreed_through_the_runner(tmp_path: pathlib.Path) -> None:
+    """Replaying a segment call agrees with the other ranks by collectives: it runs through the
+    estimator's runner (the compiler's fake-tensor mode left), as measuring does."""
+    gm = trace_aten(_mlp, torch.randn(32, 16), torch.randn(16, 8))
+    segments = [[n for n in gm.graph.nodes if n.op == "call_function"]]
+    ran: list[str] = []
+
+    def runner(fn: Any) -> Any:
+        ran.append(getattr(fn, "__qualname__", "fn"))
+        return fn()
+
+    first = _estimator(tmp_path, replay_link="unit", runner=runner)
+    first.segment_times(segments)
+    second = _estimator(tmp_path, replay_link="unit", runner=runner)
+    ran.clear()
+    assert second.segment_times(segments) == first.segment_times(segments)
+    assert any("_replayed" in name for name in ran), ran  # the log's agreement, through the runner
+
+
 def _replay_on_gloo(rank: int, world_size: int, cache_root: str) -> list[tuple[int, int]]:
     def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(x @ w, "sum", dist.group.WORLD).relu()

@@ -432,7 +432,12 @@ class ProfiledEstimator(EstimatorBase):
         if self._log is None:
             self._log = MeasurementLog(self.cache_dir, self.replay_link, self.agreement_group())
         key = call_key(kind, signatures)
-        return key, self._log.next_delta(key)
+        log = self._log
+        # the ranks agree on the log by collectives: outside the compiler's fake-tensor mode, as
+        # the measurements run (a collective issued inside it was seen to block every rank)
+        if self.runner is not None:
+            return key, self.runner(lambda: log.next_delta(key))
+        return key, log.next_delta(key)
 
     def _logged(self, kind: str, signatures: Sequence[str], measure: Callable[[], _R]) -> _R:
         """``measure()`` with the log: its delta applied first when replayed (the memos then
