@@ -108,7 +108,6 @@ def test_experimental_options_are_marked_and_listed_last() -> None:
         "bucket_mb",
         "decompose_auto_chunked",
         "decompose_chains",
-        "helix_schedule",
         "interleave_timed_width",
     )
     for brief in (True, False):
