@@ -49,7 +49,8 @@ JSON holds one; the workers time each variant's own), ``link``, ``rate``,
 
 With ``--link emulated:<link>`` one process instead runs as one rank of an emulated cluster whose
 collectives take the link model's time (``bench.emulated``; the presets under ``--link``); with
-``--pipeline``, one rank of a PP x TP job (``--tp``).
+``--pipeline``, one rank of a PP x TP job (``--tp``). On CPU it also prints, part by part of each
+variant's step (F0, B0+F1, ...), where its communication stays exposed and why (``bench.exposure``).
 """
 
 from __future__ import annotations
