@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from cost_model import AnalyticEstimator, Device, Link, ProfiledEstimator
-from cost_model.profile.replay import LINK_TOLERANCE, state_delta
+from cost_model.profile.replay import state_delta
 from cost_model.testing import trace_aten
 from dhelix_compile.testing.multirank import run_on_ranks
 
@@ -108,7 +108,12 @@ def _replay_on_gloo(rank: int, world_size: int, cache_root: str) -> list[tuple[i
     def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(x @ w, "sum", dist.group.WORLD).relu()
 
-    gm = trace_aten(step, torch.randn(64, 64), torch.randn(64, 64))
+    from cost_model.profile import replay
+
+    # a small loopback all-reduce measured twice can differ by more than the 3x the product allows
+    # on a busy machine: the test's tolerance is wider and its false log further off
+    replay.LINK_TOLERANCE = 10.0
+    gm = trace_aten(step, torch.randn(256, 256), torch.randn(256, 256))
     base = AnalyticEstimator(DEVICE, LINK, comm_backend="gloo")
     cache = pathlib.Path(cache_root, f"rank{rank}")  # each rank its own folder, as on two hosts
 
@@ -123,7 +128,7 @@ def _replay_on_gloo(rank: int, world_size: int, cache_root: str) -> list[tuple[i
     measurements = log["calls"][0]["delta"]["measurements"]
     for sig in measurements:  # the link logged as far slower than it runs
         if "c10d" in sig:
-            measurements[sig] *= 10 * LINK_TOLERANCE
+            measurements[sig] *= 10 * replay.LINK_TOLERANCE
     path.write_text(json.dumps(log))
     counts.append(calibrate())
     return counts
