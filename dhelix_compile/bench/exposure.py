@@ -45,7 +45,8 @@ from dhelix_compile.step_phases import PhaseSpan
 
 OUTSIDE = "-"
 
-#: Exposed time below this share of a part's step (and below :data:`HIDDEN_ABS_S`) reads "hidden".
+#: Exposed and slowed time each below this share of a part's step, or below :data:`HIDDEN_ABS_S`,
+#: read "hidden".
 HIDDEN_SHARE = 0.05
 HIDDEN_ABS_S = 1e-3
 
@@ -76,6 +77,9 @@ class Repeat:
 
 @dataclasses.dataclass(frozen=True)
 class PartRow:
+    """One part of a variant's step: the module docstring's medians, its operations (first
+    repeat), exposed seconds by kind and the reason."""
+
     name: str
     step_s: float
     compute_s: float
