@@ -51,7 +51,11 @@ def _two_all_reduces(x: torch.Tensor, w: torch.Tensor, big: torch.Tensor) -> tor
 
 
 def _backend(dump_dir: Path, steps: int, codegen: str = "eager") -> Any:
-    return dhelix_compile.backend(codegen=codegen, fallback="error", dump_dir=str(dump_dir), profile_steps=steps)
+    # decompose="off": the segments are cut at the graph's own collectives; under "auto" the
+    # measured costs of the moment may send an all-reduce as per-peer steps (more boundaries)
+    return dhelix_compile.backend(
+        codegen=codegen, fallback="error", dump_dir=str(dump_dir), profile_steps=steps, decompose="off"
+    )
 
 
 def _graph_folders(dump_dir: Path) -> list[Path]:
