@@ -47,6 +47,7 @@ from cost_model.hardware import Link
 from cost_model.timing import synchronize
 from cost_model.units import format_ms
 from dhelix_compile.bench import exposure
+from dhelix_compile.emulation.group import Transfer, TransferTimes
 from dhelix_compile.step_phases import recording_phases
 
 EMULATED_PREFIX = "emulated:"
@@ -373,7 +374,7 @@ def _measure_variants(
     return times, done
 
 
-def _timed_transfer(transfer: Any, times: Any) -> exposure.TimedTransfer:
+def _timed_transfer(transfer: Transfer, times: TransferTimes) -> exposure.TimedTransfer:
     """The exposure table's view of one emulated transfer (``emulation.group``'s ledger)."""
     return exposure.TimedTransfer(
         transfer.op,

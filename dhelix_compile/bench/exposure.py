@@ -41,6 +41,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from dhelix_compile.emulation.group import link_side
 from dhelix_compile.step_phases import PhaseSpan
 
 OUTSIDE = "-"
@@ -150,7 +151,7 @@ def part_rows(repeats: Sequence[Repeat]) -> list[PartRow]:
         exposed_op: dict[tuple[str, str], float] = collections.defaultdict(float)
         for t in repeat.transfers:
             issued_in, waited_in = t.phase or OUTSIDE, t.waited_phase or OUTSIDE
-            comm[issued_in, "in" if t.op == "recv" else "out"] += t.seconds
+            comm[issued_in, link_side(t.op)] += t.seconds
             exposed[waited_in] += t.blocked_s
             busy[waited_in] += min(t.blocked_s, t.queued_s)
             exposed_op[waited_in, t.op] += t.blocked_s

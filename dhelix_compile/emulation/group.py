@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 
+def link_side(op: str) -> str:
+    """The side of the rank's link an operation runs on: ``"in"`` for a receive, else ``"out"``."""
+    return "in" if op == "recv" else "out"
+
+
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """One emulated operation: ``nbytes`` is the full buffer S (nccl-tests convention)."""
@@ -59,8 +64,8 @@ class Transfer:
 
     @property
     def queue(self) -> str:
-        """The side of the rank's link it runs on: ``"in"`` for a receive, else ``"out"``."""
-        return "in" if self.op == "recv" else "out"
+        """The side of the rank's link it runs on (:func:`link_side`)."""
+        return link_side(self.op)
 
     @property
     def wire_bytes(self) -> int:
