@@ -101,8 +101,25 @@ def test_emulate_refuses_bad_arguments_and_a_live_group(cluster: dhelix_compile.
             dhelix_compile.emulate(**kwargs)
 
 
-def test_outputs_have_the_right_shapes_and_this_ranks_values(cluster: dhelix_compile.emulation.Emulation) -> None:
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_have_the_right_shapes_and_this_ranks_values(
+    cluster: dhelix_compile.emulation.Emulation, device: str
+) -> None:
     rank, n = 3, 8
+    torch.set_default_device(device)  # every tensor below; on CUDA read after the compute stream's wait
+    try:
+        _check_outputs(rank, n)
+    finally:
+        torch.set_default_device(None)
+
+
+def _check_outputs(rank: int, n: int) -> None:
     x = torch.arange(16, dtype=torch.float32).reshape(4, 4) + 1
 
     reduced = x.clone()
@@ -211,19 +228,20 @@ class _MLP(torch.nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["tp8", "dp2xtp4"])
 def test_tensor_parallel_training_runs_eager_and_compiled(
-    cluster: dhelix_compile.emulation.Emulation, shape: tuple[int, ...]
+    cluster: dhelix_compile.emulation.Emulation, shape: tuple[int, ...], device: str
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     names = ("tp",) if len(shape) == 1 else ("dp", "tp")
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
     assert mesh["tp"].size() == shape[-1] and mesh.get_coordinate() is not None
     torch.manual_seed(0)
-    model = parallelize_module(_MLP(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    x = torch.randn(4, 32)
+    model = parallelize_module(_MLP().to(device), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(4, 32, device=device)
     for backend in (None, "inductor", "dhelix"):
         # a cross-rank check that waited for ranks that do not exist would fail after 5 s
         options: dict[str, str | int | bool | Callable[..., Any]] | None = (

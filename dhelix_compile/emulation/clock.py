@@ -12,13 +12,18 @@ Contract
   runs (as gloo's threads copy; a message of at most :data:`INLINE_BYTES` is written at once, on
   the caller's thread, where a hand-off would cost more than the copy); ``wait`` also waits for
   that write, so an operation lasts at least its output's memory write.
-* CUDA (:class:`CudaQueues`): per queue a *delay* stream and a *data* stream. The delay stream
-  waits for the compute stream (the inputs), then runs ``torch.cuda._sleep`` for the link time
-  (cycles calibrated once against CUDA events, minus a delay kernel's own fixed cost); the data
-  stream writes the outputs and, in ``traffic`` mode, copies the bytes the rank would push
-  through its link, so HBM bandwidth is shared as NCCL's kernels share it. The delay stream
-  joins the data stream and records the completion event; ``wait`` makes the *compute stream*
-  wait on it (the host does not block), as NCCL's ``work.wait()`` does.
+* CUDA (:class:`CudaQueues`): per queue a *delay* stream (high priority) and a *data* stream.
+  The delay stream waits for the compute stream (the inputs) and the queue's earlier operations,
+  then runs ``torch.cuda._sleep`` for the link time (cycles calibrated once against CUDA events);
+  the data stream, from the same point, writes the outputs and, in ``traffic`` mode, copies the
+  bytes the rank would push through its link, so HBM bandwidth is shared as NCCL's kernels share
+  it. The delay kernel is launched first and its stream has the higher priority, so a large write
+  cannot hold back its one block (the GPU dispatches an earlier kernel's blocks first). The delay
+  stream joins the data stream and records the completion event; ``wait`` makes the *compute
+  stream* wait on it (the host does not block), as NCCL's ``work.wait()`` does. What an operation
+  costs beside its delay (the stream hand-offs, the join) is measured once per shape of operation
+  (with or without a data stream) and taken off the delay, so an operation lasts the link
+  model's time, or its writes' time where they take longer.
 
     compute  --[inputs]--+--------------------------------------[wait: stream waits]-->
                          |                                        ^
@@ -131,16 +136,23 @@ class _DelayKernel:
 class CudaQueues:
     """Side streams per queue on one CUDA device; see the module docstring."""
 
+    #: The link time of the operations :meth:`calibrate` times (long enough to hide a small write).
+    CALIBRATION_S: float = 100e-6
+
     def __init__(self, device: torch.device, traffic: bool) -> None:
         self.device = device
         self.traffic = traffic
         self._delay = _DelayKernel(device)
         self._streams: dict[Hashable, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
+        self.overhead_s: dict[bool, float] = {False: 0.0, True: 0.0}
+        """What an operation costs beside its delay kernel, by whether it uses the data stream."""
+        self.calibrate()
 
     def _queue_streams(self, queue: Hashable) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if queue not in self._streams:
-            self._streams[queue] = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+            # priority -1: above the default 0 (torch maps it into the device's range)
+            self._streams[queue] = (torch.cuda.Stream(self.device, priority=-1), torch.cuda.Stream(self.device))
         return self._streams[queue]
 
     def _move_bytes(self, wire_bytes: int) -> None:
@@ -150,30 +162,62 @@ class CudaQueues:
             self._scratch = torch.empty(2 * half, dtype=torch.uint8, device=self.device)
         self._scratch[half : 2 * half].copy_(self._scratch[:half])
 
+    def calibrate(self, repeats: int = 7) -> None:
+        """Set :attr:`overhead_s`: an operation of :data:`CALIBRATION_S` timed on the compute
+        stream (issue to wait, behind queued GPU work so the host runs ahead), with and without
+        a small write, less what its delay kernel was asked for."""
+        probe = torch.empty(1024, dtype=torch.uint8, device=self.device)
+        with torch.cuda.device(self.device):
+            for writes in (False, True):
+                self.overhead_s[writes] = 0.0
+
+                def write_probe() -> None:
+                    probe.fill_(1)
+
+                def op(writes: bool = writes) -> None:
+                    write = write_probe if writes else None
+                    event = self.issue(("calibration", writes), self.CALIBRATION_S, write, [probe], 0)
+                    torch.cuda.current_stream(self.device).wait_event(event)
+
+                samples = []
+                for _ in range(repeats):
+                    torch.cuda.synchronize(self.device)
+                    samples.append(cuda_window_s(op, lead_in=lambda: compat.cuda_delay(2_000_000)))
+                self.overhead_s[writes] = max(0.0, sorted(samples)[len(samples) // 2] - self.CALIBRATION_S)
+            self._streams.pop(("calibration", False), None)
+            self._streams.pop(("calibration", True), None)
+
     def issue(
         self,
         queue: Hashable,
         seconds: float,
-        write_outputs: Callable[[], None],
+        write_outputs: Callable[[], None] | None,
         tensors: Sequence[torch.Tensor],
         wire_bytes: int,
     ) -> torch.cuda.Event:
-        """Enqueue one operation; the returned event completes when the link model says it ends."""
+        """Enqueue one operation; the returned event completes when the link model says it ends
+        (or when its writes end, if later). ``write_outputs``: None for an operation that
+        writes nothing (an all-reduce's output is its input here)."""
         delay, data = self._queue_streams(queue)
         compute = torch.cuda.current_stream(self.device)
-        delay.wait_stream(compute)
-        data.wait_stream(delay)  # after the inputs and the queue's earlier operations
-        with torch.cuda.stream(data):
-            write_outputs()
-            if self.traffic and wire_bytes > 0:
-                self._move_bytes(wire_bytes)
+        delay.wait_stream(compute)  # the inputs, after the queue's earlier operations
+        uses_data = write_outputs is not None or (self.traffic and wire_bytes > 0)
+        if uses_data:
+            data.wait_stream(delay)
         with torch.cuda.stream(delay):
-            self._delay.sleep(seconds)
-        delay.wait_stream(data)
+            self._delay.sleep(seconds - self.overhead_s[uses_data])
+        if uses_data:
+            with torch.cuda.stream(data):
+                if write_outputs is not None:
+                    write_outputs()
+                if self.traffic and wire_bytes > 0:
+                    self._move_bytes(wire_bytes)
+            delay.wait_stream(data)
         for tensor in tensors:
             if tensor.is_cuda:
                 tensor.record_stream(delay)
-                tensor.record_stream(data)
+                if uses_data:
+                    tensor.record_stream(data)
         done = torch.cuda.Event()
         done.record(delay)
         return done

@@ -287,24 +287,28 @@ class EmulatedGroup(dist.ProcessGroup):
         op: str,
         nbytes: int,
         tensors: Sequence[torch.Tensor],
-        write_outputs: Callable[[], None],
+        write_outputs: Callable[[], None] | None,
         result: list[torch.Tensor],
     ) -> EmulatedWork:
+        """Issue ``op`` on ``nbytes``; ``write_outputs`` writes the outputs (None: nothing to
+        write, the output is the input)."""
         state = self._state
         seconds = 0.0 if state.link is None else collective_time_s(op, nbytes, self._size, state.link)
         transfer = Transfer(op, int(nbytes), self._size, self._name, seconds)
         key = transfer.queue
 
         def write() -> None:  # as the wire writes: outside autograd (a pipeline receives into leaves that require grad)
-            with torch.no_grad():
-                write_outputs()
+            if write_outputs is not None:
+                with torch.no_grad():
+                    write_outputs()
 
         cuda = next((t.device for t in tensors if t.is_cuda), None)
         if cuda is not None:
             state.ledger.add(transfer)
-            event = state.cuda_queues(cuda).issue(key, seconds, write, tensors, transfer.wire_bytes)
+            writes = None if write_outputs is None else write
+            event = state.cuda_queues(cuda).issue(key, seconds, writes, tensors, transfer.wire_bytes)
             return EmulatedWork(result, event=event, device=cuda)
-        written = state.cpu.write(write, self._nbytes(result))
+        written = None if write_outputs is None else state.cpu.write(write, self._nbytes(result))
         issued = time.perf_counter()
         start, deadline = state.cpu.schedule_span(key, seconds)
         times = TransferTimes(current_step_phase(), issued, start, deadline)
@@ -318,16 +322,16 @@ class EmulatedGroup(dist.ProcessGroup):
     # -- collectives --------------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> EmulatedWork:  # type: ignore[override]  # torch's stubs list its overloads
-        return self._issue("all_reduce", self._nbytes(tensors), tensors, lambda: None, tensors)
+        return self._issue("all_reduce", self._nbytes(tensors), tensors, None, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> EmulatedWork:
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> EmulatedWork:  # type: ignore[override]  # torch's stubs list its overloads
-        return self._issue("broadcast", self._nbytes(tensors), tensors, lambda: None, tensors)
+        return self._issue("broadcast", self._nbytes(tensors), tensors, None, tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> EmulatedWork:  # type: ignore[override]  # torch's stubs list its overloads
-        return self._issue("all_reduce", self._nbytes(tensors), tensors, lambda: None, tensors)
+        return self._issue("all_reduce", self._nbytes(tensors), tensors, None, tensors)
 
     def allgather(  # type: ignore[override]  # torch's stubs list its overloads
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -440,12 +444,12 @@ class EmulatedGroup(dist.ProcessGroup):
         return self._issue("broadcast", self._nbytes(outputs), [*outputs, *_tensors(inputs)], write, outputs)
 
     def barrier(self, opts: Any = None) -> EmulatedWork:
-        return self._issue("all_reduce", 4, [], lambda: None, [])
+        return self._issue("all_reduce", 4, [], None, [])
 
     # -- point to point -----------------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> EmulatedWork:
-        return self._issue("send", self._nbytes(tensors), tensors, lambda: None, tensors)
+        return self._issue("send", self._nbytes(tensors), tensors, None, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> EmulatedWork:
         def write() -> None:
