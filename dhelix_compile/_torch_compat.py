@@ -1066,6 +1066,24 @@ def register_process_group_backend(
     dist.Backend.register_backend(name, creator, extended_api=True, devices=list(devices))
 
 
+def all_gather_into_tensor(output: Any, input: Any, **kwargs: Any) -> Any:
+    """``torch.distributed``'s all-gather into one tensor: ``all_gather_single`` in torch 2.13,
+    ``all_gather_into_tensor`` in 2.11 (2.13 still takes that name, with a warning)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, **kwargs)
+
+
+def reduce_scatter_tensor(output: Any, input: Any, **kwargs: Any) -> Any:
+    """``torch.distributed``'s reduce-scatter of one tensor: ``reduce_scatter_single`` in torch
+    2.13, ``reduce_scatter_tensor`` in 2.11."""
+    import torch.distributed as dist
+
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, **kwargs)
+
+
 def cuda_delay(cycles: int) -> None:
     """Enqueue a kernel on the current CUDA stream that spins ``cycles`` GPU clock cycles."""
     torch.cuda._sleep(cycles)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 import dhelix_compile
 from cost_model.collectives import collective_bytes_on_wire, collective_time_s
 from cost_model.hardware import get_link
+from dhelix_compile import _torch_compat as compat
 from dhelix_compile.bench.emulated import balanced_link, parse_emulated_link
 from dhelix_compile.emulation import EmulationError, LinkSpecError, describe_presets, parse_link
 from dhelix_compile.emulation.clock import CpuQueues
@@ -127,12 +128,12 @@ def _check_outputs(rank: int, n: int) -> None:
     torch.testing.assert_close(reduced, x)  # as if every rank held x; never n * x
 
     gathered = torch.full((4 * n, 4), float("nan"))
-    dist.all_gather_single(gathered, x)
+    compat.all_gather_into_tensor(gathered, x)
     torch.testing.assert_close(gathered, x.repeat(n, 1))
 
     chunks = torch.arange(n * 4, dtype=torch.float32).reshape(n * 2, 2)
     scattered = torch.full((2, 2), float("nan"))
-    dist.reduce_scatter_single(scattered, chunks)
+    compat.reduce_scatter_tensor(scattered, chunks)
     torch.testing.assert_close(scattered, chunks[2 * rank : 2 * rank + 2])
 
     exchanged = torch.full((8, 4), float("nan"))
@@ -161,7 +162,7 @@ def test_the_ledger_holds_each_operation_on_the_link_model(cluster: dhelix_compi
     cluster.ledger.clear()
     x = torch.ones(1024)
     dist.all_reduce(x)
-    dist.all_gather_single(torch.empty(8 * 1024), x)
+    compat.all_gather_into_tensor(torch.empty(8 * 1024), x)
     dist.send(x, dst=4)
     dist.recv(x, src=2)
     ops = [(t.op, t.nbytes, t.group_size) for t in cluster.ledger.transfers()]

@@ -41,13 +41,10 @@ def _issue(op: str, nbytes: int, n: int, device: torch.device) -> Callable[[], A
     full = torch.ones(numel, dtype=torch.bfloat16, device=device)
     part = torch.ones(numel // n, dtype=torch.bfloat16, device=device)
     other = torch.empty_like(full)
-    # torch 2.13 names them *_single; 2.11 has only the *_tensor names (2.13 still takes them, with a warning)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     calls: dict[str, Callable[[], Any]] = {
         "all_reduce": lambda: dist.all_reduce(full, async_op=True),
-        "all_gather": lambda: gather(other, part, async_op=True),
-        "reduce_scatter": lambda: scatter(part, full, async_op=True),
+        "all_gather": lambda: compat.all_gather_into_tensor(other, part, async_op=True),
+        "reduce_scatter": lambda: compat.reduce_scatter_tensor(part, full, async_op=True),
         "all_to_all": lambda: dist.all_to_all_single(other, full, async_op=True),
         "broadcast": lambda: dist.broadcast(full, 0, async_op=True),
         "send": lambda: dist.isend(full, dst=1),
