@@ -360,3 +360,19 @@ def test_a_pipeline_with_declared_shapes_runs_on_a_pp_x_tp_mesh(rank: int) -> No
         assert ops.count("send") >= 4 and ops.count("recv") >= 4  # activations one way, gradients the other
         grads = [p.grad for p in stage.submod.parameters()]
         assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_a_step_that_beats_its_own_limit_reads_no_hidden_share() -> None:
+    from dhelix_compile.bench.emulated import VariantTimes, variant_row
+
+    def row(step: float, compute: float, comm: float) -> dict[str, Any]:
+        return variant_row(
+            VariantTimes(step_s=[step], host_s=[step], compute_s=[compute], comm_s=[comm], wire_bytes=[1])
+        )
+
+    assert row(0.110, 0.100, 0.050)["hidden_share"] == pytest.approx(0.8)
+    assert row(0.150, 0.100, 0.050)["hidden_share"] == pytest.approx(0.0)
+    assert row(0.100, 0.100, 0.050)["hidden_share"] == pytest.approx(1.0)
+    assert row(0.095, 0.100, 0.050)["hidden_share"] is None  # faster than its link-free repeats: noise
+    assert row(0.100, 0.100, 0.0)["hidden_share"] is None  # nothing to hide
+    assert row(0.095, 0.100, 0.050)["step_over_limit"] == pytest.approx(0.95)

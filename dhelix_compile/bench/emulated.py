@@ -12,7 +12,7 @@ ways in the same run, interleaved with the others:
     bytes     what this rank sent over its link in a step
 
     limit  = max(own T_compute, own T_comm)       (a step cannot beat it)
-    hidden = (T_compute + T_comm - step) / (T_compute + T_comm - limit)
+    hidden = (T_compute + T_comm - step) / (T_compute + T_comm - limit)   (none where step < limit)
 
 ``<link>`` is a preset (``ib400``, ``nvlink4``, ...; ``dhelix bench --help`` lists them with
 their numbers), ``alpha=5us,bandwidth=40GB/s``, or ``balanced``: ib400's alpha with the
@@ -47,6 +47,7 @@ from cost_model.hardware import Link
 from cost_model.timing import synchronize
 from cost_model.units import format_ms
 from dhelix_compile.bench import exposure
+from dhelix_compile.bench.run import hidden_share
 from dhelix_compile.emulation.group import Transfer, TransferTimes
 from dhelix_compile.step_phases import recording_phases
 
@@ -134,7 +135,9 @@ def balanced_link(transfers: list[Any], t_compute_s: float, alpha_s: float) -> L
 
 
 @dataclasses.dataclass
-class _VariantTimes:
+class VariantTimes:
+    """One variant's measurements, a value per timed repeat (seconds, bytes)."""
+
     step_s: list[float] = dataclasses.field(default_factory=list)
     host_s: list[float] = dataclasses.field(default_factory=list)
     compute_s: list[float] = dataclasses.field(default_factory=list)
@@ -323,12 +326,12 @@ def _measure_variants(
     repeats: int,
     warmup: int,
     time_limit_s: float,
-) -> tuple[dict[str, _VariantTimes], int]:
+) -> tuple[dict[str, VariantTimes], int]:
     """Each variant's step (``make_step(name)``) compiled and warmed, then timed on the link and
     with it free, interleaved with the others; returns the times and the repeats done."""
     from dhelix_compile.emulation.group import link_time_s
 
-    times = {name: _VariantTimes() for name in variants}
+    times = {name: VariantTimes() for name in variants}
     steps: dict[str, Callable[[], None]] = {}
 
     def prepare(name: str) -> None:
@@ -389,6 +392,32 @@ def _timed_transfer(transfer: Transfer, times: TransferTimes) -> exposure.TimedT
     )
 
 
+def variant_row(row: VariantTimes) -> dict[str, Any]:
+    """One variant's summary: medians of its repeats beside its own limit (module docstring)."""
+    step, compute, comm = (statistics.median(v) for v in (row.step_s, row.compute_s, row.comm_s))
+    limit = max(compute, comm)
+    hideable = compute + comm - limit
+    return {
+        "step_s_median": step,
+        "step_s_all": row.step_s,
+        "t_compute_s": compute,
+        "t_comm_s": comm,
+        "limit_s": limit,
+        "step_over_limit": step / limit,
+        # None where nothing is hideable, or where the step beat its limit (its link-free
+        # repeats ran slower than the step: noise, no share to read)
+        "hidden_share": hidden_share(step, compute, comm) if hideable > 0 and step >= limit else None,
+        "exposed_comm_s": max(0.0, step - compute),
+        "host_s_median": statistics.median(row.host_s),
+        "wire_bytes_per_step": statistics.median(row.wire_bytes),
+        "transfers_per_step": row.transfers,
+        "operations_per_step": row.ops,
+        "compile_s": row.compile_s,
+        "compile_phases_s": row.compile_phases_s,
+        "parts": [part.as_dict() for part in exposure.part_rows(row.parts)],
+    }
+
+
 def _summary(
     emulated: EmulatedLink,
     rank: int,
@@ -398,31 +427,10 @@ def _summary(
     device: torch.device,
     dtype: str | None,
     microbatches: int,
-    times: dict[str, _VariantTimes],
+    times: dict[str, VariantTimes],
     repeats: int,
 ) -> dict[str, Any]:
-    rows: dict[str, dict[str, Any]] = {}
-    for name, row in times.items():
-        step, compute, comm = (statistics.median(v) for v in (row.step_s, row.compute_s, row.comm_s))
-        limit = max(compute, comm)
-        hideable = compute + comm - limit
-        rows[name] = {
-            "step_s_median": step,
-            "step_s_all": row.step_s,
-            "t_compute_s": compute,
-            "t_comm_s": comm,
-            "limit_s": limit,
-            "step_over_limit": step / limit,
-            "hidden_share": (compute + comm - step) / hideable if hideable > 0 else None,
-            "exposed_comm_s": max(0.0, step - compute),
-            "host_s_median": statistics.median(row.host_s),
-            "wire_bytes_per_step": statistics.median(row.wire_bytes),
-            "transfers_per_step": row.transfers,
-            "operations_per_step": row.ops,
-            "compile_s": row.compile_s,
-            "compile_phases_s": row.compile_phases_s,
-            "parts": [part.as_dict() for part in exposure.part_rows(row.parts)],
-        }
+    rows = {name: variant_row(row) for name, row in times.items()}
     return {
         "emulated": dataclasses.asdict(emulated),
         "rank": rank,
