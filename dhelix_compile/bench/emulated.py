@@ -340,6 +340,9 @@ def _measure_variants(
         clock = compile_clock.totals()
         times[name].compile_s = _timed(steps[name], device)
         times[name].compile_phases_s = compile_clock.since(clock)
+        phases = compile_clock.format_phases(times[name].compile_phases_s)
+        split = f" ({phases}: profiling / passes / codegen)" if phases else ""
+        print(f"    first step of {name}: {times[name].compile_s:.1f} s{split}", file=sys.stderr, flush=True)
         for _ in range(warmup):
             steps[name]()
 
