@@ -157,6 +157,8 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         if i == 0:
             compile_s = ", ".join(f"{n} {times[n][0]:.1f} s" for n in names)
             print0(f"first step, compilation included: {compile_s}")
+            if "inductor" in names:  # helix compiled first in these processes: Inductor reuses its kernels
+                print0("(Inductor's first step reuses kernels helix compiled here; each cold: docs/backend.md)")
             phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in helix_phases.items())
             rest = times["helix"][0] - sum(helix_phases.values())
             print0(f"helix's first step: {phases}; capture and run (Dynamo, AOTAutograd, the step) {rest:.1f} s")
