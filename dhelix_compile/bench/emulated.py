@@ -47,7 +47,7 @@ from cost_model.hardware import Link
 from cost_model.timing import synchronize
 from cost_model.units import format_ms
 from dhelix_compile.bench import exposure
-from dhelix_compile.bench.run import hidden_share
+from dhelix_compile.bench.bounds import hidden_share
 from dhelix_compile.emulation.group import Transfer, TransferTimes
 from dhelix_compile.step_phases import recording_phases
 

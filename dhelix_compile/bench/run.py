@@ -69,6 +69,7 @@ from cost_model import compile_clock
 from cost_model.links import describe_presets
 from cost_model.units import format_ms
 from dhelix_compile.bench import link_rate
+from dhelix_compile.bench.bounds import hidden_share
 from dhelix_compile.bench.choices import (
     DATA_PARALLEL_MODES,
     DATA_PARALLEL_VARIANTS,
@@ -330,12 +331,6 @@ def _seconds(value: float | None) -> str:
 def _plan_cell(variant: dict[str, Any]) -> str:
     """``profiling / passes / codegen`` seconds of the variant's first step (``-`` without dhelix graphs)."""
     return compile_clock.format_phases(variant.get("compile_phases_s")) or "-"
-
-
-def hidden_share(step_s: float, t_compute_s: float, t_comm_s: float) -> float:
-    """Share of the hideable communication a step hid: 1 = perfect overlap, 0 = none."""
-    hideable = t_compute_s + t_comm_s - max(t_compute_s, t_comm_s)
-    return (t_compute_s + t_comm_s - step_s) / hideable if hideable > 0 else 0.0
 
 
 def rate_probes_line(summary: dict[str, Any]) -> list[str]:
