@@ -3,8 +3,8 @@ that raises fails the test instead of falling back to plain Inductor with a warn
 pass it silently (data_parallel's and reshard's compiled graphs once did, for weeks).
 
 The suite keeps dhelix's caches (measured op costs, the measurement logs a second process
-replays) in a folder of its own, new for each run, unless ``DHELIX_CACHE_DIR`` is set: what
-earlier runs left in the user's ``~/.cache/dhelix`` would change the path a compile takes.
+replays) in a folder of its own, new for each run, unless ``DHELIX_CACHE_DIR`` is set: the
+measurement logs in the user's ``~/.cache/dhelix`` would change the path a compile takes.
 
 The ranks that ``run_on_ranks`` starts inherit the environment."""
 
