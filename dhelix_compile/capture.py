@@ -102,8 +102,9 @@ def compile_partition(
 
     ``graph_name`` overrides the name derived from Dynamo's compile id and the phase (helix's
     merged graphs); ``on_scheduled`` is called with the scheduled graph and the passes' context
-    before codegen (not when the pipeline fell back to plain Inductor); ``records`` are numbers
-    the caller decided by (``ctx.records``, in the summary beside the passes'). ``planned`` is
+    before codegen (not when the pipeline fell back to plain Inductor), and may keep it: codegen
+    compiles a copy. ``records`` are numbers the caller decided by (``ctx.records``, in the
+    summary beside the passes'). ``planned`` is
     :func:`plan_partition`'s result for ``gm`` under ``config``: it is compiled as is unless
     dumps are asked for (they record every pass, so the pipeline runs again). ``finish``: a last
     rewrite of a copy of the scheduled graph, after ``on_scheduled`` has seen it, before the
@@ -142,7 +143,9 @@ def compile_partition(
         return _profiled(compiled, plan, dumper, config)
     if on_scheduled is not None:
         on_scheduled(scheduled, ctx)
-    if finish is not None or donated:
+    if finish is not None or donated or on_scheduled is not None:
+        # Inductor rewrites the graph it compiles (reinplacing, on an FX-graph-cache miss only): the
+        # graph the caller keeps must not depend on whether the cache hit
         scheduled = copy_graph_module(scheduled)
     if finish is not None:
         finish(scheduled)

@@ -142,3 +142,39 @@ def test_gloo_ranks_replay_a_link_as_logged_and_measure_one_that_is_not(tmp_path
     assert r0[0] == (3, 3)  # mm, all_reduce, relu measured
     assert r0[1] == (0, 3)  # replayed
     assert r0[2] == (3, 3)  # the all-reduce measured outside the tolerance: measured again
+
+
+def test_the_scheduled_graph_a_caller_keeps_is_not_the_one_inductor_compiled() -> None:
+    """``compile_partition`` hands ``on_scheduled``'s caller (helix, which merges the strands it
+    keeps) a graph Inductor never sees: Inductor rewrites the graph it compiles on an FX-graph-cache
+    miss only (``index_put`` becomes ``index_put_``), so a kept graph that was compiled would differ
+    between a cold process and a warm one, and so would the merged graph's measurement calls: the
+    warm process would stop replaying the cold one's log there and measure afresh."""
+    import functools
+
+    from dhelix_compile import _torch_compat as compat
+    from dhelix_compile.capture import compile_partition
+    from dhelix_compile.compiler import resolve_config
+
+    kept: list[tuple[torch.fx.GraphModule, list[str]]] = []
+
+    def keep(graph: torch.fx.GraphModule, ctx: object) -> None:
+        kept.append((graph, [str(n.target) for n in graph.graph.nodes]))
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        config = resolve_config({"cost_model": "analytic"})
+        inner = functools.partial(compile_partition, config=config, on_scheduled=keep)
+        return compat.compile_with_aot_autograd(gm, example_inputs, inner)
+
+    def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y[mask] = 0.0
+        return y + 1
+
+    x, mask = torch.randn(8, 8), torch.rand(8, 8) > 0.5
+    with torch._inductor.config.patch(fx_graph_cache=False):  # a miss: Inductor rewrites what it compiles
+        out = torch.compile(masked, backend=backend)(x, mask)
+    torch.testing.assert_close(out, masked(x, mask))
+    assert kept and any("index_put" in target for _, targets in kept for target in targets)
+    for graph, targets in kept:
+        assert [str(n.target) for n in graph.graph.nodes] == targets
