@@ -34,6 +34,7 @@ Contract
 from __future__ import annotations
 
 import concurrent.futures
+import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -183,7 +184,7 @@ class CudaQueues:
                 for _ in range(repeats):
                     torch.cuda.synchronize(self.device)
                     samples.append(cuda_window_s(op, lead_in=lambda: compat.cuda_delay(2_000_000)))
-                self.overhead_s[writes] = max(0.0, sorted(samples)[len(samples) // 2] - self.CALIBRATION_S)
+                self.overhead_s[writes] = max(0.0, statistics.median(samples) - self.CALIBRATION_S)
             self._streams.pop(("calibration", False), None)
             self._streams.pop(("calibration", True), None)
 
