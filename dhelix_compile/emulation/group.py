@@ -233,6 +233,17 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _outside_autograd(write_outputs: Callable[[], None]) -> Callable[[], None]:
+    """``write_outputs`` run as the wire writes: outside autograd (a pipeline receives into
+    leaves that require grad)."""
+
+    def write() -> None:
+        with torch.no_grad():
+            write_outputs()
+
+    return write
+
+
 def _fill(out: torch.Tensor, source: torch.Tensor) -> None:
     """Write ``source``'s values into ``out``, tiled or cut to its size (zeros if it is empty)."""
     if out.numel() == 0:
@@ -297,18 +308,13 @@ class EmulatedGroup(dist.ProcessGroup):
         transfer = Transfer(op, int(nbytes), self._size, self._name, seconds)
         key = transfer.queue
 
-        def write() -> None:  # as the wire writes: outside autograd (a pipeline receives into leaves that require grad)
-            if write_outputs is not None:
-                with torch.no_grad():
-                    write_outputs()
-
+        write = None if write_outputs is None else _outside_autograd(write_outputs)
         cuda = next((t.device for t in tensors if t.is_cuda), None)
         if cuda is not None:
             state.ledger.add(transfer)
-            writes = None if write_outputs is None else write
-            event = state.cuda_queues(cuda).issue(key, seconds, writes, tensors, transfer.wire_bytes)
+            event = state.cuda_queues(cuda).issue(key, seconds, write, tensors, transfer.wire_bytes)
             return EmulatedWork(result, event=event, device=cuda)
-        written = None if write_outputs is None else state.cpu.write(write, self._nbytes(result))
+        written = None if write is None else state.cpu.write(write, self._nbytes(result))
         issued = time.perf_counter()
         start, deadline = state.cpu.schedule_span(key, seconds)
         times = TransferTimes(current_step_phase(), issued, start, deadline)
