@@ -4,7 +4,8 @@
 # every variant.
 #   bash dhelix_compile/bench/gpu/emulated.sh OUT_DIR
 # (on the GPU machine; nothing is downloaded: the package installs without its dependencies)
-# Environment: LINKS ("ib400 nvlink4"), VARIANTS, MODEL, PARALLEL, REPEATS, and the per-stage
+# Environment: LINKS ("ib400 nvlink4"), VARIANTS, MODEL, PARALLEL, REPEATS, REPEAT_S (the bench's
+# --time-limit-s for its timed repeats), and the per-stage
 # limits TESTS_S, TIMING_S, BENCH_S (seconds; a stage past its limit is stopped, the next runs).
 set -uo pipefail
 out=${1:?usage: emulated.sh OUT_DIR}
@@ -18,7 +19,7 @@ variants=${VARIANTS:-inductor,inductor_overlap,dhelix,helix}
 model=${MODEL:-llama3_8b_gpu}
 echo "== tests on CUDA"
 timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_emulation.py -k "cuda and (outputs or tp8)" \
-    2>&1 | tail -8
+    2>&1 | grep -v "^\[rank" | tail -40
 echo "== the emulator against its link model"
 timeout "${TIMING_S:-90}" python3 -m dhelix_compile.bench.emulated_timing --device cuda --link nvlink4 --repeats 5 \
     --out "$out/timing_nvlink4.json" 2>&1 | tail -40
