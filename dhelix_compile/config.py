@@ -234,6 +234,16 @@ class DHelixConfig:
         "other strand's stretch then goes on there (planned by the timed DP; the simulator judges it "
         "beside the other orders; >= 0).",
     )
+    interleave_measure_pairs: bool = _option(
+        False,
+        "helix, cost_model='profile': the strand plan's DP prices each pair of segments by running them "
+        "together on the live group, not by the formula. The chosen order "
+        "is judged by the simulator either way. Off by default: on HF Llama TP+SP (dhelix bench, 4 "
+        "micro-batches, 2 gloo ranks) 380 pair measurements took 65 s of a 125 s first step, and the "
+        "order kept was the sliced plan, which the formula prices, with them and without; HF Llama TP's "
+        "step measured level (729 ms against 726).",
+        experimental=True,
+    )
     interleave_timed_width: int = _option(
         0,
         "helix: partial paths each cell of the strand plan's timed DP keeps; 0 (the default) turns it off. "

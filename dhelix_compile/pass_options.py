@@ -44,6 +44,7 @@ FIELDS: dict[str, tuple[type, dict[str, str]]] = {
             "defer_weight_grads": "interleave_defer_weight_grads",
             "refine_evals": "interleave_refine_evals",
             "timed_width": "interleave_timed_width",
+            "measure_pairs": "interleave_measure_pairs",
             "slice_ratio": "interleave_slice_ratio",
         },
     ),

@@ -27,11 +27,11 @@ Algorithm::
     P(F_i, ∅) = C_F + X_F          P(∅, B_j) = C_B + X_B        (transfer exposed)
     P(F_i, B_j) = max(C_F + C_B + (f-1)·overlap,  X_F + X_B)   (one channel: the transfers
         queue behind each other; f = contention factor: compute under a transfer runs slower)
-        with cost_model="profile": P measured by co-executing the two segments on the live
-        device and group (``cost_model.profile.pairs``; distinct pairs only, agreed by ranks),
-        of the pairs the DP below can use (``strand_plan.usable_pairs``: a move within the
-        budget on a path that fits from start to end: HF Llama TP+SP's merged graph on 2 gloo
-        ranks asked for 270 of the 358 pairs of its two backward orders)
+        with ``measure_pairs`` and an estimator that measures: P measured by co-executing the
+        two segments on the live device and group (``cost_model.profile.pairs``; distinct pairs
+        only, agreed by ranks), of the pairs the DP below can use (``strand_plan.usable_pairs``:
+        a move within the budget on a path that fits from start to end: HF Llama TP+SP's merged
+        graph on 2 gloo ranks asked for 270 of the 358 pairs of its two backward orders)
     T[i][j] = min(T[i-1][j] + P(F_i, ∅), T[i][j-1] + P(∅, B_j), T[i-1][j-1] + P(F_i, B_j))
         a move whose live bytes exceed memory_budget_ratio x the sequential order's peak is
         forbidden (live bytes at a cut = forward's live bytes + backward's, each strand's
@@ -141,6 +141,13 @@ class InterleaveOptions:
     search: a transfer that lands in the middle of the other strand's long segment lets its
     strand go on there (candidate ``{dp}_sliced``). 0: off."""
 
+    measure_pairs: bool = False
+    """Price the DP's pairs by running them on the live group (``Estimator.segment_pair_times``)
+    instead of by the formula. Off by default: the measurements cost more than Inductor's whole
+    compile and no order the pass chose read them -- HF Llama TP+SP (`dhelix bench`, 4
+    micro-batches, 2 gloo ranks) measured 380 pairs in 65 s of a 125 s first step, and kept
+    the sliced order, which the formula plans, as it did without them."""
+
     timed_width: int = 0
     """Partial paths each cell of the timed DP (``strand_plan.plan_timed``) keeps; 0: off (the
     default: on HF Llama TP+SP over the 1 Gbit/s link its plan was predicted 8% faster per step
@@ -244,10 +251,14 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     for name, segments in bwd_segments.items():
         cost = formula_cost(fwd_segments, segments, factor)
         measure_start_s = time.perf_counter()
-        usable = usable_pairs(fwd_segments, segments, budget_bytes=budget_bytes, bwd_base_bytes=bwd_base)
-        measured = estimator.segment_pair_times([s.nodes for s in fwd_segments], [s.nodes for s in segments], usable)
+        measured: dict[Pair, float] = {}
+        if options.measure_pairs:
+            usable = usable_pairs(fwd_segments, segments, budget_bytes=budget_bytes, bwd_base_bytes=bwd_base)
+            measured = estimator.segment_pair_times(
+                [s.nodes for s in fwd_segments], [s.nodes for s in segments], usable
+            )
         measure_s += time.perf_counter() - measure_start_s
-        if measured:  # cost_model="profile": measured pairs replace the formula's
+        if measured:  # an estimator that measures: measured pairs replace the formula's
             measured_pairs += len(measured)
             cost = _measured_or(measured, cost)
         path, planned_s = plan_pairs(

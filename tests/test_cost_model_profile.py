@@ -308,6 +308,24 @@ def test_a_kinds_contention_factor_is_the_median_of_the_processs_measurements(
     assert est.measured_contention == {"reduce": pytest.approx(1.3), "move": pytest.approx(1.0)}
 
 
+def test_a_kind_with_max_factors_measured_is_not_measured_again() -> None:
+    """Once a process holds ``MAX_FACTORS`` factors of a kind, later graphs pool those: nothing
+    is sent (the group is not even asked), and the other kind is still measured."""
+    from cost_model.profile.contention import MAX_FACTORS, measure_contention
+
+    class Untouchable:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the group was used ({name})")
+
+    cache = {f"contention|op{k}|bytes=1|reduce": 1.0 + k / 10 for k in range(MAX_FACTORS)}
+    gm = trace_aten(_mlp, torch.randn(8, 16), torch.randn(16, 8))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    args = ([(1e-3, "sig", node)], [(1e-3, node)], Untouchable(), cache, 1)
+    assert measure_contention(*args, "reduce") is None
+    with pytest.raises(AssertionError, match="the group was used"):
+        measure_contention(*args, "move")
+
+
 def test_symbolic_graph_shares_signatures_and_scales_expression(tmp_path: pathlib.Path) -> None:
     args = (torch.randn(32, 16), torch.randn(16, 8))
     static = trace_aten(_mlp, *args)

@@ -342,10 +342,19 @@ def _strand_orders(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
     return {s: [n.name for n in body if n.meta["dhelix"]["strand"] == s] for s in (FWD_STRAND, BWD_STRAND)}
 
 
-def _ctx(estimator, memory_budget_ratio: float = 1.15, timed_width: int = 0, slice_ratio: float = 0.5) -> PassContext:
+def _ctx(
+    estimator,
+    memory_budget_ratio: float = 1.15,
+    timed_width: int = 0,
+    slice_ratio: float = 0.5,
+    measure_pairs: bool = False,
+) -> PassContext:
     options = {
         "interleave": InterleaveOptions(
-            memory_budget_ratio=memory_budget_ratio, timed_width=timed_width, slice_ratio=slice_ratio
+            memory_budget_ratio=memory_budget_ratio,
+            timed_width=timed_width,
+            slice_ratio=slice_ratio,
+            measure_pairs=measure_pairs,
         )
     }
     return PassContext(graph_name="merged", phase="fwd", estimator=estimator, pass_options=options)
@@ -404,7 +413,7 @@ def test_interleave_pass_plans_alike_from_the_usable_pairs_alone(memory_budget_r
     orders, records, asked = [], [], []
     for every in (False, True):
         estimator = _PairMeasuring(every)
-        ctx = _ctx(estimator, memory_budget_ratio=memory_budget_ratio)
+        ctx = _ctx(estimator, memory_budget_ratio=memory_budget_ratio, measure_pairs=True)
         gm = interleave_pass(annotate_pass(_merged_tp_graph(), ctx), ctx)
         orders.append([n.name for n in gm.graph.nodes])
         records.append(
@@ -419,6 +428,15 @@ def test_interleave_pass_plans_alike_from_the_usable_pairs_alone(memory_budget_r
     assert asked[0] <= asked[1]
     if memory_budget_ratio == 1.0:
         assert asked[0] < asked[1]
+
+
+def test_interleave_pass_prices_pairs_by_the_formula_unless_asked_to_measure() -> None:
+    """``measure_pairs`` off (the default): the pass asks the estimator for no pair."""
+    estimator = _PairMeasuring(every=False)
+    ctx = _ctx(estimator, memory_budget_ratio=2.0)
+    interleave_pass(annotate_pass(_merged_tp_graph(), ctx), ctx)
+    assert estimator.asked == [] and "measured_pairs" not in ctx.records["interleave"]
+    assert ctx.stats["interleave"]["interleaved"] == 1
 
 
 def test_interleave_pass_keeps_the_memory_budget() -> None:

@@ -168,6 +168,7 @@ def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path, dec
         codegen="eager",
         fallback="error",
         cost_model="profile",
+        interleave_measure_pairs=True,
         decompose=decompose,
         # one piece per peer: with the pieces chosen by measured times, the merged graph some runs
         # had more than the 256 distinct segment pairs that are measured, and none were

@@ -4,8 +4,9 @@ Contract
 --------
 ``measure_contention(compute, comms, group, cache, repeats, transfer) -> float | None``::
 
-    None   without a real multi-rank group (none, a fake one, one rank) or without both a
-           measured compute op and a measured collective
+    None   without a real multi-rank group (none, a fake one, one rank), without both a
+           measured compute op and a measured collective, or when ``cache`` already holds
+           ``MAX_FACTORS`` factors of this kind (the caller pools those)
     op     the slowest measured compute op (ties: the larger signature)
     bytes  the largest measured transfer's size (a collective's bytes, a P2P exchange's payload),
            clamped to 1 MiB .. 64 MiB
@@ -69,6 +70,10 @@ MAX_BYTES: int = 64 << 20
 MAX_SAMPLE_S: float = 0.02
 MAX_ITERS: int = 1000
 MAX_IN_FLIGHT: int = 64
+#: Factors of one kind a process measures; later graphs take their median. Each costs about
+#: 160 ms on the 2-core CPU machine (repeats of 20 ms of compute, alone and beside the
+#: transfer), and HF Llama TP+SP's first helix step calibrated 25 graphs: 50 factors, 8 s.
+MAX_FACTORS: int = 3
 
 Transfer = Literal["reduce", "move"]
 CONTENTION_KEY_PREFIX = "contention|"
@@ -97,6 +102,8 @@ def measure_contention(
     ``(seconds, node)`` of every measured collective issue; ``cache`` gains the factor's key,
     and ``shares`` (when given) the stand-in transfers' CPU share under the same key.
     """
+    if len(factors_of(cache, transfer)) >= MAX_FACTORS:  # the same count on every rank: the keys are agreed
+        return None
     if group is None or backend_name(group) == "fake" or resolve_group_size(group) in (None, 1):
         return None
     if not compute or not comms:
@@ -196,4 +203,12 @@ def _comm_nbytes(node: torch.fx.Node) -> int:
     return int(evaluate(nbytes, size_hints([node, *node.all_input_nodes])))
 
 
-__all__ = ["CONTENTION_KEY_PREFIX", "TRANSFERS", "Transfer", "factors_of", "measure_contention", "transfer_of"]
+__all__ = [
+    "CONTENTION_KEY_PREFIX",
+    "MAX_FACTORS",
+    "TRANSFERS",
+    "Transfer",
+    "factors_of",
+    "measure_contention",
+    "transfer_of",
+]

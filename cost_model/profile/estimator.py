@@ -52,7 +52,8 @@ except that a node whose *signature* has been measured gets the measured time.
              measured compute op timed alone and with all_reduces ("reduce") or all-to-alls
              ("move") in flight on the group throughout; ratio, agreed by MAX. A kind's factor
              is the median of every one measured in this process (each graph measures with
-             its own slowest op and largest transfer): one measurement varies by up to 1.2x
+             its own slowest op and largest transfer, until ``contention.MAX_FACTORS`` of the
+             kind are measured): one measurement varies by up to 1.2x
              from the next on this project's CPU machine, more than from op to op, and a
              merged graph priced with a low one was predicted 17% short of its measured time.
              Each transfer's ``NodeCost.contention_factor`` is its kind's (a gloo reduce-scatter,
