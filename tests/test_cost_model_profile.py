@@ -207,6 +207,27 @@ def test_a_stalled_compute_time_is_measured_again_even_when_settled(
     assert later.disk_cache.load("unit")[sig] == sorted([cached_s, now_s])  # the 1 s sample is gone
 
 
+def test_an_op_that_stays_above_the_stall_line_is_measured_again_once_per_process(
+    tmp_path: pathlib.Path, monkeypatch: Any
+) -> None:
+    """An op the base model misprices is above the stall line in every graph that holds it: the
+    first calibration measures it again, later graphs of the process take its time as it stands."""
+    base = AnalyticEstimator(DEVICE, LINK)
+    est = ProfiledEstimator(base, tmp_path, progress=False, device_name="unit", measure_contention=False)
+    measured: list[str] = []
+
+    def measure(item: Any) -> float:  # the relu always 100x its base estimate, the rest 1x
+        measured.append(str(item.node.target))
+        return (100.0 if item.node.target == aten.relu.default else 1.0) * base.node_cost(item.node).time_s
+
+    monkeypatch.setattr(est, "_measure", measure)
+    x, w = torch.randn(32, 16), torch.randn(16, 8)
+    first = est.calibrate(trace_aten(_mlp, x, w))
+    assert first.measured_again == 1 and measured.count(RELU) == 2
+    second = est.calibrate(trace_aten(lambda a, b: (torch.relu(a @ b) * 2).sum(), x, w))
+    assert second.measured_again == 0 and measured.count(RELU) == 2
+
+
 def test_a_compute_op_measured_again_keeps_the_lower_time(tmp_path: pathlib.Path, monkeypatch: Any) -> None:
     """A stall in this calibration's own measurement: the second measurement replaces it, in the
     times and in what goes to the cache; a slower second measurement of a time from elsewhere

@@ -36,7 +36,9 @@ except that a node whose *signature* has been measured gets the measured time.
     stalls every compute op whose time (measured now, or from the cache or this process) is
            above STALL_RATIO times what the graph's typical ratio (measured / base estimate,
            the median over its compute ops) makes of its base estimate, plus STALL_OVERHEAD_S,
-           measured once more, here: the lower stands and joins the op's cache entry. A compute op's time only ever errs
+           measured once more, here (once per op and process: an op the base model misprices
+           stays above the line in every graph that holds it: HF Llama TP's two helix variants
+           in one bench spent 5 s of their 26 calibrations measuring ops again): the lower stands and joins the op's cache entry. A compute op's time only ever errs
            high, and rarely by 30-40x: on this project's CPU machine a 655k-element ``neg``
            was settled in the cache at 7.6 ms (two calibrations) that takes 0.19 ms, and a
            fresh calibration timed a 1280-element ``mul`` at 4.1 ms that takes 0.12 ms. The
@@ -303,6 +305,8 @@ class ProfiledEstimator(EstimatorBase):
         self._compute_ratios: dict[str, dict[str, float]] = {}  # op -> {signature: measured / base time}
         #: now / cached lowest time of every speed probe of this process (module docstring: ``speed``)
         self._speed_ratios: list[float] = []
+        #: compute signatures this process measured again as stalls (module docstring: ``stalls``)
+        self._measured_again: set[str] = set()
         self._signature_cache: dict[torch.fx.Node, tuple[Any, str | None]] = {}
         #: measured segment pairs (cost_model.profile.pairs), kept for later compiles in this process
         self.pair_measurements: dict[tuple[SegmentSignature, SegmentSignature], float] = {}
@@ -739,9 +743,13 @@ class ProfiledEstimator(EstimatorBase):
             return 0
         typical = statistics.median(times[index] / base for index, base in base_s.items())
         stalled = [
-            index for index, base in base_s.items() if times[index] > STALL_RATIO * typical * base + STALL_OVERHEAD_S
+            index
+            for index, base in base_s.items()
+            if times[index] > STALL_RATIO * typical * base + STALL_OVERHEAD_S
+            and items[index].sig not in self._measured_again
         ]
         for index in stalled:
+            self._measured_again.add(items[index].sig)
             again = self._measure(items[index])
             if math.isnan(again):
                 continue
