@@ -131,3 +131,23 @@ def test_auto_calibrates_on_a_real_link(tmp_path: Path) -> None:
     args = run.parse_args(["--model", "tiny", "--variants", "inductor", "--timeout-s", "240"])
     rate, probes = run._calibrate_rate(args, 0.050, tmp_path)
     assert rate is not None and probes and all(p["t_comm_s"] > 0 for p in probes)
+
+
+def test_the_run_on_the_fake_group_compiles_into_caches_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step the link run times finds in Inductor's caches what the user's held, not what
+    the run on the fake group compiled just before: that run gets a cache folder of its own."""
+    launched: list[dict[str, Any]] = []
+
+    class Stop(Exception):
+        pass
+
+    def launch(argv: Any, world_size: int, link: Any, *, timeout_s: float, env: Any = None) -> Any:
+        launched.append(dict(env or {}))
+        raise Stop
+
+    monkeypatch.setattr(run, "launch_ranks", launch)
+    args = run.parse_args(["--model", "tiny", "--variants", "inductor", "--rate", "none"])
+    with pytest.raises(Stop):
+        run.measure(args)
+    own = launched[0].get("TORCHINDUCTOR_CACHE_DIR")
+    assert own is not None and own != os.environ.get("TORCHINDUCTOR_CACHE_DIR")

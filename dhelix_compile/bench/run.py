@@ -61,7 +61,7 @@ import math
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,12 +128,17 @@ def _tail(stderr: str, chars: int = 3000) -> str:
 
 
 def _launch(
-    out: Path, mode: str, link: LinkSpec, args: argparse.Namespace, extra: Sequence[str] = ()
+    out: Path,
+    mode: str,
+    link: LinkSpec,
+    args: argparse.Namespace,
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], LaunchResult]:
     progress = out.with_suffix(".progress")
     argv = [*_worker_argv(out, mode, args), "--progress-file", str(progress), *extra]
     with progress_from_file(progress, label=f"{mode:>7} steps"):
-        result = launch_ranks(argv, args.ranks, link, timeout_s=args.timeout_s)
+        result = launch_ranks(argv, args.ranks, link, timeout_s=args.timeout_s, env=env)
     if any(result.returncodes) or not out.exists():
         tails = "\n".join(f"--- rank {r} ---\n{_tail(err)}" for r, err in enumerate(result.stderr))
         raise RuntimeError(f"benchmark workers ({mode}) failed: return codes {result.returncodes}\n{tails}")
@@ -420,7 +425,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "CPU: the busiest rank's CPU time per step (all its threads; in brackets, gloo's threads'); "
         "idle = step - CPU, the time it waited at least.",
         "first step: the variant's first call on the link, which compiles every graph of the step (graph dumps "
-        "included: the bench writes them for the predictions); profiling / passes / codegen: of it, dhelix's "
+        "included: the bench writes them for the predictions) with the caches the bench started with (the run "
+        "on the fake group compiles into its own); a variant compiled after another in the same processes "
+        "reuses its kernels. profiling / passes / codegen: of it, dhelix's "
         "compiles measuring ops, collectives and segment pairs on the live group (cost_model='profile', the "
         "default there), running the graph passes and generating code with Inductor (cost_model.compile_clock); "
         "the rest is Dynamo's trace, AOTAutograd and the step itself.",
@@ -663,7 +670,10 @@ def measure(args: argparse.Namespace, total_stages: int = 2) -> dict[str, Any]:
         print(
             f"[{first}/{stages}] T_compute: {args.variants} on the fake process group ...", file=sys.stderr, flush=True
         )
-        compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args)
+        # Inductor's caches of its own: the link run's first step then compiles what the user's
+        # caches do not hold, as a first step does, not what this run just compiled
+        own_caches = {"TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "compute_inductor_cache")}
+        compute_run, _ = _launch(Path(tmp) / "compute.json", "compute", LinkSpec(rate=None), args, env=own_caches)
         t_compute = _t_compute(compute_run)
         probes: list[dict[str, Any]] = []
         if rate is not None and rate.lower() == "auto":
