@@ -192,6 +192,16 @@ class DHelixConfig:
         "'same_phase' stepped 3-13% and 'paired_ends' 2-5% faster on HF Llama TP, TP+SP and the MoE "
         "layer, with no strand call left alone (helix_runtime.schedule; BENCHMARKS.md).",
     )
+    helix_strand_rewrites: bool = _option(
+        False,
+        "helix, several micro-batches: strands keep the rewrites chosen for a graph alone "
+        "(decompose='auto', bucketing); merged graphs of them compete with plain ones. "
+        "The strands run alone once a step (the first forward, the last backward). Off by default: the merged graph kept the plain strands on every "
+        "workload measured (HF Llama TP+SP: 0.2123 s against 0.2135 measured, and a first step of "
+        "59.7 s against 40.5 s with no rewrite at all, 2 gloo ranks; BENCHMARKS.md). A forced "
+        "decompose mode applies either way.",
+        experimental=True,
+    )
     helix_grads_in_graph: bool = _option(
         True,
         "helix: each backward graph adds each parameter's gradient into its .grad where it is computed. "

@@ -108,6 +108,7 @@ def test_experimental_options_are_marked_and_listed_last() -> None:
         "bucket_mb",
         "decompose_auto_chunked",
         "decompose_chains",
+        "helix_strand_rewrites",
         "interleave_measure_pairs",
         "interleave_timed_width",
     )

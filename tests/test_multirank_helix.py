@@ -223,13 +223,33 @@ def _fastest_variant(self: Any, variants: Sequence[Any], original_s: float, orig
     return min(variants, key=lambda v: v.predicted_s)
 
 
-def _decomposing_helix_on_a_slow_link(rank: int, world_size: int, dump_dir: str | None) -> dict:
+def _decomposing_helix_on_a_slow_link(
+    rank: int, world_size: int, dump_dir: str | None, strand_rewrites: bool = True
+) -> dict:
     """``_helix_on_a_slow_link`` with every site decomposed in ``auto`` mode (its fastest variant
-    taken even where the original predicts less). On the test models no site pays on its own
+    taken even where the original predicts less) where the strands are decomposed at all
+    (``helix_strand_rewrites``). On the test models no site pays on its own
     since gloo reduce-scatters are priced as the all-to-all dhelix sends (the per-peer rewrite
     saved their doubled bytes); ``auto`` is what makes the merged graph weigh the plain strands."""
     with mock.patch("graph_passes.decompose.selection.Selection.choose", _fastest_variant):
-        return _helix_on_a_slow_link(rank, world_size, dump_dir)
+        return _helix_on_a_slow_link(rank, world_size, dump_dir, helix_strand_rewrites=strand_rewrites)
+
+
+def test_strands_that_merge_are_compiled_without_the_rewrites_a_graph_alone_would_choose(tmp_path: Path) -> None:
+    """By default the strands of a step of several micro-batches leave out ``decompose="auto"``
+    (which would rewrite every site here), and so does their merged graph: no exchange anywhere,
+    no rival candidate planned; helix still equals the eager loop."""
+    run_on_ranks(_decomposing_helix_on_a_slow_link, 2, str(tmp_path), False, timeout_s=400)
+    for rank in range(2):
+        summaries = {
+            path.parent.name.rsplit("_", 1)[-1]: json.loads(path.read_text())
+            for path in (tmp_path / f"rank{rank}").glob("*/summary.json")
+        }
+        assert {"fwd", "bwd"} <= set(summaries) and any(kind in summaries for kind in MERGED_GRAPH_KINDS)
+        for name, summary in summaries.items():
+            assert summary["records"].get("decompose", {}).get("sites_rewritten", 0) == 0, name
+            assert "exchange" not in summary["comm_order"], name
+            assert "merge" not in summary["records"], name
 
 
 @pytest.mark.parametrize(

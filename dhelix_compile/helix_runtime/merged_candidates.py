@@ -275,13 +275,26 @@ def _unchained(strand: Strand, config: DHelixConfig) -> torch.fx.GraphModule | N
         return None
 
 
+def chosen_rewrite_passes(config: DHelixConfig) -> tuple[str, ...]:
+    """The passes of ``CHOSEN_REWRITES`` that ``config`` runs and that rewrite by their own choice
+    (``decompose`` only in ``auto`` mode: a forced mode is the user's choice)."""
+    auto = pass_options(config)["decompose"].mode == "auto"
+    return tuple(
+        name for name in CHOSEN_REWRITES if name not in config.disable_passes and (auto or name != "decompose")
+    )
+
+
+def without_chosen_rewrites(config: DHelixConfig) -> DHelixConfig:
+    """``config`` with :func:`chosen_rewrite_passes` off (itself when there are none)."""
+    off = chosen_rewrite_passes(config)
+    return config.patch(disable_passes=(*config.disable_passes, *off)) if off else config
+
+
 def _rival_disables(config: DHelixConfig, first: Strand, second: Strand) -> tuple[str, ...]:
     """The passes the plain rival of a merged graph turns off: those that rewrote either strand by
-    their own choice (``decompose`` only in ``auto`` mode: a forced mode is the user's choice)."""
-    rewritten = {*first.rewritten, *second.rewritten} - set(config.disable_passes)
-    if pass_options(config)["decompose"].mode != "auto":
-        rewritten.discard("decompose")
-    return tuple(name for name in CHOSEN_REWRITES if name in rewritten)
+    their own choice (:func:`chosen_rewrite_passes`)."""
+    rewritten = {*first.rewritten, *second.rewritten}
+    return tuple(name for name in chosen_rewrite_passes(config) if name in rewritten)
 
 
 def _measured_s(*candidates: tuple[torch.fx.GraphModule, PassContext] | None) -> tuple[float, ...] | None:

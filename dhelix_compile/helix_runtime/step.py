@@ -101,6 +101,7 @@ class HelixStep:
 
     def __call__(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
         items = self._check(microbatches)
+        self._strands.merging = len(items) > 1
         losses: dict[int, torch.Tensor] = {}
         last = len(items) - 1
         with gradient_sync_on_last(self.model) as before_forward:

@@ -65,6 +65,7 @@ from dhelix_compile.helix_runtime.merged_candidates import (
     Strand,
     adding_grads,
     compile_merged,
+    without_chosen_rewrites,
 )
 from dhelix_compile.helix_runtime.random_ops import draws_from_the_stream, random_ops
 from graph_passes import PassContext
@@ -422,14 +423,30 @@ class Strands:
         self.config = config
         self.exchange = StrandExchange(merge_across_graphs=merge_across_graphs)
         self.thread = PartnerThread()
+        #: set by the owner before a call: its strands will meet in merged graphs (a helix step of
+        #: several micro-batches); graphs captured then leave out the rewrites a graph running alone
+        #: would choose, unless ``helix_strand_rewrites`` (:meth:`strand_config`)
+        self.merging = False
         weakref.finalize(owner, self.thread.close)
 
+    def strand_config(self) -> DHelixConfig:
+        """The config a graph captured now compiles its strands, and plans their merged graphs,
+        with: without the passes' chosen rewrites (``merged_candidates.without_chosen_rewrites``)
+        when the strands will merge and ``helix_strand_rewrites`` is off. Strands that run alone
+        once per step gain little from them, and the merged graph kept the plain strands on every
+        workload measured; planning and compiling both costs the first step a third of its time
+        on HF Llama TP+SP."""
+        if self.merging and not self.config.helix_strand_rewrites:
+            return without_chosen_rewrites(self.config)
+        return self.config
+
     def backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        pair = StrandPair(self.config, self.exchange)
-        if self.config.helix_grads_in_graph and not self.exchange.merge_across_graphs:
+        config = self.strand_config()
+        pair = StrandPair(config, self.exchange)
+        if config.helix_grads_in_graph and not self.exchange.merge_across_graphs:
             pair.grad_slots = parameter_slots(example_inputs)
-        inner = functools.partial(compile_strand_partition, config=self.config, pair=pair)
-        return compat.compile_with_aot_autograd(gm, example_inputs, inner, joint_pass=joint_pass(self.config))
+        inner = functools.partial(compile_strand_partition, config=config, pair=pair)
+        return compat.compile_with_aot_autograd(gm, example_inputs, inner, joint_pass=joint_pass(config))
 
     def run_together(self, first: Callable[[], _A], second: Callable[[], _T]) -> tuple[_A, _T]:
         """``first()`` on the partner thread and ``second()`` here, their strand calls met in a
