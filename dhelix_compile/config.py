@@ -198,7 +198,7 @@ class DHelixConfig:
         "(decompose='auto', bucketing); merged graphs of them compete with plain ones. "
         "The strands run alone once a step (the first forward, the last backward). Off by default: the merged graph kept the plain strands on every "
         "workload measured (HF Llama TP+SP: 0.2123 s against 0.2135 measured, and a first step of "
-        "59.7 s against 40.5 s with no rewrite at all, 2 gloo ranks; BENCHMARKS.md). A forced "
+        "59.7 s against 40.5 s with no rewrite at all, 2 gloo ranks; docs/backend.md). A forced "
         "decompose mode applies either way.",
         experimental=True,
     )
