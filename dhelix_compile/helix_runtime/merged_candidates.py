@@ -8,10 +8,13 @@ Contract
     bucket_collectives) or holds an all-to-all chain, M is also planned from rival strands (those
     passes off; the chains undone); :func:`leanest_of_the_fastest` picks which candidate to
     compile, and ``ctx.records[MERGE_RECORDS]`` says what each was predicted (and measured) to
-    take. Backward strands add their parameters' gradients into ``.grad`` in the graph
-    (:func:`adding_grads`, ``helix_runtime.grad_accumulation``). A backward strand that
-    recomputes (activation checkpointing, :func:`recomputes`) tightens M's memory budget
-    (:func:`merged_config`).
+    take. A helix step of several micro-batches captures its strands without those passes'
+    own choices unless ``helix_strand_rewrites`` (``strand_handoff.Strands.strand_config``,
+    :func:`without_chosen_rewrites`): M then has one candidate, or two where a forced decompose
+    mode made an all-to-all chain. Backward strands add their parameters' gradients into
+    ``.grad`` in the graph (:func:`adding_grads`, ``helix_runtime.grad_accumulation``). A
+    backward strand that recomputes (activation checkpointing, :func:`recomputes`) tightens M's
+    memory budget (:func:`merged_config`).
 
 Pseudo-code::
 
