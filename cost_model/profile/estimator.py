@@ -38,8 +38,9 @@ except that a node whose *signature* has been measured gets the measured time.
            the median over its compute ops) makes of its base estimate, plus STALL_OVERHEAD_S,
            measured once more, here (once per op and process: an op the base model misprices
            stays above the line in every graph that holds it: HF Llama TP's two helix variants
-           in one bench spent 5 s of their 26 calibrations measuring ops again): the lower stands and joins the op's cache entry. A compute op's time only ever errs
-           high, and rarely by 30-40x: on this project's CPU machine a 655k-element ``neg``
+           in one bench spent 5 s of their 26 calibrations measuring ops again): the lower
+           stands and joins the op's cache entry. A compute op's time only ever errs high,
+           and rarely by 30-40x: on this project's CPU machine a 655k-element ``neg``
            was settled in the cache at 7.6 ms (two calibrations) that takes 0.19 ms, and a
            fresh calibration timed a 1280-element ``mul`` at 4.1 ms that takes 0.12 ms. The
            ``neg`` priced the MoE layer's merged graph 16 ms above its compute, and its plan
