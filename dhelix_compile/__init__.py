@@ -10,6 +10,7 @@
     model = dhelix_compile.data_parallel(model, mesh["dp"], mode="shard")  # ZeRO-3 / DDP in the graph
     cluster = dhelix_compile.emulate(world_size=8, link="ib400")       # rank 0 of 8, timed links
     dhelix_compile.compile_seconds()   # where this process's compiles spent their time, per phase
+    dhelix_compile.compile_counts()    # how many graphs they compiled, candidates they weighed
 
 The backend entry points import Inductor and AOTAutograd; they load on first use, so that
 ``import dhelix_compile.testing`` (every spawned test rank does it) stays cheap.
@@ -30,6 +31,7 @@ __all__ = [
     "DataParallelError",
     "HelixError",
     "backend",
+    "compile_counts",
     "compile_seconds",
     "data_parallel",
     "dhelix_backend",
@@ -42,14 +44,26 @@ __version__ = "0.1.0"
 
 
 def compile_seconds() -> dict[str, float]:
-    """Seconds this process's dhelix compiles spent so far, per phase: ``profiling`` (measuring
-    ops, collectives and segment pairs on the live group), ``passes`` (the graph passes),
-    ``agreement`` (waiting for the other ranks), ``codegen`` (Inductor's code generation and C++
-    compile); see :mod:`cost_model.compile_clock`. Dynamo's trace and AOTAutograd's joint graph
-    are the rest of a first step's time."""
+    """Seconds this process's dhelix compiles spent so far, per phase: ``capture`` (AOTAutograd's
+    joint graph, joint passes and partitioner), ``profiling`` (measuring ops, collectives and
+    segment pairs on the live group), ``passes`` (the graph passes), ``plan`` (the strand plan's
+    search in helix's merged graphs), ``agreement`` (waiting for the other ranks), ``codegen``
+    (Inductor's code generation and C++ compile), ``dumps`` (writing them, with ``dump_dir``);
+    see :mod:`cost_model.compile_clock`. Dynamo's trace and running the step are the rest of a
+    first step's time."""
     from cost_model import compile_clock
 
     return compile_clock.totals()
+
+
+def compile_counts() -> dict[str, int]:
+    """What this process's dhelix compiles made so far, beside :func:`compile_seconds`: ``graphs``
+    (graphs generated), ``candidates`` (helix's merged graphs planned to choose one, where there
+    was a choice), ``variants`` (decompose's rewrites of a site priced to choose one); see
+    :mod:`cost_model.compile_clock`."""
+    from cost_model import compile_clock
+
+    return compile_clock.counts()
 
 
 def __getattr__(name: str) -> Any:

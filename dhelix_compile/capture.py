@@ -11,12 +11,18 @@ Data flow for one Dynamo graph::
                         with collectives; group_timeouts, comm_threads)
                         ─► estimator (graphs with collectives) ─► copy ─► graph_passes.run_pipeline
                         ─► rank-consistency check ─► dumps (with dump_dir) ─► codegen.generate
+                        ─► with dump_dir: the process's compile clock into its rank's folder
                         ─► with profile_steps: the first N calls profiled (dhelix_compile.observe.measured)
                         a pass raised?  fallback="inductor": warn, plain Inductor on the untouched graph
                                         fallback="error":    raise the PassError
 
 The capture itself is Inductor's (``compile_fx``): dhelix graphs differ from plain Inductor's
 only by what our passes do, which keeps "dhelix vs Inductor" comparisons honest.
+
+``cost_model.compile_clock`` times the phases: ``capture`` around AOTAutograd, and inside it
+each partition's ``profiling``, ``passes``, ``agreement``, ``codegen`` and ``dumps`` as their
+own (the backward's at the first backward, outside ``capture``); each graph generated counts as
+one of ``graphs``.
 """
 
 from __future__ import annotations
@@ -70,13 +76,16 @@ def capture(
     if config.codegen == "inductor":  # its workers start while AOTAutograd traces the joint graph
         compat.start_compile_workers()
     inner = functools.partial(compile_partition, config=config)
-    return compat.compile_with_aot_autograd(
-        gm,
-        example_inputs,
-        inner,
-        inductor_config_patches=compat.inductor_mode_options(mode),
-        joint_pass=joint_pass(config),
-    )
+    with compile_clock.phase("capture"):  # the partitions' compiles inside count as their own phases
+        compiled = compat.compile_with_aot_autograd(
+            gm,
+            example_inputs,
+            inner,
+            inductor_config_patches=compat.inductor_mode_options(mode),
+            joint_pass=joint_pass(config),
+        )
+    write_compile_clock(config)
+    return compiled
 
 
 def joint_pass(config: DHelixConfig) -> JointPasses:
@@ -140,6 +149,8 @@ def compile_partition(
         plan = _measurement_plan(gm, name, dumper, config)  # before codegen: Inductor rewrites its graph
         with compile_clock.phase("codegen"):
             compiled = compat.inductor_compile_partition(gm, example_inputs, **inductor_kwargs)
+        compile_clock.count("graphs")
+        write_compile_clock(config)
         return _profiled(compiled, plan, dumper, config)
     if on_scheduled is not None:
         on_scheduled(scheduled, ctx)
@@ -154,17 +165,20 @@ def compile_partition(
     with compile_clock.phase("agreement"):
         check_rank_consistency(scheduled, name, graph_wait_s(scheduled, config.consistency_timeout_s))
     if dumper is not None:
-        stand_ins = [n.meta[STAND_IN_KEY] for n in scheduled.graph.nodes if STAND_IN_KEY in n.meta]
-        if ctx.estimator is not None and stand_ins:  # the final timeline prices them (PlannedCosts)
-            ctx.estimator.measure_new(stand_ins)
-        write_final_dumps(dumper, gm, scheduled, ctx.estimator or _dump_estimator(config, gm, example_inputs))
-        dumper.write_summary(
-            ctx, codegen=config.codegen, comm_order=comm_order(scheduled), profile_steps=config.profile_steps
-        )
+        with compile_clock.phase("dumps"):
+            stand_ins = [n.meta[STAND_IN_KEY] for n in scheduled.graph.nodes if STAND_IN_KEY in n.meta]
+            if ctx.estimator is not None and stand_ins:  # the final timeline prices them (PlannedCosts)
+                ctx.estimator.measure_new(stand_ins)
+            write_final_dumps(dumper, gm, scheduled, ctx.estimator or _dump_estimator(config, gm, example_inputs))
+            dumper.write_summary(
+                ctx, codegen=config.codegen, comm_order=comm_order(scheduled), profile_steps=config.profile_steps
+            )
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
     plan = _measurement_plan(scheduled, name, dumper, config)  # before codegen: Inductor rewrites its graph
     with compile_clock.phase("codegen"):
         compiled = generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
+    compile_clock.count("graphs")
+    write_compile_clock(config)
     return _profiled(compiled, plan, dumper, config)
 
 
@@ -292,6 +306,16 @@ def _dumper(config: DHelixConfig, name: str) -> GraphDumper | None:
     from dhelix_compile.observe.dumps import GraphDumper
 
     return GraphDumper(config.dump_dir, name)
+
+
+def write_compile_clock(config: DHelixConfig) -> None:
+    """With ``dump_dir``: this process's compile clock (seconds per phase, counts) into its rank's
+    folder, written after each compile, so the file holds the totals up to the last one."""
+    if not config.dump_dir:
+        return
+    from dhelix_compile.observe.dumps import write_compile_clock as write
+
+    write(config.dump_dir)
 
 
 def _measurement_plan(

@@ -4,8 +4,9 @@ Commands (one ``_add_<name>`` function each registers its sub-parser and handler
 parsers imports no torch, the commands import it when they run):
 
     report DUMP_DIR [--html]   the predicted summary of every graph dumped under DUMP_DIR
-                               (``rank*/`` folders included), as a table; ``--html`` also
-                               writes DUMP_DIR/index.html linking every graph's page
+                               (``rank*/`` folders included), as a table, then each rank's
+                               compile time; ``--html`` also writes DUMP_DIR/index.html
+                               linking every graph's page
     demo [--model M] ...       train a TP+SP SwiGLU MLP block (or --model M) with helix on 2 ranks
                                over a rate-limited link: losses beside eager's, step times vs
                                Inductor and the ceiling
@@ -27,13 +28,12 @@ from typing import Any
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from dhelix_compile.observe.report import collect_summaries, dump_index_html, format_table
+    from dhelix_compile.observe.report import collect_summaries, dump_index_html, report
 
-    found = collect_summaries(args.dump_dir)
-    if not found:
+    if not collect_summaries(args.dump_dir):
         print(f"no summary.json under {args.dump_dir}", file=sys.stderr)
         return 1
-    sys.stdout.write(format_table(found))
+    sys.stdout.write(report(args.dump_dir))
     if args.html:
         page = Path(args.dump_dir) / "index.html"
         page.write_text(dump_index_html(args.dump_dir))

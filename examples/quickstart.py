@@ -55,9 +55,9 @@ def main() -> None:
         )
 
     dump = Path(args.dump_dir).resolve()
-    graphs = sorted(p.name for p in dump.iterdir()) if dump.exists() else []
+    graphs = sorted(p.name for p in dump.iterdir() if p.is_dir()) if dump.exists() else []
     print(f"\ngraph dumps ({args.codegen} codegen) in {dump}: {', '.join(graphs)}")
-    print("each holds per-pass graphs, a timeline (timeline.svg) and index.html; summary table:")
+    print("each holds per-pass graphs, a timeline (timeline.svg) and index.html; summary table and compile time:")
     print(f"    python -m dhelix_compile report {args.dump_dir}")
     print("(step 0 of dhelix includes compilation)")
 

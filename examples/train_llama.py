@@ -161,7 +161,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                 print0("(Inductor's first step reuses kernels helix compiled here; each cold: docs/backend.md)")
             phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in helix_phases.items())
             rest = times["helix"][0] - sum(helix_phases.values())
-            print0(f"helix's first step: {phases}; capture and run (Dynamo, AOTAutograd, the step) {rest:.1f} s")
+            print0(f"helix's first step: {phases}; the rest (Dynamo's trace, the step) {rest:.1f} s")
     if args.steps > 1:
         medians = {n: statistics.median(t[1:]) for n, t in times.items()}
         summary = ", ".join(f"{n} {1e3 * m:.1f} ms" for n, m in medians.items())

@@ -92,6 +92,38 @@ def test_the_table_sets_each_variant_beside_its_own_limit_and_a_pipelines_shared
     assert any("(here 2: 1 in flight 112.0 ms, 2 in flight 105.0 ms)" in line for line in table)
 
 
+def test_the_table_splits_each_first_step_into_its_compile_phases() -> None:
+    helix = {
+        **_variant(0.120, 0.110),
+        "first_step_s": 14.0,
+        "compile_phases_s": {
+            "capture": 1.0,
+            "profiling": 2.0,
+            "passes": 0.5,
+            "plan": 0.3,
+            "agreement": 0.1,
+            "codegen": 9.0,
+        },
+    }
+    recorded = {  # a run whose clock had fewer phases: the missing ones shown as such, not as zero
+        **_variant(0.130, 0.110),
+        "first_step_s": 13.0,
+        "compile_phases_s": {"profiling": 2.0, "passes": 0.8, "agreement": 0.1, "codegen": 9.0},
+    }
+    table = markdown(_summary({"helix": helix, "recorded": recorded})).splitlines()
+    assert any(
+        line.endswith("| first step (s) | capture / profiling / passes / plan / codegen (s) |") for line in table
+    )
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+        for line in table
+        if line.startswith("| ")
+    }
+    assert rows["helix"][14:] == ["14.0", "1.0 / 2.0 / 0.5 / 0.3 / 9.0"]
+    assert rows["recorded"][14:] == ["13.0", "- / 2.0 / 0.8 / - / 9.0"]
+    assert any("capture / profiling / passes / plan / codegen: of it" in line for line in table)
+
+
 def test_the_prediction_table_shows_the_cpu_beside_gloos_threads_alone_and_on_the_link() -> None:
     helix = {
         **_variant(0.200, 0.150, 0.190),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.fx
 
-from cost_model import ProfiledEstimator
+from cost_model import ProfiledEstimator, compile_clock
 from cost_model.estimator import AnalyticEstimator, EstimatorBase, TableEstimator
 from cost_model.hardware import Device, Link
 from cost_model.testing import fake_world, trace_aten
@@ -252,8 +252,10 @@ def test_measured_candidates_decide_where_every_one_was_measured(measured, chose
 
 def test_a_forced_single_variant_is_not_measured() -> None:
     estimator = _MeasuresByExchanges({0: 1.0, 1: 3.0})
+    weighed = compile_clock.counts()["variants"]
     ctx = _run(_traced(_sp_in, (2, 4, 8), (64, 8), (64, 8)), estimator=estimator, mode="per_peer", pieces=1)
     assert estimator.asked == [] and ctx.stats["decompose"] == {"all_gather_matmul: per_peer": 1}
+    assert compile_clock.counts()["variants"] == weighed, "no choice: no variant weighed"
 
 
 class _SignatureSpy(EstimatorBase):
@@ -406,8 +408,10 @@ def test_auto_tries_chunked_variants_only_when_asked() -> None:
     ctx = _run(gm, mode="auto")
     assert not any("chunked" in key for key in ctx.records["decompose"])
     gm = _traced(_sp_in, (2, 4, 8), (6, 8), (6, 8))
+    weighed = compile_clock.counts()["variants"]
     ctx = _run(gm, mode="auto", auto_chunked=True, max_chunks=2)
     assert "all_gather_matmul0_chunked_2_s" in ctx.records["decompose"]
+    assert compile_clock.counts()["variants"] == weighed + 2  # per_peer and chunked_2, weighed
 
 
 def test_uneven_shapes_and_off_mode_leave_the_graph_alone_with_reasons() -> None:

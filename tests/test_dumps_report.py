@@ -1,4 +1,5 @@
-"""Dumps: final-graph picture, predicted timelines (trace JSON + SVG), index.html, the report command.
+"""Dumps: final-graph picture, predicted timelines (trace JSON + SVG), index.html, the compile
+clock, the report command.
 
 Two compiles, each once per module: a single-process MLP (forward + backward graphs, no
 collectives) and a function with two all-reduces under PyTorch's fake process group, both
@@ -21,10 +22,17 @@ import torch
 import torch.distributed._functional_collectives as fc
 
 import dhelix_compile
+from cost_model import compile_clock
 from cost_model.testing import fake_world
 from dhelix_compile.cli import main
 from dhelix_compile.observe import graph_picture
-from dhelix_compile.observe.report import collect_summaries, format_table
+from dhelix_compile.observe.report import (
+    collect_compile_clocks,
+    collect_summaries,
+    format_compile_time,
+    format_table,
+    report,
+)
 from dhelix_compile.testing.toy_models import MLP
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -154,7 +162,9 @@ def test_report_command_prints_a_row_per_graph(
     assert main(["report", str(comm_dump)]) == 0
     out = capsys.readouterr().out
     assert "makespan before ms" in out and "rank0/" in out
-    assert out == format_table(collect_summaries(comm_dump))
+    assert out == report(comm_dump)
+    assert out.startswith(format_table(collect_summaries(comm_dump)))
+    assert "\nCompile time: " in out and "\nrank0\n" in out  # the fake world's rank folder
     done = subprocess.run(
         [sys.executable, "-m", "dhelix_compile", "report", str(mlp_dump), "--html"],
         capture_output=True,
@@ -163,10 +173,36 @@ def test_report_command_prints_a_row_per_graph(
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert len(done.stdout.strip().splitlines()) == 2 + 2 + 1  # header, rule, fwd, bwd, "wrote ..."
+    lines = done.stdout.splitlines()
+    assert len(lines[: lines.index("")]) == 2 + 2  # header, rule, fwd, bwd; then the compile time
+    assert lines[-1].startswith("wrote ")
     page = (mlp_dump / "index.html").read_text()
     for folder in _graph_folders(mlp_dump):
         assert f'href="{folder.name}/index.html"' in page
+    assert "<h2>Compile time</h2>" in page and "graphs compiled: " in page
+
+
+def test_each_rank_folder_holds_its_compile_clock_and_the_report_shows_it(mlp_dump: Path, comm_dump: Path) -> None:
+    clocks = collect_compile_clocks(mlp_dump)
+    assert [folder for folder, _ in clocks] == [Path(".")]  # no process group: the dump folder itself
+    clock = clocks[0][1]
+    assert list(clock["seconds"]) == list(compile_clock.PHASES) and list(clock["counts"]) == list(compile_clock.COUNTS)
+    assert clock["seconds"]["capture"] > 0 and clock["seconds"]["passes"] > 0 and clock["seconds"]["codegen"] > 0
+    assert clock["counts"]["graphs"] >= 2  # the forward and the backward, written after the backward's
+    assert [folder for folder, _ in collect_compile_clocks(comm_dump)] == [Path("rank0")]
+
+    text = format_compile_time(clocks)
+    assert text.startswith("\nCompile time: wall seconds of this process's dhelix compiles per phase")
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[4:] if line and line[0].isalpha()}
+    for phase in compile_clock.PHASES:
+        assert rows[phase][0] == f"{clock['seconds'][phase]:.2f}"
+    total_s = sum(clock["seconds"].values())
+    assert rows["in"] == ["phases", f"{total_s:.2f}", "100.0%"]
+    assert rows["capture"][1] == f"{100 * clock['seconds']['capture'] / total_s:.1f}%"
+    assert text.splitlines()[-1] == (
+        f"graphs compiled: {clock['counts']['graphs']}; candidates weighed: "
+        f"{clock['counts']['candidates']} merged graphs, {clock['counts']['variants']} decompose variants"
+    )
 
 
 def test_report_command_on_an_empty_folder_fails(tmp_path: Path) -> None:

@@ -12,12 +12,14 @@ import torch
 from torch import nn
 
 import dhelix_compile
+from cost_model import compile_clock
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.helix_runtime.merged_candidates import leanest_of_the_fastest
 from dhelix_compile.helix_runtime.schedule import SCHEDULE_KINDS, merged_graph_dirs
 from dhelix_compile.helix_runtime.step import HelixError
 from dhelix_compile.models.llama import ModelConfig, Transformer, lm_loss
+from dhelix_compile.observe.report import report
 from dhelix_compile.testing.moe import MoEConfig, ReferenceMoE
 
 EAGER = {"codegen": "eager", "fallback": "error"}
@@ -290,6 +292,17 @@ def test_inductor_codegen_equals_eager_loop(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- bad input
+
+
+def test_a_helix_step_with_dumps_keeps_its_compile_clock_beside_them(tmp_path: Path) -> None:
+    config = ModelConfig(n_layers=1)
+    graphs = compile_clock.counts()["graphs"]
+    step = dhelix_compile.helix(Transformer(config), _lm_loss_fn, dump_dir=str(tmp_path), **EAGER)
+    step(_transformer_batches(2, config))  # F0 | B0+F1 | B1: F, B and the merged graph compiled
+    clock = json.loads((tmp_path / "compile_clock.json").read_text())
+    assert clock["counts"]["graphs"] == graphs + 3, "written after the merged graph, the last compile"
+    assert clock["seconds"]["capture"] > 0 and clock["seconds"]["passes"] > 0 and clock["seconds"]["dumps"] > 0
+    assert "\nCompile time: " in report(tmp_path)
 
 
 def test_empty_list_is_refused() -> None:

@@ -13,6 +13,7 @@ import torch.fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cost_model import compile_clock
 from cost_model.estimator import TableEstimator
 from cost_model.simulator import simulate
 from cost_model.strand_plan import (
@@ -464,6 +465,21 @@ def test_interleave_pass_falls_back_to_backward_then_forward() -> None:
     strands = [n.meta["dhelix"]["strand"] for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     assert strands == sorted(strands, reverse=True)  # all of B, then all of F
     assert ctx.stats["interleave"]["sequential: no estimator"] == 1
+
+
+def test_the_strand_plans_search_counts_as_the_plan_phase_not_the_passes() -> None:
+    before = compile_clock.totals()
+    ctx = _ctx(None)
+    with compile_clock.phase("passes"):  # as the pipeline runs it
+        interleave_pass(annotate_pass(_merged_tp_graph(), ctx), ctx)
+    assert compile_clock.since(before)["plan"] == 0.0, "the sequential order is no search"
+    before = compile_clock.totals()
+    ctx = _ctx(TableEstimator(kind_times_s={"compute": 1e-3, "collective": 1e-3}), memory_budget_ratio=2.0)
+    with compile_clock.phase("passes"):
+        interleave_pass(annotate_pass(_merged_tp_graph(), ctx), ctx)
+    added = compile_clock.since(before)
+    assert added["plan"] >= ctx.records["interleave"]["plan_time_s"] > 0
+    assert added["passes"] > 0
 
 
 def test_interleave_pass_leaves_single_strand_graphs_alone() -> None:

@@ -334,7 +334,7 @@ def _seconds(value: float | None) -> str:
 
 
 def _plan_cell(variant: dict[str, Any]) -> str:
-    """``profiling / passes / codegen`` seconds of the variant's first step (``-`` without dhelix graphs)."""
+    """``compile_clock.SHOWN_HEADER`` seconds of the variant's first step (``-`` without dhelix graphs)."""
     return compile_clock.format_phases(variant.get("compile_phases_s")) or "-"
 
 
@@ -389,7 +389,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "| variant | step median (ms) | min-max (ms) | speedup vs Inductor | own T_compute (ms) | own T_comm (ms) "
         "| own limit (ms) | step / own limit | hidden share | step / own ceiling | MB sent / step | transfers / step "
-        "| CPU (gloo's threads) (ms) | idle (ms) | first step (s) | profiling / passes / codegen (s) |",
+        f"| CPU (gloo's threads) (ms) | idle (ms) | first step (s) | {compile_clock.SHOWN_HEADER} (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     shared = summary.get("ceiling")
@@ -427,10 +427,11 @@ def markdown(summary: dict[str, Any]) -> str:
         "first step: the variant's first call on the link, which compiles every graph of the step (graph dumps "
         "included: the bench writes them for the predictions) with the caches the bench started with (the run "
         "on the fake group compiles into its own); a variant compiled after another in the same processes "
-        "reuses its kernels. profiling / passes / codegen: of it, dhelix's "
-        "compiles measuring ops, collectives and segment pairs on the live group (cost_model='profile', the "
-        "default there), running the graph passes and generating code with Inductor (cost_model.compile_clock); "
-        "the rest is Dynamo's trace, AOTAutograd and the step itself.",
+        f"reuses its kernels. {compile_clock.SHOWN_HEADER}: of it, dhelix's compiles in AOTAutograd "
+        "(the joint graph and its partitions), measuring ops, collectives and segment pairs on the live group "
+        "(cost_model='profile', the default there), running the graph passes, searching the strand plan of "
+        "helix's merged graphs and generating code with Inductor (cost_model.compile_clock; waiting for the "
+        "other ranks and writing the graph dumps are left out); the rest is Dynamo's trace and the step itself.",
     ]
     ceilings = {n: v["ceiling"] for n, v in summary["variants"].items() if v.get("ceiling")}
     if ceilings:

@@ -22,7 +22,8 @@ Pseudo-code::
     candidates = [merge(F, B) as scheduled]
     if a pass chose to rewrite F or B:   candidates += [merge(F, B) as captured, those passes off]
     if F or B holds an all-to-all chain: candidates += [merge(F, B) planned without chains]
-    plans = [the passes on each candidate]     # interleave predicts makespan and peak
+    plans = [the passes on each candidate]     # interleave predicts makespan and peak; counted
+                                               # as compile_clock's "candidates" when there are several
     times = measured on the live group if the estimator measures, else predicted
     compile candidates[leanest_of_the_fastest(times, peaks)]
 
@@ -41,6 +42,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from cost_model import compile_clock
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.capture import compile_partition, plan_partition
 from dhelix_compile.config import DHelixConfig
@@ -173,7 +175,8 @@ def compile_merged(
 
     def merge(one: torch.fx.GraphModule, two: torch.fx.GraphModule) -> tuple[MergedStrands, list[Any]]:
         """M of ``one`` and ``two``, and its example inputs."""
-        merged = merge_strands(one, two, shared_fwd_inputs=shared, phases=(first.phase, second.phase))
+        with compile_clock.phase("passes"):  # merge_strands is a graph pass, run outside the pipeline
+            merged = merge_strands(one, two, shared_fwd_inputs=shared, phases=(first.phase, second.phase))
         inputs = merged.merged_args(list(first.example_inputs), list(second.example_inputs))
         # strands of two Dynamo compiles hold values of two fake modes: one for the passes and Inductor
         return merged, inputs if same_graph else compat.into_one_fake_mode(merged.gm, inputs)
@@ -191,6 +194,7 @@ def compile_merged(
     records: dict[str, dict[str, float]] = {}
     chosen, planned = candidates[0], None
     if len(candidates) > 1:
+        compile_clock.count("candidates", len(candidates))
         plans = [_plan(c.merged.gm, c.inputs, c.config, name) for c in candidates]
         records[MERGE_RECORDS] = {f"{c.label}_strands_s": s for c, (_, s) in zip(candidates, plans, strict=True)}
         times = [s for _, s in plans]

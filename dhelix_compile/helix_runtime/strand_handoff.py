@@ -54,8 +54,9 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
+from cost_model import compile_clock
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.capture import compile_partition, joint_pass
+from dhelix_compile.capture import compile_partition, joint_pass, write_compile_clock
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.helix_runtime.grad_accumulation import Slots, mark_released, parameter_slots
 from dhelix_compile.helix_runtime.merged_candidates import (
@@ -446,7 +447,10 @@ class Strands:
         if config.helix_grads_in_graph and not self.exchange.merge_across_graphs:
             pair.grad_slots = parameter_slots(example_inputs)
         inner = functools.partial(compile_strand_partition, config=config, pair=pair)
-        return compat.compile_with_aot_autograd(gm, example_inputs, inner, joint_pass=joint_pass(config))
+        with compile_clock.phase("capture"):  # the strands' compiles inside count as their own phases
+            compiled = compat.compile_with_aot_autograd(gm, example_inputs, inner, joint_pass=joint_pass(config))
+        write_compile_clock(config)
+        return compiled
 
     def run_together(self, first: Callable[[], _A], second: Callable[[], _T]) -> tuple[_A, _T]:
         """``first()`` on the partner thread and ``second()`` here, their strand calls met in a

@@ -20,6 +20,10 @@ With ``dump_dir`` set, every compiled partition gets a folder::
                                       the notes behind them (``notes[pass][code]``: prose) and, under
                                       ``"timeline"``, the predicted numbers (``dhelix_compile.observe.report``)
         index.html                    the numbers, the chart and links to every file
+    <dump_dir>/[rank<r>/]compile_clock.json
+                                      the process's compile clock (``cost_model.compile_clock``):
+                                      seconds per phase and the counts, written after each
+                                      compile, so it holds the totals up to the last one
       with ``profile_steps=N``, written when the graph's N-th profiled call returns (calls 2 to
       N + 1: the first is a warm-up; ``dhelix_compile.observe.measured``):
         measured.trace.json           the N calls as ``torch.profiler`` recorded them, plus a
@@ -34,8 +38,9 @@ With ``dump_dir`` set, every compiled partition gets a folder::
                                       written again with the table
 
 ``python -m dhelix_compile report DUMP_DIR [--html]`` prints every graph's numbers as a table,
-then each measured graph's predicted-vs-measured segments (and writes ``DUMP_DIR/index.html``,
-one row per graph linking each graph's page).
+then each measured graph's predicted-vs-measured segments, then each rank's compile time (and
+writes ``DUMP_DIR/index.html``, one row per graph linking each graph's page, and the compile
+time).
 
 ``GraphDumper`` implements ``graph_passes.PassObserver``; the pipeline driver calls it;
 ``capture.compile_partition`` calls ``write_timelines`` and ``write_graph_picture`` after the
@@ -47,7 +52,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -55,7 +62,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.fx
 
-from cost_model import Estimator, SimResult, simulate
+from cost_model import Estimator, SimResult, compile_clock, simulate
 from cost_model.op_kinds import op_name
 from dhelix_compile.observe import report
 from dhelix_compile.observe.graph_picture import write_graph_picture
@@ -175,8 +182,23 @@ def rank_folder(dump_dir: str | Path) -> Path:
     return root
 
 
+def write_compile_clock(dump_dir: str | Path) -> Path:
+    """This process's compile clock as ``compile_clock.json`` in its :func:`rank_folder`
+    (``report.COMPILE_CLOCK_FILE``: ``{"seconds": {phase: s}, "counts": {name: n}}``); its path.
+    Written whole under another name, then renamed: helix's two strand threads may both write."""
+    folder = rank_folder(dump_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / report.COMPILE_CLOCK_FILE
+    clock = {"seconds": compile_clock.totals(), "counts": compile_clock.counts()}
+    partial = folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}"
+    partial.write_text(json.dumps(clock, indent=2) + "\n")
+    os.replace(partial, path)
+    return path
+
+
 class GraphDumper:
-    """Writes one compiled graph's dumps under ``root`` (see the module docstring)."""
+    """Writes one compiled graph's dumps under ``root`` (see the module docstring); what it writes
+    while the graph compiles counts as ``cost_model.compile_clock``'s ``dumps``."""
 
     def __init__(self, dump_dir: str | Path, graph_name: str) -> None:
         root = rank_folder(dump_dir)
@@ -193,6 +215,7 @@ class GraphDumper:
         #: what each strand computes (``report.strand_description``), the timelines' legend
         self.strand_names: dict[int, str] = {}
 
+    @compile_clock.timed("dumps")
     def write_input(self, gm: torch.fx.GraphModule) -> None:
         (self.folder / "00_input.txt").write_text(format_graph(gm))
         self.strand_phases = strand_phases(gm)
@@ -200,9 +223,11 @@ class GraphDumper:
     def _roles(self) -> tuple[list[dict[str, Any]], list[str]]:
         return strand_roles(self.strand_phases, recorded_helix_steps(self.folder.parent))
 
+    @compile_clock.timed("dumps")
     def snapshot(self, gm: torch.fx.GraphModule) -> _Snapshot:
         return _Snapshot(format_graph(gm), op_counts(gm))
 
+    @compile_clock.timed("dumps")
     def after_pass(self, index: int, name: str, before: Any, gm: torch.fx.GraphModule, seconds: float) -> None:
         stem = f"{index + 1:02d}_{_safe(name)}"
         (self.folder / f"{stem}.before.txt").write_text(before.text)
@@ -210,6 +235,7 @@ class GraphDumper:
         (self.folder / f"{stem}.opcount.txt").write_text(format_op_count_diff(before.counts, op_counts(gm)))
         self.pass_seconds[name] = seconds
 
+    @compile_clock.timed("dumps")
     def write_timelines(
         self, original: torch.fx.GraphModule, scheduled: torch.fx.GraphModule, estimator: Estimator
     ) -> None:
@@ -226,10 +252,12 @@ class GraphDumper:
         self.timeline = report.timeline_numbers(before, after)
         self.predicted = after
 
+    @compile_clock.timed("dumps")
     def write_graph_picture(self, gm: torch.fx.GraphModule) -> str:
         """``graph.dot`` and ``graph.svg`` of the final graph; returns how the SVG was made."""
         return write_graph_picture(gm, self.folder, "graph", title=f"{self.graph_name} (final graph)")
 
+    @compile_clock.timed("dumps")
     def write_summary(self, ctx: PassContext, **extra: Any) -> None:
         """``summary.json`` and this graph's ``index.html``."""
         self.strand_phases = self.strand_phases or {ctx.strand: ctx.phase}

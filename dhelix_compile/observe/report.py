@@ -38,12 +38,18 @@ Contract
   predicted-vs-measured segment table per measured graph that has communication; what
   ``python -m dhelix_compile report DUMP_DIR`` prints. :func:`dump_index_html` is the same
   table as a page linking each graph's ``index.html`` (``report --html`` writes it).
+* :func:`collect_compile_clocks` / :func:`format_compile_time` -- each rank folder's
+  ``compile_clock.json`` (``dumps.write_compile_clock``: the process's
+  ``cost_model.compile_clock`` after its last compile), as a "Compile time" section per rank:
+  seconds per phase, each phase's share of the seconds in phases, graphs compiled and
+  candidates weighed. The report prints it after the tables, and the dump's page shows it.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -391,16 +397,93 @@ def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], left: tuple[i
     return "\n".join([line(all_rows[0]), rule, *(line(r) for r in all_rows[1:])]) + "\n"
 
 
+#: Each rank folder's compile clock (``dumps.write_compile_clock``).
+COMPILE_CLOCK_FILE = "compile_clock.json"
+
+COMPILE_COLUMNS = ("phase", "s", "share")
+
+#: What the compile-time section says its numbers are.
+COMPILE_TIME_NOTE = (
+    "wall seconds of this process's dhelix compiles per phase (cost_model.compile_clock: a phase "
+    "inside another counts only as itself); the rest of a first step is Dynamo's trace and running it"
+)
+
+
+def collect_compile_clocks(dump_dir: str | Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Every ``compile_clock.json`` under ``dump_dir`` (its own, ``rank*/``'s), sorted by path:
+    the folder relative to ``dump_dir`` and the clock."""
+    root = Path(dump_dir)
+    return [
+        (path.parent.relative_to(root), json.loads(path.read_text())) for path in sorted(root.rglob(COMPILE_CLOCK_FILE))
+    ]
+
+
+def compile_time_rows(clock: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """One ``(phase, seconds, share)`` row per phase of ``clock``, then their total (``in phases``);
+    a share is of that total ("-" when no phase ran)."""
+    seconds: dict[str, float] = clock.get("seconds") or {}
+    total_s = math.fsum(seconds.values())
+
+    def share(s: float) -> str:
+        return format_pct(s / total_s) if total_s > 0 else "-"
+
+    rows = [(name, f"{s:.2f}", share(s)) for name, s in seconds.items()]
+    rows.append(("in phases", f"{total_s:.2f}", share(total_s)))
+    return rows
+
+
+def compile_counts_line(clock: dict[str, Any]) -> str:
+    """``"graphs compiled: 3; candidates weighed: 2 merged graphs, 5 decompose variants"``."""
+    counts: dict[str, int] = clock.get("counts") or {}
+    return (
+        f"graphs compiled: {counts.get('graphs', 0)}; candidates weighed: "
+        f"{counts.get('candidates', 0)} merged graphs, {counts.get('variants', 0)} decompose variants"
+    )
+
+
+def _rank_label(folder: Path) -> str:
+    return "the one process" if folder == Path(".") else folder.as_posix()
+
+
+def format_compile_time(clocks: Sequence[tuple[Path, dict[str, Any]]]) -> str:
+    """The "Compile time" section of the report, one table per rank ("" without clocks)."""
+    if not clocks:
+        return ""
+    text = f"\nCompile time: {COMPILE_TIME_NOTE}\n"
+    for folder, clock in clocks:
+        text += f"\n{_rank_label(folder)}\n"
+        text += _aligned(COMPILE_COLUMNS, compile_time_rows(clock), left=(0,))
+        text += compile_counts_line(clock) + "\n"
+    return text
+
+
+def _compile_time_html(clocks: Sequence[tuple[Path, dict[str, Any]]]) -> str:
+    if not clocks:
+        return ""
+    header = "".join(f"<th>{html.escape(c)}</th>" for c in COMPILE_COLUMNS)
+    parts = [f"<h2>Compile time</h2>\n<p>{html.escape(COMPILE_TIME_NOTE)}.</p>"]
+    for folder, clock in clocks:
+        rows = "\n".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in compile_time_rows(clock)
+        )
+        parts.append(
+            f"<h3>{html.escape(_rank_label(folder))}</h3>\n<table><tr>{header}</tr>\n{rows}\n</table>\n"
+            f"<p>{html.escape(compile_counts_line(clock))}</p>"
+        )
+    return "\n".join(parts)
+
+
 def report(dump_dir: str | Path) -> str:
-    """The terminal report of a dump directory."""
+    """The terminal report of a dump directory: the graphs' tables, then the compile time."""
     found = collect_summaries(dump_dir)
     if not found:
         return f"no summary.json under {dump_dir}\n"
-    return format_table(found)
+    return format_table(found) + format_compile_time(collect_compile_clocks(dump_dir))
 
 
 def dump_index_html(dump_dir: str | Path) -> str:
-    """A page for a whole dump: one row per graph (``rank*/`` included), linking its page."""
+    """A page for a whole dump: one row per graph (``rank*/`` included), linking its page, then
+    each rank's compile time."""
     found = collect_summaries(dump_dir)
     header = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     rows = []
@@ -409,6 +492,7 @@ def dump_index_html(dump_dir: str | Path) -> str:
         link = f'<a href="{html.escape(folder.as_posix())}/index.html">{html.escape(cells[0])}</a>'
         rows.append(f"<tr><td>{link}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells[1:]) + "</tr>")
     body = "\n".join(rows)
+    compile_time = _compile_time_html(collect_compile_clocks(dump_dir))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>dhelix dump</title>
 <style>body {{ font-family: Helvetica, Arial, sans-serif; margin: 24px; }}
@@ -417,5 +501,7 @@ td {{ font-family: monospace; text-align: right; }} td:first-child {{ text-align
 </head><body><h1>dhelix dump: {len(found)} graphs (predicted times; measured where profiled)</h1>
 <table><tr>{header}</tr>
 {body}
-</table></body></html>
+</table>
+{compile_time}
+</body></html>
 """

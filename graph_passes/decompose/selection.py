@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import torch.fx
 
+from cost_model import compile_clock
 from cost_model.comm_nodes import resolve_group_rank
 from cost_model.estimator import MemoizedEstimator
 from cost_model.simulator import simulate
@@ -101,7 +102,8 @@ class Selection:
         """The site's variants for the configured mode, emitted (not committed), their new ops
         measured and each priced (``predicted_s``, and ``measured_s`` where there is a choice
         and the estimator measures); the original's predicted time (NaN without an estimator)
-        and its measured time (NaN when not measured)."""
+        and its measured time (NaN when not measured). Variants priced where there is a choice
+        count as ``cost_model.compile_clock``'s ``variants``."""
         mode = self.options.mode
         variants: list[Variant] = []
 
@@ -135,6 +137,8 @@ class Selection:
         self._measure([n for v in variants for n in v.emitter.nodes])
         for v in variants:
             v.predicted_s = self.simulate_s(v.emitter.nodes)
+        if self.estimator is not None and (mode == "auto" or len(variants) > 1):  # weighed, not forced
+            compile_clock.count("variants", len(variants))
         original_measured_s = self._run_candidates(site, variants)
         return variants, self.simulate_s(site.old_nodes), original_measured_s
 
