@@ -175,11 +175,21 @@ def mark_boxed(fn: _F) -> _F:
     return fn
 
 
+#: Which part of a graph an FX node belongs to (a merged graph's strand), or None: no part.
+FusionGroup = Callable[[torch.fx.Node], object]
+
+
 def inductor_compile_partition(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **inductor_kwargs: Any
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    fusion_group: FusionGroup | None = None,
+    **inductor_kwargs: Any,
 ) -> Callable[..., Any]:
-    """Inductor code generation for one partition (``compile_fx_inner``)."""
-    with tracing_for_graph_cache(example_inputs), stable_mesh_cache_keys():
+    """Inductor code generation for one partition (``compile_fx_inner``). With ``fusion_group``
+    no fused kernel joins nodes of two groups (:class:`_DhelixFusionChoices`)."""
+    choices = _V.set_choices_handler(_DhelixFusionChoices(True, fusion_group)) if fusion_group else None
+    with tracing_for_graph_cache(example_inputs), stable_mesh_cache_keys(), choices or contextlib.nullcontext():
         return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
 
 
@@ -254,25 +264,53 @@ KEEP_ORDER_CONFIG: dict[str, Any] = {
 }
 
 
-class _NoFusionAcrossCollectives(_InductorChoices):
-    """Inductor's fusion heuristics, except that no fused kernel may straddle a collective
-    (or a ``dhelix::exchange`` P2P step).
+class _DhelixFusionChoices(_InductorChoices):
+    """Inductor's fusion heuristics, except that no fused kernel straddles a collective (or a
+    ``dhelix::exchange`` P2P step) with ``across_collectives=False``, and none joins nodes of two
+    groups of ``group`` (a merged graph's strands).
 
     A fused kernel is emitted at its first member's position and pulls its other members'
     inputs with it; fusing a kernel before a collective issue or wait with one after it would
-    move compute across the wait (or the issue) and undo the overlap dhelix scheduled.
+    move compute across the wait (or the issue) and undo the overlap dhelix scheduled. A kernel
+    of two strands would tie the strands' positions together as well, and it is a kernel
+    neither strand compiled alone: kept apart, a merged graph's kernels are its strands' own,
+    which Inductor's cache holds already.
     """
 
-    @staticmethod
-    def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
-        low = min(node1.min_order, node2.min_order)
-        high = max(node1.max_order, node2.max_order)
-        orders = _communication_orders(scheduler)
-        after_low = bisect.bisect_right(orders, low)  # the first collective after ``low``
-        if after_low < len(orders) and orders[after_low] < high:
+    def __init__(self, across_collectives: bool, group: FusionGroup | None) -> None:
+        super().__init__()
+        self._across_collectives = across_collectives
+        self._group = group
+
+    def can_fuse(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:  # type: ignore[override]
+        if not self._across_collectives:
+            low = min(node1.min_order, node2.min_order)
+            high = max(node1.max_order, node2.max_order)
+            orders = _communication_orders(scheduler)
+            after_low = bisect.bisect_right(orders, low)  # the first collective after ``low``
+            if after_low < len(orders) and orders[after_low] < high:
+                return False
+        if self._group is not None and len(self._groups(scheduler, node1) | self._groups(scheduler, node2)) > 1:
             return False
         return _InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
 
+    def _groups(self, scheduler: Any, node: Any) -> frozenset[object]:
+        """The groups of the FX nodes a (possibly fused) scheduler node was lowered from; each
+        unfused node's memoized on ``scheduler`` (``can_fuse`` is asked about every candidate pair)."""
+        assert self._group is not None
+        memo: dict[str, frozenset[object]] = scheduler.__dict__.setdefault(_GROUPS_ATTR, {})
+        found: set[object] = set()
+        for member in node.get_nodes():
+            name = member.get_name()
+            if name not in memo:
+                origins = getattr(getattr(member, "node", None), "origins", None) or ()
+                memo[name] = frozenset(g for g in map(self._group, origins) if g is not None)
+            found |= memo[name]
+        return frozenset(found)
+
+
+#: Attribute of an Inductor scheduler: each unfused node's fusion groups by name (:class:`_DhelixFusionChoices`).
+_GROUPS_ATTR = "_dhelix_fusion_groups"
 
 #: Attribute of an Inductor scheduler: (its node list, that list's length, the sorted
 #: ``min_order`` of its communication kernels), :func:`_communication_orders`' memo.
@@ -305,17 +343,22 @@ def _is_communication_kernel(ir_node: Any) -> bool:
 
 
 def inductor_compile_partition_keeping_order(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **inductor_kwargs: Any
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    fusion_group: FusionGroup | None = None,
+    **inductor_kwargs: Any,
 ) -> Callable[..., Any]:
     """``compile_fx_inner`` that emits collectives, waits and the kernels between them in ``gm``'s order.
 
     It turns off Inductor's own reorderings (``KEEP_ORDER_CONFIG``) and refuses fusions across
-    a collective. Pointwise ops that Inductor inlines into their consumer still run with that
-    consumer; matmuls, reductions and other materialized buffers keep their place.
+    a collective (and, with ``fusion_group``, across groups: :class:`_DhelixFusionChoices`).
+    Pointwise ops that Inductor inlines into their consumer still run with that consumer;
+    matmuls, reductions and other materialized buffers keep their place.
     """
     with (
         _inductor_config.patch(KEEP_ORDER_CONFIG),
-        _V.set_choices_handler(_NoFusionAcrossCollectives()),
+        _V.set_choices_handler(_DhelixFusionChoices(False, fusion_group)),
         tracing_for_graph_cache(example_inputs),
         stable_mesh_cache_keys(),
     ):

@@ -40,6 +40,13 @@ from graph_passes.context import PassContext
 META_KEY = "dhelix"
 
 
+def strand_of(node: torch.fx.Node) -> int | None:
+    """The strand ``node`` is tagged with (``meta["dhelix"]["strand"]``; a merged graph's F is 0,
+    its B 1), or None when untagged."""
+    strand = node.meta.get(META_KEY, {}).get("strand")
+    return None if strand is None else int(strand)
+
+
 def issue_of(wait: torch.fx.Node) -> torch.fx.Node | None:
     """The collective/P2P node a ``wait_tensor`` completes, looking through ``getitem``.
 

@@ -116,7 +116,7 @@ from cost_model.strand_plan import (
     sequential_path,
     usable_pairs,
 )
-from graph_passes.annotate import META_KEY
+from graph_passes.annotate import strand_of
 from graph_passes.context import PassContext
 from graph_passes.deferral import defer_off_chain
 from graph_passes.merge_strands import BWD_STRAND, FWD_STRAND
@@ -451,4 +451,4 @@ def _measured_or(measured: dict[Pair, float], formula: PairCost) -> PairCost:
 
 
 def _strand_of(node: torch.fx.Node) -> int:
-    return int(node.meta.get(META_KEY, {}).get("strand", 0))
+    return strand_of(node) or 0

@@ -368,3 +368,33 @@ def test_stable_mesh_cache_keys_patches_the_pickler_only_within_the_block() -> N
     with compat.stable_mesh_cache_keys():
         assert FxGraphCachePickler._reduce_fake_script_object is not original
     assert FxGraphCachePickler._reduce_fake_script_object is original
+
+
+def test_a_merged_graph_compiles_to_its_strands_own_kernels() -> None:
+    """codegen.generate on a graph of two strands (helix's M): no fused kernel joins them, so M's
+    kernels are those F and B compile alone; a graph of one strand fuses as Inductor does."""
+    from torch._inductor import metrics
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dhelix_compile.codegen import generate, holds_strands
+    from graph_passes.annotate import META_KEY
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin() * 2, x.cos() + 1  # two pointwise loops reading x: Inductor fuses them
+
+    x = torch.randn(64, 64)
+    kernels = {}
+    for merged in (False, True):
+        gm = make_fx(f, tracing_mode="fake")(x)
+        for node in gm.graph.nodes:  # the first output's ops one strand, the second's the other
+            if node.op == "call_function":
+                strand = int(merged and node.target in (torch.ops.aten.cos.default, torch.ops.aten.add.Tensor))
+                node.meta[META_KEY] = {"strand": strand}
+        assert holds_strands(gm) is merged
+        metrics.reset()
+        with compat.inductor_config_patch({"fx_graph_cache": False}):
+            compiled = generate(gm, [x], "inductor", {})
+        kernels[merged] = metrics.generated_kernel_count
+        for got, want in zip(compiled([x]), f(x), strict=True):
+            torch.testing.assert_close(got, want)
+    assert kernels == {False: 1, True: 2}

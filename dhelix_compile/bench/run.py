@@ -424,8 +424,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "MB sent / step: the bytes the rank that sent most put on the wire, as gloo sends them.",
         "CPU: the busiest rank's CPU time per step (all its threads; in brackets, gloo's threads'); "
         "idle = step - CPU, the time it waited at least.",
-        "first step: the variant's first call on the link, which compiles every graph of the step (graph dumps "
-        "included: the bench writes them for the predictions) with the caches the bench started with (the run "
+        "first step: the variant's first call on the link, which compiles every graph of the step, less writing "
+        "the graph dumps the bench asks for its predictions (a user's step writes none), with the caches the "
+        "bench started with (the run "
         "on the fake group compiles into its own); a variant compiled after another in the same processes "
         f"reuses its kernels. {compile_clock.SHOWN_HEADER}: of it, dhelix's compiles in AOTAutograd "
         "(the joint graph and its partitions), measuring ops, collectives and segment pairs on the live group "
