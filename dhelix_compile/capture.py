@@ -176,7 +176,9 @@ def compile_partition(
     log.debug("%s: stats %s", name, {k: dict(v) for k, v in ctx.stats.items()})
     plan = _measurement_plan(scheduled, name, dumper, config)  # before codegen: Inductor rewrites its graph
     with compile_clock.phase("codegen"):
-        compiled = generate(scheduled, example_inputs, config.codegen, inductor_kwargs)
+        compiled = generate(
+            scheduled, example_inputs, config.codegen, inductor_kwargs, strand_kernels=config.helix_strand_kernels
+        )
     compile_clock.count("graphs")
     write_compile_clock(config)
     return _profiled(compiled, plan, dumper, config)

@@ -47,12 +47,15 @@ def generate(
     example_inputs: Sequence[Any],
     codegen: Codegen,
     inductor_kwargs: dict[str, Any],
+    *,
+    strand_kernels: bool = True,
 ) -> Callable[..., Any]:
-    """Turn a scheduled partition into a boxed callable (see the module docstring)."""
+    """Turn a scheduled partition into a boxed callable (see the module docstring);
+    ``strand_kernels=False`` lets Inductor fuse across a merged graph's strands."""
     if codegen == "eager":
         return compat.eager_partition(gm)
     if codegen == "inductor":
-        fusion_group = strand_of if holds_strands(gm) else None
+        fusion_group = strand_of if strand_kernels and holds_strands(gm) else None
         with compat.donated_placeholders():
             if has_communication(gm):
                 return compat.inductor_compile_partition_keeping_order(

@@ -109,6 +109,7 @@ def test_experimental_options_are_marked_and_listed_last() -> None:
         "decompose_auto_chunked",
         "decompose_chains",
         "helix_strand_rewrites",
+        "helix_strand_kernels",
         "interleave_measure_pairs",
         "interleave_timed_width",
     )
