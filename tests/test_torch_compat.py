@@ -384,7 +384,7 @@ def test_a_merged_graph_compiles_to_its_strands_own_kernels() -> None:
 
     x = torch.randn(64, 64)
     kernels = {}
-    for merged in (False, True):
+    for merged, strand_kernels in ((False, True), (True, True), (True, False)):
         gm = make_fx(f, tracing_mode="fake")(x)
         for node in gm.graph.nodes:  # the first output's ops one strand, the second's the other
             if node.op == "call_function":
@@ -393,8 +393,9 @@ def test_a_merged_graph_compiles_to_its_strands_own_kernels() -> None:
         assert holds_strands(gm) is merged
         metrics.reset()
         with compat.inductor_config_patch({"fx_graph_cache": False}):
-            compiled = generate(gm, [x], "inductor", {})
-        kernels[merged] = metrics.generated_kernel_count
+            compiled = generate(gm, [x], "inductor", {}, strand_kernels=strand_kernels)
+        kernels[merged, strand_kernels] = metrics.generated_kernel_count
         for got, want in zip(compiled([x]), f(x), strict=True):
             torch.testing.assert_close(got, want)
-    assert kernels == {False: 1, True: 2}
+    # helix_strand_kernels=False: Inductor fuses across the strands again
+    assert kernels == {(False, True): 1, (True, True): 2, (True, False): 1}
