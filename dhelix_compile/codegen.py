@@ -11,8 +11,8 @@ Contract
       (``_torch_compat.inductor_compile_partition_keeping_order``). In a merged graph (helix's
       M, two strands) no fused kernel joins the strands: M's kernels are then its strands' own,
       which Inductor's cache holds from compiling F and B (the DDP bench's step, ``small
-      --data-parallel replicate``: 34 kernels in all instead of 50, M compiled in 3.1 s instead
-      of 8.8), and the strands keep the places the interleave order gave them.
+      --data-parallel replicate``: 39 kernels in all instead of 50, M compiled in 3.4 s instead
+      of 8.8; docs/backend.md), and the strands keep the places the interleave order gave them.
     - Placeholders named as donated (``_torch_compat.mark_donated``: helix's merged graphs
       name a backward's saved activations so) become Inductor's donated buffers.
     - ``"eager"``: the FX graph as is — every aten op runs in the order dhelix chose. For

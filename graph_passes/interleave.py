@@ -232,18 +232,21 @@ def interleave_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         ctx.count("interleave", "sequential: no estimator")
         ctx.count("interleave", "nodes moved", apply_order(gm.graph, bwd_nodes + fwd_nodes))
         return gm
-    return _plan_and_order(gm, ctx, fwd_nodes, bwd_nodes)
+    return _plan_and_order(gm, ctx, nodes, fwd_nodes, bwd_nodes)
 
 
 @compile_clock.timed("plan")
 def _plan_and_order(
-    gm: torch.fx.GraphModule, ctx: PassContext, fwd_nodes: list[torch.fx.Node], bwd_nodes: list[torch.fx.Node]
+    gm: torch.fx.GraphModule,
+    ctx: PassContext,
+    nodes: list[torch.fx.Node],
+    fwd_nodes: list[torch.fx.Node],
+    bwd_nodes: list[torch.fx.Node],
 ) -> torch.fx.GraphModule:
     """The strand plan's search and judgement, and ``gm`` in the order chosen (the module
     docstring's Algorithm), counted as ``compile_clock``'s ``plan`` (the pairs it measures as
     ``profiling``)."""
     assert ctx.estimator is not None
-    nodes = list(gm.graph.nodes)
     options = ctx.pass_options.get("interleave", InterleaveOptions())
     assert isinstance(options, InterleaveOptions)
     estimator = MemoizedEstimator(ctx.estimator)
