@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_llama.py            # TP + sequence parallelism
     torchrun --nproc-per-node 2 examples/train_llama.py --no-sp    # TP only
+    torchrun --nproc-per-node 2 examples/train_llama.py --variants inductor   # Inductor alone
 
 gloo on CPU, NCCL with one GPU per rank. The model is a Hugging Face ``LlamaForCausalLM`` built
 from a config (random weights, nothing downloaded) when ``transformers`` is installed
@@ -15,9 +16,11 @@ same weights on the same data:
 * eager: the plain gradient-accumulation loop;
 * Inductor: the same loop over ``torch.compile(model)``.
 
-Rank 0 prints each step's mean loss for helix and eager (they agree to float rounding; the
-script exits non-zero when they do not) and each step's time. The first step of a compiled
-model includes its compilation and is reported apart.
+Rank 0 prints each step's mean loss and time per variant; helix's losses and eager's agree to
+float rounding (the script exits non-zero when they do not). The first step of a compiled model
+includes its compilation and is reported apart. ``--variants`` trains some of them only: run
+``--variants helix`` and ``--variants inductor`` apart to compare the two first steps cold
+(in one process the second compiled reuses kernels of the first).
 """
 
 from __future__ import annotations
@@ -76,6 +79,19 @@ def _reference(size: str, sequence_parallel: bool, mesh: Any) -> tuple[Callable,
     return make, loss_fn, batches
 
 
+#: What the script can train, in the order each step runs them.
+VARIANTS: tuple[str, ...] = ("helix", "eager", "inductor")
+
+
+def variants(text: str) -> tuple[str, ...]:
+    """``--variants``: names of ``VARIANTS``, kept in that order; at least one."""
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = names - set(VARIANTS)
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(VARIANTS)}")
+    return tuple(n for n in VARIANTS if n in names)
+
+
 def print0(*args: Any) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
@@ -87,7 +103,12 @@ def main() -> int:
     parser.add_argument("--no-sp", dest="sp", action="store_false", help="TP without sequence parallelism")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--no-compare", dest="compare", action="store_false", help="train helix alone")
+    parser.add_argument(
+        "--variants",
+        type=variants,
+        default=VARIANTS,
+        help=f"comma-separated, of {','.join(VARIANTS)} (default: all; losses are checked where helix and eager both run)",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -108,15 +129,16 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     make, loss_fn, batches = build(args.size, args.sp, mesh)
     print0(f"{'TP + sequence parallel' if args.sp else 'TP'} over {dist.get_world_size()} ranks ({device})")
 
-    names = ["helix", "eager", "inductor"] if args.compare else ["helix"]
+    names: tuple[str, ...] = args.variants
     models = {name: make() for name in names}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
-    helix_step = dhelix_compile.helix(models["helix"], loss_fn)  # the defaults: no tuning options
+    # the defaults: no tuning options
+    helix_step = dhelix_compile.helix(models["helix"], loss_fn) if "helix" in models else None
     compiled = torch.compile(models["inductor"]) if "inductor" in models else None
 
     def step(name: str, microbatches: list[Any]) -> list[float]:
         optimizers[name].zero_grad(set_to_none=True)
-        if name == "helix":
+        if helix_step is not None and name == "helix":
             losses = helix_step(microbatches)
         else:
             model = compiled if name == "inductor" else models[name]
@@ -128,11 +150,20 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         optimizers[name].step()
         return torch.stack(losses).tolist()  # one loss per micro-batch (waits for the device)
 
+    compared = "helix" in names and "eager" in names
     gen = torch.Generator(device=device).manual_seed(0)  # the same data on every rank (TP shares it)
     times: dict[str, list[float]] = {name: [] for name in names}
     worst = 0.0
-    print0("| step | helix loss | eager loss | max abs diff | " + " | ".join(f"{n} (ms)" for n in names) + " |")
-    print0("|---:|---:|---:|---:|" + "---:|" * len(names))
+    losses: dict[str, float] = {}
+    print0(
+        "| step | "
+        + " | ".join(f"{n} loss" for n in names)
+        + (" | max abs diff" if compared else "")
+        + " | "
+        + " | ".join(f"{n} (ms)" for n in names)
+        + " |"
+    )
+    print0("|---:|" + "---:|" * (2 * len(names) + compared))
     for i in range(args.steps):
         microbatches = batches(args.microbatches, gen)
         per_microbatch = {}
@@ -145,29 +176,31 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
             if i == 0 and name == "helix":
                 helix_phases = {k: v - clock[k] for k, v in dhelix_compile.compile_seconds().items()}
         losses = {name: statistics.fmean(values) for name, values in per_microbatch.items()}
-        if "eager" in losses:  # the largest difference of one micro-batch's loss
+        cells = [f"{losses[n]:.6f}" for n in names]
+        if compared:  # the largest difference of one micro-batch's loss
             diff = max(abs(h - e) for h, e in zip(per_microbatch["helix"], per_microbatch["eager"]))
             worst = max(worst, diff)
-        else:
-            diff = float("nan")
-        cells = " | ".join(f"{1e3 * times[n][-1]:.1f}" for n in names)
-        eager = f"{losses['eager']:.6f}" if "eager" in losses else "-"
+            cells.append(f"{diff:.1e}")
+        cells += [f"{1e3 * times[n][-1]:.1f}" for n in names]
         note = " (compiles)" if i == 0 else ""
-        print0(f"| {i + 1}{note} | {losses['helix']:.6f} | {eager} | {diff:.1e} | {cells} |")
+        print0(f"| {i + 1}{note} | " + " | ".join(cells) + " |")
         if i == 0:
             compile_s = ", ".join(f"{n} {times[n][0]:.1f} s" for n in names)
             print0(f"first step, compilation included: {compile_s}")
-            if "inductor" in names:  # helix compiled first in these processes: Inductor reuses its kernels
-                print0("(Inductor's first step reuses kernels helix compiled here; each cold: docs/backend.md)")
-            phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in helix_phases.items())
-            rest = times["helix"][0] - sum(helix_phases.values())
-            print0(f"helix's first step: {phases}; the rest (Dynamo's trace, the step) {rest:.1f} s")
+            if "helix" in names and "inductor" in names:  # helix compiled first in these processes
+                print0("(Inductor's first step reuses kernels helix compiled here: --variants inductor runs it alone)")
+            if "helix" in names:
+                phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in helix_phases.items())
+                rest = times["helix"][0] - sum(helix_phases.values())
+                print0(f"helix's first step: {phases}; the rest (Dynamo's trace, the step) {rest:.1f} s")
     if args.steps > 1:
         medians = {n: statistics.median(t[1:]) for n, t in times.items()}
         summary = ", ".join(f"{n} {1e3 * m:.1f} ms" for n, m in medians.items())
         print0(f"median step after the first: {summary}")
-        if "inductor" in medians:
+        if "helix" in medians and "inductor" in medians:
             print0(f"helix vs Inductor: {medians['inductor'] / medians['helix']:.2f}x")
+    if not compared:
+        return 0
     tolerance = 1e-3  # AdamW amplifies float-rounding differences a little each step
     ok = worst <= tolerance * max(1.0, abs(losses["helix"]))
     print0("losses agree with eager" if ok else f"LOSSES DIFFER from eager by up to {worst:.2e}")

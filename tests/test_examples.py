@@ -31,6 +31,22 @@ def test_train_llama_under_torchrun_matches_eager() -> None:
     assert "| 2 | " in done.stdout and "helix vs Inductor:" in done.stdout
 
 
+def test_train_llama_variants_option_keeps_the_running_order_and_names_a_wrong_one() -> None:
+    """``--variants``: any subset, run in the script's order; an unknown or empty one is refused by name."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "examples" / "train_llama.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.variants("inductor, helix") == ("helix", "inductor")
+    assert script.variants("inductor") == ("inductor",)
+    for wrong in ("inductr", "", " , "):
+        with pytest.raises(argparse.ArgumentTypeError, match="choose among helix, eager, inductor"):
+            script.variants(wrong)
+
+
 #: Modules of the project an example may import, each with the names it may take (its ``__all__``).
 PUBLIC_MODULES = (
     "dhelix_compile",
