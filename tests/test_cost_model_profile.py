@@ -707,6 +707,35 @@ def test_a_candidate_that_raises_is_nan_and_the_others_are_still_timed(monkeypat
     assert running.median_runs_interleaved_s([], 1, 3, torch.device("cpu")) == []
 
 
+def test_a_long_compute_op_is_timed_with_one_warmup_and_three_calls(monkeypatch: Any) -> None:
+    """An op whose first call reaches LONG_OP_S: that call warms it up, three are timed (2 + 5
+    calls otherwise); one that raises is NaN after that one call."""
+    from cost_model.profile import running
+
+    calls: list[str] = []
+
+    def op() -> None:
+        calls.append("op")
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(running, "LONG_OP_S", 0.0)  # every call is long
+    assert running.median_op_run_or_nan_s(op, 2, 5, cpu) >= 0.0 and len(calls) == 4
+    calls.clear()
+    assert running.median_op_run_or_nan_s(op, 2, 2, cpu) >= 0.0 and len(calls) == 3  # repeats below three stand
+    calls.clear()
+    monkeypatch.setattr(running, "LONG_OP_S", math.inf)  # none is
+    assert running.median_op_run_or_nan_s(op, 2, 5, cpu) >= 0.0 and len(calls) == 7
+    calls.clear()
+    assert running.median_op_run_or_nan_s(op, 0, 5, cpu) >= 0.0 and len(calls) == 5  # no warm-up asked: none
+
+    def fails() -> None:
+        calls.append("x")
+        raise RuntimeError("no inputs of that shape")
+
+    calls.clear()
+    assert math.isnan(running.median_op_run_or_nan_s(fails, 2, 5, cpu)) and calls == ["x"]
+
+
 def _segments_on_ranks(rank: int, world_size: int, cache_root: str) -> list[float | None]:
     from cost_model.profile.segments import segment_times
 

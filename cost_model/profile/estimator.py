@@ -13,7 +13,9 @@ except that a node whose *signature* has been measured gets the measured time.
              entries (``cache.settled``: measured by two calibrations)
     for sig in need (graph order, same on every rank):
         compute:    real tensors of the node's shapes/strides/dtypes (size hints for
-                    symbols), ``warmup`` calls, then the median of ``repeats`` timed calls;
+                    symbols), ``warmup`` calls, then the median of ``repeats`` timed calls
+                    (one warm-up and at most three timed calls for an op whose first call
+                    takes 10 ms or more: ``running.median_op_run_or_nan_s``);
                     the lower of that and the cache's earlier measurement at the machine's
                     speed now, if there is one (``speed``)
         collective: the same on the live process group (barrier first, wait included)
@@ -152,6 +154,7 @@ from cost_model.profile.pairs import SegmentSignature, segment_pair_times, segme
 from cost_model.profile.replay import MeasurementLog, call_key, state_delta
 from cost_model.profile.running import (
     device_of_nodes,
+    median_op_run_or_nan_s,
     median_run_or_nan_s,
     real_args,
     run_node,
@@ -856,7 +859,7 @@ class ProfiledEstimator(EstimatorBase):
         def run_compute() -> object:
             return call_target(node)(*args, **kwargs)
 
-        return median_run_or_nan_s(run_compute, self.warmup, self.repeats, device)
+        return median_op_run_or_nan_s(run_compute, self.warmup, self.repeats, device)
 
 
 _R = TypeVar("_R")

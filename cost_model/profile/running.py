@@ -11,7 +11,8 @@ Contract
   each; :func:`median_runs_interleaved_s` -- the same for
   candidates to compare, their calls interleaved round by round, after a barrier on a group
   that runs them together, NaN for one that raises (the profiler's failure value);
-  :func:`median_run_or_nan_s` -- that for one function.
+  :func:`median_run_or_nan_s` -- that for one function; :func:`median_op_run_or_nan_s` -- that
+  for a compute op one rank times alone, with fewer calls for a long one (``LONG_OP_S``).
 * :func:`device_of_nodes` -- where the nodes' tensors live (the first one found; CPU if none).
 * :func:`run_node` -- call a node's target on real arguments, as the compiled graph will
   (``graph_passes.gloo_collectives`` says why): on a gloo group, an all-gather goes as one
@@ -42,7 +43,7 @@ from cost_model.comm_nodes import resolve_process_group
 from cost_model.nodes import call_target
 from cost_model.rank_agreement import backend_name
 from cost_model.symbolic import concretize, hinted_shape, hinted_stride, tensors_in
-from cost_model.timing import median_run_s, synchronize
+from cost_model.timing import median_run_s, synchronize, time_samples_s
 
 _C10D = torch.ops._c10d_functional
 
@@ -197,6 +198,30 @@ def median_run_or_nan_s(
     return median_runs_interleaved_s([fn], warmup, repeats, device, barrier_group)[0]
 
 
+#: A compute op whose first call takes at least this long (seconds) is timed with one warm-up
+#: call and at most LONG_OP_REPEATS timed ones (:func:`median_op_run_or_nan_s`).
+LONG_OP_S: float = 0.01
+LONG_OP_REPEATS: int = 3
+
+
+def median_op_run_or_nan_s(fn: Callable[[], object], warmup: int, repeats: int, device: torch.device) -> float:
+    """:func:`median_run_or_nan_s` of a compute op that this rank times on its own (no barrier,
+    so ranks need not call it equally often): where its first warm-up call takes ``LONG_OP_S``
+    or more, that call is the whole warm-up and ``min(repeats, LONG_OP_REPEATS)`` calls are
+    timed. Such an op's calls dwarf the timer's and the dispatch's jitter, and timing the
+    slowest ops of a graph five times after two warm-ups was most of its calibration (a
+    ZeRO-3 step of the reference transformer's ``medium``: 12.5 s of its first step)."""
+    if warmup < 1:
+        return median_run_or_nan_s(fn, warmup, repeats, device)
+    try:
+        first_s = time_samples_s(fn, 1, 0, device)[0]
+    except Exception:  # noqa: BLE001 - as median_runs_interleaved_s: a call that raises is NaN
+        return math.nan
+    if first_s >= LONG_OP_S:
+        return median_run_or_nan_s(fn, 0, min(repeats, LONG_OP_REPEATS), device)
+    return median_run_or_nan_s(fn, warmup - 1, repeats, device)
+
+
 def materialize(val: torch.Tensor, hints: dict[sympy.Symbol, int]) -> torch.Tensor:
     """A real tensor with ``val``'s (hinted) shape, strides, dtype and device."""
     shape = hinted_shape(val, hints)
@@ -258,6 +283,7 @@ def real_args(
 __all__ = [
     "device_of_nodes",
     "materialize",
+    "median_op_run_or_nan_s",
     "median_run_or_nan_s",
     "median_run_s",
     "median_runs_interleaved_s",
