@@ -28,7 +28,10 @@ Contract
     else:  t_one = one xfer(bytes), timed after a warm-up (the slowest rank's)
            k = transfers back to back that outlast the iters calls (1 if t_one outlasts them,
                else 1 + ceil(their time / t_one), <= 64)
-           repeats times:  t_alone = time(iters calls)
+           repeats times (at most ``running.LONG_OP_REPEATS`` where the iters calls take
+           2 x MAX_SAMPLE_S or more on the slowest rank: a single call of a long op, timed as
+           few times as ``running.median_op_run_or_nan_s`` times it):
+                           t_alone = time(iters calls)
                            barrier; k async xfer(bytes); t_busy = time(iters calls); wait all
            factor = max over ranks of max(1, median(t_busy) / median(t_alone))
     cache[key] = factor
@@ -59,7 +62,7 @@ import torch.fx
 
 from cost_model.comm_nodes import describe_comm, resolve_group_size
 from cost_model.nodes import call_target
-from cost_model.profile.running import device_of_nodes, real_args
+from cost_model.profile.running import LONG_OP_REPEATS, device_of_nodes, real_args
 from cost_model.profile.threads import gloo_thread_ids, threads_cpu_s
 from cost_model.rank_agreement import agree_max, backend_name, comm_device
 from cost_model.symbolic import evaluate, size_hints
@@ -157,6 +160,8 @@ def measure_contention(
         one_s.append(time.perf_counter() - t0)
     one, window = agree_max([one_s[-1], window_s], group)
     in_flight = 1 if one >= window else int(min(MAX_IN_FLIGHT, 1 + math.ceil(window / max(one, 1e-6))))
+    if window >= 2 * MAX_SAMPLE_S:  # one call outlasts the sample; agreed: every rank times as many
+        repeats = min(repeats, LONG_OP_REPEATS)
     alone: list[float] = []
     busy: list[float] = []
     busy_shares: list[float] = []
