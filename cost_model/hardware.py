@@ -299,7 +299,16 @@ def measure_cpu_device(name: str = "cpu") -> Device:
     * launch overhead: a one-element ``add`` (dispatcher + kernel call).
     * contention factor: the float32 matmul timed while a second thread runs ``copy_``
       loops, as gloo's transfer threads do during a collective (>= 1.0).
+
+    Raises RuntimeError where a tensor mode makes its tensors anything but eager ones (a
+    compiler's fake-tensor mode, whose dispatch it would time instead).
     """
+    if type(torch.empty(0)) is not torch.Tensor:
+        raise RuntimeError(
+            "measure_cpu_device needs eager tensors: a tensor mode is active in this thread (a "
+            "compiler's fake-tensor mode?), where the probes would time its dispatch, not the "
+            "CPU; call it outside the compilation"
+        )
     n = 384
     peaks: dict[torch.dtype, float] = {}
     for dtype in (torch.float32, torch.float64, torch.bfloat16):

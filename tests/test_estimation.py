@@ -26,6 +26,30 @@ def test_auto_is_analytic_without_a_live_multi_rank_group() -> None:
     assert resolve_cost_model(config.patch(cost_model="profile")) == "profile"
 
 
+def test_the_cpu_device_is_measured_on_eager_tensors_inside_a_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The partition compiler resolves the device under AOTAutograd's fake-tensor mode; the CPU
+    is measured outside it (on fake tensors the probes timed the mode's dispatch: a 1.46 ms
+    launch, 204 GB/s), and the measurement itself refuses to run under such a mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cost_model.hardware import measure_cpu_device
+    from dhelix_compile import estimation
+
+    eager: list[bool] = []
+
+    def spy(name: str = "cpu") -> Device:
+        eager.append(type(torch.empty(0)) is torch.Tensor)
+        return Device(name, {torch.float32: 1e10}, 1e10, 1e-6, "spy")
+
+    monkeypatch.setattr(estimation, "_AGREED_DEVICE", [])
+    monkeypatch.setattr(estimation, "measure_cpu_device", spy)
+    with FakeTensorMode():
+        device = estimation.resolve_device(DHelixConfig.from_options({"device": "cpu"}, environ={}), [])
+        with pytest.raises(RuntimeError, match="needs eager tensors"):
+            measure_cpu_device.__wrapped__()  # the cached function's own body, measured afresh
+    assert device.source == "spy" and eager == [True]
+
+
 def test_profiled_compiles_share_one_estimator_per_process(tmp_path) -> None:
     """What one graph measured serves the next: a helix merged graph of per-peer strands has no
     collective left to measure, and prices its exchanges by the link scale the strands measured."""
