@@ -208,9 +208,10 @@ def median_op_run_or_nan_s(fn: Callable[[], object], warmup: int, repeats: int, 
     """:func:`median_run_or_nan_s` of a compute op that this rank times on its own (no barrier,
     so ranks need not call it equally often): where its first warm-up call takes ``LONG_OP_S``
     or more, that call is the whole warm-up and ``min(repeats, LONG_OP_REPEATS)`` calls are
-    timed. Such an op's calls dwarf the timer's and the dispatch's jitter, and timing the
-    slowest ops of a graph five times after two warm-ups was most of its calibration (a
-    ZeRO-3 step of the reference transformer's ``medium``: 12.5 s of its first step)."""
+    timed. Such an op's calls dwarf the timer's and the dispatch's jitter, and its calls are
+    most of a calibration's time: profiling the first ZeRO-3 step of the reference
+    transformer's ``medium`` took 12.5 s with two warm-ups and five timed calls of every op,
+    9.5 s this way (docs/backend.md)."""
     if warmup < 1:
         return median_run_or_nan_s(fn, warmup, repeats, device)
     try:
