@@ -35,6 +35,7 @@ RECORDED = {
 IB400 = "2026-11-28-h200-emulated-tp8-ib400.json"
 HF_TP = "2026-11-28-cpu-emulated-hf_tp.json"
 HF_TP_SP = "2026-11-28-cpu-emulated-hf_tp_sp.json"
+ZERO3 = "2026-11-28-cpu-emulated-zero3.json"
 #: The recorded CPU runs (BENCHMARKS.md, "The emulated cluster, predicted") and the variants whose
 #: run issued per-peer steps (decompose="auto"), which no modeled program holds.
 RECORDED_CPU = {
@@ -292,3 +293,53 @@ def test_cli_from_bench_hugging_face_llama(capsys: pytest.CaptureFixture[str]) -
     assert "| 59 / 59 | 56 / 56 | 515.8 / 515.8 |" in out and "| 50 / 50 | 84 / 84 | 404.0 / 404.0 |" in out
     assert "none: per-peer steps" in out
     assert "decompose='auto' issued 16 all_reduce a step as per-peer steps (" in out
+
+
+# --------------------------------------------------------------------------- ZeRO-3
+
+
+def test_a_zero3_run_is_the_reference_transformer_sharded_over_the_ranks() -> None:
+    setting, _ = setting_from_bench(_load(ZERO3))
+    m = setting.model
+    assert (m.layers, m.hidden, m.heads, m.key_value_heads, m.ffn_hidden, m.vocab) == (4, 512, 8, 8, 1536, 1024)
+    assert setting.parallel == Parallelism(dp=2, tp=1, sequence_parallel=False)
+    assert (setting.dp_mode, setting.seq_len, setting.micro_batch_size, setting.micro_batches) == ("shard", 256, 4, 4)
+    assert "ZeRO-3: parameters sharded over DP" in setting.describe()
+    with pytest.raises(ValueError, match="dp_mode='shard' is modeled for the Llama family with tp = pp = cp = 1"):
+        dataclasses.replace(setting, parallel=Parallelism(dp=2, tp=2)).validate()
+
+
+def test_zero3_gathers_each_parameter_before_its_group_and_reduce_scatters_its_gradient() -> None:
+    setting, _ = setting_from_bench(_load(ZERO3))
+    layer = ["attention norm", "wq", "wk", "wv", "wo", "ffn norm", "w1", "w2", "w3"]
+    params = ["embedding", *layer * 4, "final norm", "output"]
+    for variant in ("inductor", "dhelix"):
+        fwd, bwd = strands(variant_setting(setting, variant))
+        assert [s.collective for s in fwd if s.collective] == [f"all_gather ({p})" for p in params]
+        assert [s.collective for s in bwd if s.collective] == [f"reduce_scatter ({p} grad)" for p in reversed(params)]
+        # every transfer but the backward's first of each group is a segment of its own: no compute
+        assert all(s.compute_s == 0 for s in fwd if s.collective)
+        assert all(s.weight_grad_s == 0 for s in fwd + bwd)  # the reduce-scatters send the weight gradients
+        assert sum(1 for s in bwd if s.compute_s > 0) == 6  # embedding, 4 layers, head
+    traced_fwd, traced_bwd = strands(variant_setting(setting, "inductor"))
+    assert all(s.waits for s in traced_fwd + traced_bwd)  # each collective waited where it is issued
+    fwd, bwd = strands(variant_setting(setting, "dhelix"))
+    # layer 0's nine gathers go out before the embedding computes, the first of them once the embedding's landed
+    embedding = next(k for k, s in enumerate(fwd) if s.ops == ("embedding",))
+    assert [s.collective for s in fwd[1:embedding]] == [f"all_gather ({p})" for p in layer]
+    assert fwd[1].waits and not any(s.waits for s in fwd[2 : embedding + 1])
+    assert not any(s.waits for s in bwd)  # the backward reads none of its reduce-scatters
+
+
+def test_zero3_prefetched_gathers_hide_under_the_compute_and_traced_ones_do_not() -> None:
+    setting, _ = setting_from_bench(_load(ZERO3))
+    traced = predict_variant(setting, "inductor")
+    assert traced.step_s == pytest.approx(traced.compute_s + traced.comm_s, rel=1e-12)
+    # compute far above the link time: the prefetched orders hide all but the ends of the step
+    slow = {v: predict_variant(setting, v, compute_scale=1e3) for v in ("inductor", "dhelix", "helix")}
+    for variant in ("dhelix", "helix"):
+        exposed = slow[variant].step_s - slow[variant].compute_s
+        assert 0 < exposed < 0.1 * slow[variant].comm_s, variant
+    assert slow["inductor"].step_s == pytest.approx(slow["inductor"].compute_s + slow["inductor"].comm_s)
+    steps = [predict_variant(setting, v).step_s for v in ("inductor", "dhelix", "helix")]
+    assert steps == sorted(steps, reverse=True)

@@ -20,7 +20,7 @@ import dhelix_compile
 from cost_model.collectives import collective_bytes_on_wire, collective_time_s
 from cost_model.hardware import get_link
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.bench.emulated import balanced_link, parse_emulated_link
+from dhelix_compile.bench.emulated import _measure_variants, balanced_link, parse_emulated_link, plans_on_link
 from dhelix_compile.emulation import EmulationError, LinkSpecError, describe_presets, parse_link
 from dhelix_compile.emulation.clock import CpuQueues
 from dhelix_compile.emulation.group import EmulatedWork, Transfer
@@ -85,6 +85,36 @@ def test_balanced_link_makes_the_transfers_take_the_compute_time() -> None:
     assert sum(collective_time_s(t.op, t.nbytes, t.group_size, link) for t in transfers) == pytest.approx(0.010)
     with pytest.raises(ValueError, match="latency alone"):
         balanced_link(transfers, 1e-6, 9.6e-6)
+
+
+@pytest.mark.parametrize(("first", "made_on_balanced"), [("helix", 2), ("inductor", 1)])
+def test_a_dhelix_variant_that_sets_the_balanced_link_is_compiled_again_on_it(
+    cluster: dhelix_compile.emulation.Emulation, first: str, made_on_balanced: int
+) -> None:
+    """The first variant runs with the link free to find the bandwidth; a dhelix variant's plan
+    prices the link, so its step is made again once the balanced link is set."""
+    made: list[tuple[str, str | None]] = []
+    tensor = torch.ones(1 << 16)
+
+    def make_step(name: str) -> Callable[[], None]:
+        made.append((name, cluster.link.name))
+
+        def step() -> None:
+            time.sleep(0.002)
+            dist.all_reduce(tensor)
+
+        return step
+
+    spec = parse_emulated_link("emulated:balanced,ranks=8")
+    assert spec is not None and plans_on_link("helix[decompose=off]") and not plans_on_link("inductor_overlap")
+    times, done = _measure_variants(
+        cluster, spec, parse_link("ib400"), [first, "dhelix"], make_step, torch.device("cpu"), 1, 0, 60.0
+    )
+    balanced = cluster.link.name
+    assert balanced.startswith("balanced_") and done == 1
+    assert made.count((first, balanced)) == made_on_balanced - 1 and made[0] == (first, "ib_ndr")
+    assert made[-1] == ("dhelix", balanced)
+    assert times[first].compile_s > 0
 
 
 # -- the group -----------------------------------------------------------------------------------

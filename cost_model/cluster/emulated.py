@@ -1,7 +1,7 @@
 """The emulated cluster's step, predicted per bench variant and set beside what the bench measured.
 
 ``dhelix bench --link emulated:<link>,ranks=N`` (``dhelix_compile.emulation``) runs rank 0 of an
-N-rank tensor-parallel job in one process. Every collective takes this package's own link model
+N-rank tensor-parallel (or ZeRO-3) job in one process. Every collective takes this package's own link model
 (``cost_model.collectives`` on a ``cost_model.links`` preset), on one queue per direction that
 every group shares, asynchronously: on CUDA a delay kernel on a side stream, which the compute
 stream waits for at the collective's wait while the host goes on issuing; on CPU a deadline that
@@ -19,6 +19,12 @@ What a variant's passes make of the program (:data:`VARIANT_PROGRAMS`)::
     helix              the same, plus vocab_parallel_loss (three all-reduces of one float32 per
                        token instead of the logits' gather); micro-batch i+1's forward merged
                        with micro-batch i's backward by the Strand Interleaving DP
+
+Under ZeRO-3 (``ClusterSetting.dp_mode="shard"``, the bench's ``--data-parallel shard``) every
+variant sends the same gathers and reduce-scatters (``strands``: one per parameter); the programs
+differ in order alone (``VariantProgram.sharded_order``): Inductor's waits each where it is issued,
+dhelix's and helix's issue a parameter group's gathers while the group before it computes and
+leave the reduce-scatters to the step's end.
 
 The step, m micro-batches, at segment granularity (``strand_plan.advance``: one compute stream
 and one link; a segment computes its lead, waits for its strand's latest transfer if it reads
@@ -79,12 +85,14 @@ from typing import Any, Literal
 
 from cost_model.cluster.setting import (
     ClusterSetting,
+    DataParallelMode,
     Ends,
     Loss,
     ModelShape,
     PaperReport,
     Parallelism,
     ProjectionReduces,
+    ShardedOrder,
 )
 from cost_model.cluster.step_model import MEASURED_ATTENTION_EFFICIENCY, MEASURED_MATMUL_EFFICIENCY
 from cost_model.cluster.strands import ClusterSegment, strands
@@ -124,20 +132,46 @@ class VariantProgram:
     loss: Loss
     order: Order
     description: str
+    """The program under tensor parallelism."""
+    sharded_description: str
+    """The program under ZeRO-3 (``dp_mode="shard"``)."""
+
+    @property
+    def sharded_order(self) -> ShardedOrder:
+        return "as_traced" if self.order == "inductor" else "prefetched"
+
+    def describe(self, setting: ClusterSetting) -> str:
+        return self.sharded_description if setting.dp_mode == "shard" else self.description
 
 
 VARIANT_PROGRAMS: dict[str, VariantProgram] = {
     "inductor": VariantProgram(
-        "per_projection", "gathered_logits", "inductor", "TP plan as written, waits at first use"
+        "per_projection",
+        "gathered_logits",
+        "inductor",
+        "TP plan as written, waits at first use",
+        "each gather and reduce-scatter waited where issued",
     ),
     "inductor_overlap": VariantProgram(
-        "per_projection", "gathered_logits", "inductor", "as inductor (its overlap scheduler's moves not modeled)"
+        "per_projection",
+        "gathered_logits",
+        "inductor",
+        "as inductor (its overlap scheduler's moves not modeled)",
+        "as inductor (its overlap passes' moves not modeled)",
     ),
     "dhelix": VariantProgram(
-        "fused", "gathered_logits", "reordered", "all-reduces combined, weight gradients under them"
+        "fused",
+        "gathered_logits",
+        "reordered",
+        "all-reduces combined, weight gradients under them",
+        "gathers one group ahead, reduce-scatters waited at the end",
     ),
     "helix": VariantProgram(
-        "fused", "vocab_parallel", "two_strands", "as dhelix + vocab-parallel loss, two strands (SI DP)"
+        "fused",
+        "vocab_parallel",
+        "two_strands",
+        "as dhelix + vocab-parallel loss, two strands (SI DP)",
+        "as dhelix, two strands (SI DP)",
     ),
 }
 
@@ -217,7 +251,9 @@ def _two_strands_s(fwd: list[Segment], bwd: list[Segment], m: int, factor: float
 def variant_setting(setting: ClusterSetting, variant: str) -> ClusterSetting:
     """``setting`` as ``variant``'s passes leave it (``VARIANT_PROGRAMS``)."""
     program = _program(variant)
-    return dataclasses.replace(setting, projection_reduces=program.projection_reduces, loss=program.loss)
+    return dataclasses.replace(
+        setting, projection_reduces=program.projection_reduces, loss=program.loss, sharded_order=program.sharded_order
+    )
 
 
 def _program(variant: str) -> VariantProgram:
@@ -385,14 +421,19 @@ def emulated_setting(
     dtype: Literal["bfloat16", "float32"] = "bfloat16",
     sequence_parallel: bool = False,
     ends: Ends = "vocab_parallel",
+    dp_mode: DataParallelMode = "replicate",
 ) -> ClusterSetting:
     """A tensor-parallel job of ``ranks`` on one emulated link, as the bench writes it (PyTorch's
     TP plan: per-projection all-reduces, logits gathered for the loss; ``ends="replicated"``:
-    the plan on the decoder layers only, ``ClusterSetting.ends``)."""
+    the plan on the decoder layers only, ``ClusterSetting.ends``); with ``dp_mode="shard"`` a
+    ZeRO-3 job of ``ranks`` instead (``data_parallel(model, mode="shard")``, no TP)."""
+    sharded = dp_mode == "shard"
     return ClusterSetting(
         name=name,
         model=model,
-        parallel=Parallelism(dp=1, tp=ranks, sequence_parallel=sequence_parallel),
+        parallel=Parallelism(
+            dp=ranks if sharded else 1, tp=1 if sharded else ranks, sequence_parallel=sequence_parallel
+        ),
         seq_len=seq_len,
         micro_batch_size=micro_batch_size,
         micro_batches=micro_batches,
@@ -406,6 +447,7 @@ def emulated_setting(
         loss="gathered_logits",
         contention_factor=EMULATED_CONTENTION_FACTOR if device != "cpu" else 1.0,
         ends=ends,
+        dp_mode=dp_mode,
     )
 
 
@@ -479,7 +521,9 @@ def per_peer_steps(
         for op, n in predicted.operations.items()
         if n > measured.operations.get(op, 0)
     }
-    link, group = setting.tp_link, setting.parallel.tp
+    sharded = setting.dp_mode == "shard"
+    link = setting.dp_link if sharded else setting.tp_link
+    group = setting.parallel.dp if sharded else setting.parallel.tp
 
     def fixed_s(op: str) -> float:
         return base_latency_s("nccl") + alpha_beta_terms(op, group)[0] * link.latency_s

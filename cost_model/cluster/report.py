@@ -180,7 +180,7 @@ def format_variant_predictions(
     ]
     for p in preds:
         lines.append(
-            f"| {p.variant} | {p.program.description} | {format_ms(p.step_s)} | {format_ms(p.compute_s)} | "
+            f"| {p.variant} | {p.program.describe(setting)} | {format_ms(p.step_s)} | {format_ms(p.compute_s)} | "
             f"{format_ms(p.comm_s)} | {p.wire_bytes / 1e6:.0f} | {p.transfers} |"
         )
     return "\n".join([*lines, ""])
@@ -238,7 +238,7 @@ def format_bench_comparison(comparison: BenchComparison, source: str = "") -> st
     for row in comparison.rows:
         a, m = row.analytic, row.measured
         lines.append(
-            f"| {row.variant} | {a.program.description} | {format_ms(m.step_s)} | {format_ms(m.host_s)}"
+            f"| {row.variant} | {a.program.describe(s)} | {format_ms(m.step_s)} | {format_ms(m.host_s)}"
             f"{' (host-bound)' if row.host_bound else ''} | {format_ms(a.step_s)} | {format_ratio(row.analytic_ratio)} | "
             f"{format_ms(row.measured_inputs_s)} | {format_ratio(row.measured_inputs_ratio)} | {_claim(row)} | "
             f"{a.wire_bytes / 1e6:.0f} / {m.wire_bytes / 1e6:.0f} | {a.transfers} / {m.transfers} | "

@@ -44,6 +44,8 @@ Family = Literal["llama", "gpt"]
 ProjectionReduces = Literal["fused", "per_projection"]
 Loss = Literal["vocab_parallel", "gathered_logits"]
 Ends = Literal["vocab_parallel", "replicated"]
+DataParallelMode = Literal["replicate", "shard"]
+ShardedOrder = Literal["as_traced", "prefetched"]
 Dtype = Literal["bfloat16", "float32"]
 
 #: Bytes of one element of each :data:`Dtype`.
@@ -170,6 +172,17 @@ class ClusterSetting:
     the final norm and the LM head outside the TP plan, whole on every rank (the plan covers the
     decoder layers only): no transfer at either end, every rank computes all the logits and the
     loss; ``loss`` does not apply. Without SP only (SP needs the embedding's sequence shards)."""
+    dp_mode: DataParallelMode = "replicate"
+    """``"replicate"``: gradients reduced over the DP group after the last backward (the step's
+    ``dp sync``; the strands hold no DP transfer). ``"shard"``: ZeRO-3 as dhelix's
+    ``data_parallel(mode="shard")`` writes it: every parameter all-gathered over the DP group when
+    its module reads it, its gradient reduce-scattered in each micro-batch's backward (the strands
+    hold them; Llama family, tp = pp = cp = 1)."""
+    sharded_order: ShardedOrder = "prefetched"
+    """With ``dp_mode="shard"``: ``"as_traced"``, each collective waited where it is issued (the
+    traced program's order, which Inductor keeps); ``"prefetched"``, each parameter group's gathers
+    issued while the group before it computes and the reduce-scatters waited at the step's end
+    (dhelix's reorder)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that does not fit the model or cluster."""
@@ -199,6 +212,8 @@ class ClusterSetting:
             raise ValueError(f"{self.name}: dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.ends == "replicated" and p.sequence_parallel and p.tp > 1:
             raise ValueError(f"{self.name}: replicated ends need tp without sequence parallelism")
+        if self.dp_mode == "shard" and (p.tp, p.pp, p.cp, m.family) != (1, 1, 1, "llama"):
+            raise ValueError(f"{self.name}: dp_mode='shard' is modeled for the Llama family with tp = pp = cp = 1")
         if self.contention_factor is not None and self.contention_factor < 1.0:
             raise ValueError(f"{self.name}: contention_factor must be >= 1.0, got {self.contention_factor}")
         get_device(self.device)
@@ -250,12 +265,14 @@ class ClusterSetting:
             f"per step"
             + ("" if self.dtype == "bfloat16" else f", {self.dtype}")
             + ("; embedding and LM head replicated (outside the TP plan)" if self.ends == "replicated" else "")
+            + ("; ZeRO-3: parameters sharded over DP, gathered when read" if self.dp_mode == "shard" else "")
         )
 
 
 __all__ = [
     "DTYPE_BYTES",
     "ClusterSetting",
+    "DataParallelMode",
     "Dtype",
     "Ends",
     "Family",
@@ -264,4 +281,5 @@ __all__ = [
     "PaperReport",
     "Parallelism",
     "ProjectionReduces",
+    "ShardedOrder",
 ]

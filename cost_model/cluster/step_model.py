@@ -31,7 +31,8 @@ holds the output head)::
     P2P        = (m + p - 1) * 2 sends of one stage boundary's activation (T*h*2/tp bytes), p > 1
     DP         = reduce-scatter + all-gather of the stage's bf16 gradients / parameters over the
                  dp*cp group, after the last backward; *not* overlapped in either schedule (the
-                 authors' scripts do not pass Megatron's --overlap-grad-reduce/--overlap-param-gather)
+                 authors' scripts do not pass Megatron's --overlap-grad-reduce/--overlap-param-gather);
+                 0 with ``dp_mode="shard"``, whose gathers and reduce-scatters are in the strands
 
 MFU uses Megatron-LM's model-FLOPs count (Narayanan et al., SC'21, appendix; no recompute)::
 
@@ -218,6 +219,8 @@ def model_flops_per_step(setting: ClusterSetting) -> float:
 
 
 def _dp_sync_s(setting: ClusterSetting) -> float:
+    if setting.dp_mode == "shard":  # reduce-scattered in each backward: the strands hold it
+        return 0.0
     m, p = setting.model, setting.parallel
     params = (m.layers // p.pp * m.layer_matmul_params() + m.hidden * m.vocab) / p.tp
     nbytes = params * BF16_BYTES

@@ -44,6 +44,18 @@ Grouped-query attention (``ModelShape.kv_heads``): the K and V projections are `
 each, rope touches Q and K, the CP ring carries K and V of ``kv_dim``; attention FLOPs count the
 query heads.
 
+ZeRO-3 (``dp_mode="shard"``, tp = pp = 1): the same operators in parameter groups -- the embedding,
+each layer (its norms and its seven matrices), the head (final norm, output) -- and one all-gather
+per parameter (its full bytes) before its group's forward, one reduce-scatter of its gradient after
+its group's backward, over the DP group. Each transfer is a segment of its own with no compute;
+the weight gradients are what the reduce-scatters send, so none can be deferred under them::
+
+    as_traced    AG emb (wait) | [embedding] | AG attention norm (wait) | AG wq (wait) | ... | [layer 0] | ...
+                 backward: [head] RS output grad (wait) | RS final norm grad (wait) | [layer 3] ...
+    prefetched   AG emb | AG layer 0's nine (after emb's landed) | [embedding] | AG layer 1's (after
+                 layer 0's landed) | [layer 0] | ... ; backward: [head] RS | RS | [layer 3] RS ... (no
+                 wait: the step's end waits for them)
+
 Costs (``cost_model.hardware`` tables, ``cost_model.collectives`` alpha-beta models)::
 
     matmul      launch + max(2mnk / (peak * matmul_efficiency), bytes / mem_bw)
@@ -61,6 +73,8 @@ Costs (``cost_model.hardware`` tables, ``cost_model.collectives`` alpha-beta mod
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -176,7 +190,10 @@ class _StageBuilder:
     def _elementwise(self, name: str, nbytes: float) -> _Op:
         return _Op(name, fwd_s=elementwise_time_s(nbytes, self.dev), bwd_s=elementwise_time_s(2 * nbytes, self.dev))
 
-    def _transfer(self, op: str, label: str, nbytes: float, link: Link | None = None) -> _Transfer:
+    def _transfer(self, op: str, label: str, nbytes: float, link: Link | None = None) -> _Transfer | None:
+        """A TP collective; None where the TP group is one rank (nothing is issued)."""
+        if self.tp == 1:
+            return None
         link = self.s.tp_link if link is None else link
         return _Transfer(
             f"{op} ({label})",
@@ -309,6 +326,27 @@ class _StageBuilder:
         ops.append(self._elementwise("loss", 3 * T * FP32_BYTES))
         return ops
 
+    def parameter_groups(self) -> list[_Group]:
+        """The stage's operators by the parameters they read, in forward order (tp = pp = 1):
+        the embedding, each layer, the head; each parameter's elements (module docstring)."""
+        m = self.s.model
+        h, kv, f, v = m.hidden, m.kv_dim, m.ffn_hidden, m.vocab
+        layer = (
+            ("attention norm", h),
+            ("wq", h * h),
+            ("wk", h * kv),
+            ("wv", h * kv),
+            ("wo", h * h),
+            ("ffn norm", h),
+            ("w1", h * f),
+            ("w2", f * h),
+            ("w3", h * f),
+        )
+        groups = [_Group("embedding", self.embedding(), (("embedding", v * h),))]
+        groups += [_Group(f"layer {i}", self.layer(), layer) for i in range(m.layers)]
+        groups.append(_Group("head", self.head(), (("final norm", h), ("output", v * h))))
+        return groups
+
     def stage_ops(self) -> list[_Op]:
         p = self.s.parallel
         layers = self.s.model.layers // p.pp
@@ -317,6 +355,15 @@ class _StageBuilder:
             ops.extend(self.layer())
         ops.extend(self.head())
         return ops
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Operators that read the same parameters, and those parameters' elements."""
+
+    name: str
+    ops: list[_Op]
+    params: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -360,7 +407,10 @@ def strands(
     attention = matmul_efficiency if attention_efficiency is None else attention_efficiency
     if not 0.0 < attention <= 1.0:
         raise ValueError(f"attention_efficiency must be in (0, 1], got {attention}")
-    ops = _StageBuilder(setting, matmul_efficiency, attention).stage_ops()
+    builder = _StageBuilder(setting, matmul_efficiency, attention)
+    if setting.dp_mode == "shard":
+        return _sharded(setting, builder.parameter_groups())
+    ops = builder.stage_ops()
     fwd = [_Item(op.name, op.fwd_s, 0.0, True, op.fwd_comm) for op in ops if op.fwd_comm is not None or op.fwd_s > 0]
     bwd = [
         _Item(op.name, op.bwd_s, op.bwd_weight_s, op.bwd_waits, op.bwd_comm)
@@ -368,6 +418,47 @@ def strands(
         if op.bwd_comm is not None or op.bwd_s > 0
     ]
     return _cut(fwd), _cut(bwd)
+
+
+def _sharded(setting: ClusterSetting, groups: Sequence[_Group]) -> tuple[list[ClusterSegment], list[ClusterSegment]]:
+    """ZeRO-3's strands (module docstring): a transfer per parameter, each alone in a segment of no
+    compute, around each group's compute."""
+    dp, link, e = setting.parallel.dp, setting.dp_link, setting.dtype_bytes
+    traced = setting.sharded_order == "as_traced"
+
+    def transfer(op: str, label: str, elements: int, waits: bool) -> ClusterSegment:
+        nbytes = elements * e
+        seconds = collective_time_s(op, nbytes, dp, link)
+        wire = float(collective_bytes_on_wire(op, nbytes, dp))
+        return ClusterSegment((), 0.0, seconds, f"{op} ({label})", wire, 0.0, waits)
+
+    def gathers(group: _Group, waits_first: bool) -> list[ClusterSegment]:
+        return [
+            transfer("all_gather", name, n, traced or (waits_first and i == 0))
+            for i, (name, n) in enumerate(group.params)
+        ]
+
+    fwd: list[ClusterSegment] = [] if traced else gathers(groups[0], False)
+    for k, group in enumerate(groups):
+        names = tuple(op.name for op in group.ops if op.fwd_s > 0)
+        compute = math.fsum(op.fwd_s for op in group.ops)
+        if traced:
+            fwd += gathers(group, True)
+        elif k + 1 < len(groups):  # the next group's gathers, issued once this group's have landed
+            fwd += gathers(groups[k + 1], True)
+        else:
+            fwd.append(ClusterSegment((), 0.0, 0.0, None))  # waits for the last group's gathers
+        fwd.append(ClusterSegment(names, compute, 0.0, None, waits=traced))
+    bwd: list[ClusterSegment] = []
+    for group in reversed(groups):
+        names = tuple(op.name for op in reversed(group.ops) if op.bwd_s > 0)
+        # the last parameter read in the forward has its gradient first
+        first, *rest = (transfer("reduce_scatter", f"{name} grad", n, traced) for name, n in reversed(group.params))
+        # the group's backward reads no transfer; its weight gradients are what the reduce-scatters send
+        compute = math.fsum(op.bwd_s for op in group.ops)
+        bwd.append(dataclasses.replace(first, ops=names, compute_s=compute))
+        bwd += rest
+    return fwd, bwd
 
 
 __all__ = [

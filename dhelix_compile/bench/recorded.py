@@ -5,7 +5,8 @@ its own compute, communication, bytes and host time (``bench.emulated``). :func:
 reads such a file and builds the :class:`~cost_model.cluster.setting.ClusterSetting` it ran -- the
 model's shape, TP or TP + SP over the ranks, the recorded link, device, dtype and micro-batches --
 so that ``cost_model.cluster.emulated.compare_bench`` can set the predictions beside the
-measurements. The shapes live here because ``cost_model`` knows no benchmark:
+measurements. A ZeRO-3 run (``--data-parallel shard``) is the reference transformer unparallelized
+under ``data_parallel(mode="shard")`` over the ranks (``ClusterSetting.dp_mode``). The shapes live here because ``cost_model`` knows no benchmark:
 
     reference transformer  ``bench.choices.MODEL_SIZES`` (with ``MODEL_KV_HEADS``)
     Hugging Face Llama     ``bench.choices.HF_LLAMA_SIZES`` -> ``models.hf_llama.HF_LLAMA_SIZES``
@@ -22,7 +23,7 @@ Contract
 --------
 ``setting_from_bench(data) -> (ClusterSetting, BenchRecord)``; ``load_bench(path)`` reads the
 file first. ``ValueError`` names what it cannot model: a workload other than the reference
-transformer and Hugging Face Llama, a data-parallel or pipeline run, a device without a ``cost_model.hardware`` entry,
+transformer and Hugging Face Llama, a replicated data-parallel or pipeline run, a device without a ``cost_model.hardware`` entry,
 a link whose name the cost model holds with other numbers.
 """
 
@@ -44,6 +45,8 @@ from cost_model.cluster.setting import ClusterSetting, Ends, ModelShape
 from dhelix_compile.bench.choices import HF_LLAMA_SIZES, MODEL_KV_HEADS, MODEL_SIZES
 
 _SEQUENCE_PARALLEL: dict[str, bool] = {"tp": False, "tp_sp": True}
+#: The bench's ``parallel`` field of a ZeRO-3 run (``dhelix bench --data-parallel shard``).
+ZERO3 = "data-parallel shard"
 
 
 def bench_model_shape(name: str) -> tuple[ModelShape, int, int]:
@@ -90,8 +93,10 @@ def _ends(model: str, parallel: str) -> Ends:
 def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRecord]:
     """The setting a recorded emulated bench run ran, and the record (module docstring)."""
     record = BenchRecord.from_json(data)
-    if record.parallel not in _SEQUENCE_PARALLEL:
-        raise ValueError(f"bench run {record.parallel!r}: only tensor-parallel runs (tp, tp_sp) are modeled")
+    if record.parallel not in _SEQUENCE_PARALLEL and record.parallel != ZERO3:
+        raise ValueError(
+            f"bench run {record.parallel!r}: only tensor-parallel runs (tp, tp_sp) and ZeRO-3 ({ZERO3}) are modeled"
+        )
     if record.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"bench dtype {record.dtype!r}: bfloat16 or float32 are modeled")
     dtype: Literal["bfloat16", "float32"] = "bfloat16" if record.dtype == "bfloat16" else "float32"
@@ -109,8 +114,9 @@ def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRe
         micro_batches=record.microbatches,
         device=device,
         dtype=dtype,
-        sequence_parallel=_SEQUENCE_PARALLEL[record.parallel],
+        sequence_parallel=_SEQUENCE_PARALLEL.get(record.parallel, False),
         ends=_ends(record.model, record.parallel),
+        dp_mode="shard" if record.parallel == ZERO3 else "replicate",
     )
     return setting, record
 
