@@ -103,7 +103,8 @@ def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRe
     model, seq, batch = bench_model_shape(record.model)
     link = recorded_link(record)
     device = device_entry(record.device)
-    name = emulated_setting_name(device, record.model, record.parallel, record.ranks, str(data["emulated"]["link"]))
+    parallel = "dp_shard" if record.parallel == ZERO3 else record.parallel
+    name = emulated_setting_name(device, record.model, parallel, record.ranks, str(data["emulated"]["link"]))
     setting = emulated_setting(
         name,
         model,
