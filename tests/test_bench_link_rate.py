@@ -123,9 +123,7 @@ def test_a_bad_rate_is_named(capsys: Any) -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not run.can_rate_limit()[0], reason="needs root, ip and tc for a rate-limited link")
-@pytest.mark.skipif(
-    not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
-)
+@pytest.mark.full
 def test_auto_calibrates_on_a_real_link(tmp_path: Path) -> None:
     """The worker's comm mode on a real rate-limited link: the chosen rate gives T_comm near T_compute."""
     args = run.parse_args(["--model", "tiny", "--variants", "inductor", "--timeout-s", "240"])

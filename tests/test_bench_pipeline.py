@@ -93,9 +93,7 @@ def test_unknown_schedule_and_variant_are_named() -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.skipif(
-    not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
-)
+@pytest.mark.full
 def test_every_variant_trains_the_same_gradients_on_two_ranks() -> None:
     """Inductor-compiled stages under the looped schedule (torch runs DualPipeV's split backward on
     them with other gradients: BENCHMARKS.md), helix_pipeline under the folded one."""
@@ -284,9 +282,7 @@ def test_each_variants_own_transfers_are_the_declared_ones_and_replay_on_two_ran
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(
-    not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
-)
+@pytest.mark.full
 def test_each_schedules_own_transfers_replay_on_four_ranks() -> None:
     """On 4 gloo ranks the middle ranks send and receive on both sides, several in flight."""
     runs = {kind: ["pipeline_eager"] for kind in ("1f1b", "interleaved_1f1b", "dualpipev")}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -243,9 +242,7 @@ def _bench_end_to_end(tmp_path, argv: list[str], variants: list[str]) -> dict:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(
-    not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
-)
+@pytest.mark.full
 def test_the_moe_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
     summary = _bench_end_to_end(tmp_path, ["--model", "moe_small"], ["eager", "dhelix_eager[decompose=off]"])
     dhelix = summary["variants"]["dhelix_eager[decompose=off]"]
@@ -278,6 +275,7 @@ def test_the_demo_prints_losses_and_speed_beside_each_variants_own_limit_and_cei
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
+@pytest.mark.full
 def test_the_data_parallel_workload_runs_end_to_end_on_loopback(tmp_path) -> None:
     """``--data-parallel``: PyTorch's DDP beside ``data_parallel`` on the unparallelized model,
     gradients reduced once per step; T_comm is the step's all-reduces replayed."""

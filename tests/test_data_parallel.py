@@ -8,7 +8,6 @@ The rank side is ``dhelix_compile.testing.data_parallel_checks``. DHELIX_TEST_FU
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,6 @@ from dhelix_compile.testing.data_parallel_checks import (
     permuted_mesh_errors,
 )
 from dhelix_compile.testing.multirank import run_on_ranks
-
-_FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
-full_only = pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
 
 
 def _run(world_size: int, cases: list[dict[str, Any]], timeout_s: float = 600) -> None:
@@ -50,20 +46,19 @@ def test_two_ranks_match_ddp_and_fsdp2_eager() -> None:
     )
 
 
+@pytest.mark.full  # CI measured 17:48
 def test_helix_runs_a_sharded_model() -> None:
     """helix's merged graphs hold the reduce-scatters of one micro-batch beside the all-gathers of
-    the next (eager codegen here; through Inductor under DHELIX_TEST_FULL=1)."""
-    if not _FULL:
-        pytest.skip("DHELIX_TEST_FULL=1: the default suite's time budget (CI measured 17:48)")
+    the next (eager codegen)."""
     _run(2, [{"mode": "shard", "runner": "helix", "codegen": "eager"}])
 
 
-@pytest.mark.parametrize("mode", ["shard", pytest.param("replicate", marks=full_only)])
+@pytest.mark.parametrize("mode", ["shard", pytest.param("replicate", marks=pytest.mark.full)])
 def test_dp2_x_tp2_matches_fsdp2_on_the_2d_mesh(mode: str) -> None:
     _run(4, [{"mode": mode, "runner": "eager", "tp": 2}])
 
 
-@full_only
+@pytest.mark.full
 def test_dp2_x_tp2_helix_replicated() -> None:
     """Sharded, the same run is test_meshes_listed_out_of_order_through_the_compiled_paths's 4-rank
     case (the 2x2 mesh listed out of order)."""
@@ -79,7 +74,7 @@ def test_meshes_that_list_their_ranks_out_of_order_match_ddp_and_fsdp2() -> None
     _run(4, [{"mode": "shard", "runner": "eager", "tp": 2, "mesh_ranks": [[3, 2], [1, 0]]}])
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.timeout(600)
 def test_meshes_listed_out_of_order_through_the_compiled_paths() -> None:
     """Compiled, the gathers and reductions are functional collectives on the DP group (all-to-alls
@@ -116,7 +111,7 @@ def test_layouts_torch_does_not_hold_on_a_mesh_listed_out_of_order_are_refused()
     assert "on the mesh [[1, 0], [3, 2]]" in uneven and "uneven shards" in uneven, uneven
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.timeout(600)
 def test_two_ranks_remaining_combinations() -> None:
     """Sharded through ``dhelix`` and ``helix`` in float32: on the mesh [1, 0]
@@ -132,7 +127,7 @@ def test_two_ranks_remaining_combinations() -> None:
     )
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.timeout(600)
 def test_hugging_face_llama() -> None:
     """Sharded and replicated through ``helix`` on 2 ranks; DP=2 x TP=2 runs on the reference model
@@ -154,6 +149,7 @@ def test_collectives_are_in_the_forward_and_backward_graphs() -> None:
     assert replicate["backward"] == {"all_reduce": params, "with_accumulated_grad": params}
 
 
+@pytest.mark.full
 def test_reshard_after_forward_gathers_again_in_the_backward_and_keeps_the_gradients() -> None:
     """``reshard_after_forward=True`` (FSDP2's name): the backward gathers every weight its
     gradients read again (all but the embedding table, whose backward needs only the token ids)
@@ -168,7 +164,11 @@ def test_reshard_after_forward_gathers_again_in_the_backward_and_keeps_the_gradi
 
 @pytest.mark.parametrize(
     "mode,world_size,tp",
-    [("shard", 2, 1), pytest.param("replicate", 2, 1, marks=full_only), pytest.param("shard", 4, 2, marks=full_only)],
+    [
+        ("shard", 2, 1),
+        pytest.param("replicate", 2, 1, marks=pytest.mark.full),
+        pytest.param("shard", 4, 2, marks=pytest.mark.full),
+    ],
 )
 def test_checkpoints_round_trip_and_load_into_the_unwrapped_model(
     tmp_path: Path, mode: str, world_size: int, tp: int

@@ -35,8 +35,6 @@ from dhelix_compile.testing.multirank import MultiRankError, run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
-FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
-full_only = pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
 
 #: Every survivor's error, after a kill its kernel sees, where each rank closes its connections
 #: as its error unwinds (``run_on_ranks``' ranks call ``destroy_process_group``): the README's bound.
@@ -73,11 +71,11 @@ KILLED = [
     ("reshard", 2, 0),
     ("data_parallel", 2, 1),
     ("data_parallel_eager", 2, 1),
-    pytest.param("helix", 4, 2, marks=full_only),
-    pytest.param("pipeline", 4, 1, marks=full_only),
-    pytest.param("reshard", 4, 0, marks=full_only),
-    pytest.param("data_parallel", 4, 3, marks=full_only),
-    pytest.param("data_parallel_eager", 4, 3, marks=full_only),
+    pytest.param("helix", 4, 2, marks=pytest.mark.full),
+    pytest.param("pipeline", 4, 1, marks=pytest.mark.full),
+    pytest.param("reshard", 4, 0, marks=pytest.mark.full),
+    pytest.param("data_parallel", 4, 3, marks=pytest.mark.full),
+    pytest.param("data_parallel_eager", 4, 3, marks=pytest.mark.full),
 ]
 
 
@@ -126,11 +124,13 @@ def test_a_killed_rank_fails_every_other_rank_at_once(case: str, world_size: int
 STOPPED = [
     ("helix", 1, {"group_timeout_s": 3.0}, None, 3.0),  # the option, over the harness's long default
     ("pipeline", 1, {}, 4.0, 4.0),  # the default group's timeout, on the stages' receives
-    ("pipeline_sends", 0, {}, 4.0, 4.0),  # on the last stage's send, which torch's runtime waits for
+    pytest.param(
+        "pipeline_sends", 0, {}, 4.0, 4.0, marks=pytest.mark.full
+    ),  # on the last stage's send, which torch's runtime waits for
     ("data_parallel_eager", 1, {}, 4.0, 4.0),  # its mesh's groups, bounded when it wraps the model
-    pytest.param("reshard", 1, {}, 4.0, 4.0, marks=full_only),
-    pytest.param("data_parallel", 1, {}, 4.0, 4.0, marks=full_only),
-    pytest.param("data_parallel_eager", 1, {"group_timeout_s": 2.5}, None, 2.5, marks=full_only),
+    pytest.param("reshard", 1, {}, 4.0, 4.0, marks=pytest.mark.full),
+    pytest.param("data_parallel", 1, {}, 4.0, 4.0, marks=pytest.mark.full),
+    pytest.param("data_parallel_eager", 1, {"group_timeout_s": 2.5}, None, 2.5, marks=pytest.mark.full),
 ]
 
 
@@ -166,11 +166,11 @@ def test_a_stopped_rank_fails_the_others_at_the_group_timeout(
 KILLED_BEFORE_COMPILING = [
     ("data_parallel", 2, 1, {}, 3.0, 3.0),  # the consistency check: the default group's timeout
     ("reshard", 2, 0, {}, 3.0, 3.0),  # reshard's agreement on its first call: the same
-    pytest.param("helix", 2, 1, {"group_timeout_s": 2.0}, None, 2.0, marks=full_only),  # the option
-    pytest.param("pipeline", 2, 1, {}, None, None, marks=full_only),  # torch's warm-up receive
-    pytest.param("data_parallel_eager", 2, 1, {}, None, None, marks=full_only),
-    pytest.param("data_parallel", 4, 2, {"group_timeout_s": 2.0}, None, 2.0, marks=full_only),
-    pytest.param("reshard", 4, 2, {}, 3.0, 3.0, marks=full_only),  # 0 and 1 distribute the source between them
+    pytest.param("helix", 2, 1, {"group_timeout_s": 2.0}, None, 2.0, marks=pytest.mark.full),  # the option
+    pytest.param("pipeline", 2, 1, {}, None, None, marks=pytest.mark.full),  # torch's warm-up receive
+    pytest.param("data_parallel_eager", 2, 1, {}, None, None, marks=pytest.mark.full),
+    pytest.param("data_parallel", 4, 2, {"group_timeout_s": 2.0}, None, 2.0, marks=pytest.mark.full),
+    pytest.param("reshard", 4, 2, {}, 3.0, 3.0, marks=pytest.mark.full),  # 0 and 1 distribute the source between them
 ]
 #: What a survivor raises at the store (one of its causes): the check naming the victim and the wait.
 _CONSISTENCY = r"RankMismatchError: .* rank {victim} of process group '.*' did not publish .* within {wait:g} s"
@@ -214,7 +214,7 @@ def test_a_rank_killed_before_compiling_fails_the_others_at_their_first_wait(
     _assert_gone(error.pids)
 
 
-@pytest.mark.parametrize(("world_size", "victim"), [(2, 1), pytest.param(4, 2, marks=full_only)])
+@pytest.mark.parametrize(("world_size", "victim"), [(2, 1), pytest.param(4, 2, marks=pytest.mark.full)])
 def test_the_survivors_of_a_script_exit_by_themselves(world_size: int, victim: int, tmp_path: Path) -> None:
     """Ranks started cold, as a user's processes (a forked rank exits without joining its
     threads); the survivors leave the error uncaught and never destroy the process group."""

@@ -609,6 +609,7 @@ def test_standalone_decomposed_equals_undecomposed_on_2_ranks(mode, cases) -> No
 @pytest.mark.parametrize(
     "cases", [[(1, 4, 5, 6, 1), (1, 2, 3, 2, 0)]], ids=["sequence-and-batch"]
 )  # the batch case with a per-row bias
+@pytest.mark.full  # the 2-rank standalone tests above run in the default suite
 def test_standalone_per_peer_equals_undecomposed_on_4_ranks(cases) -> None:
     for stats in run_on_ranks(_standalone, 4, cases, "per_peer", "eager", timeout_s=240):
         _assert_rewrote(stats, "per_peer", len(cases))
@@ -623,7 +624,7 @@ def test_standalone_per_peer_equals_undecomposed_on_4_ranks(cases) -> None:
             2, [(2, 4, 5, 6, 1), (2, 2, 3, 2, 0)], id="2-sequence-and-batch"
         ),  # the batch case with a per-row bias
         pytest.param(  # one row per piece
-            4, [(2, 2, 7, 4, 1)], id="4-sequence", marks=pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1")
+            4, [(2, 2, 7, 4, 1)], id="4-sequence", marks=pytest.mark.full
         ),
     ],
 )
@@ -697,9 +698,7 @@ def test_tp_sp_reference_model_with_per_peer_decomposition(world_size: int, code
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "mode", ["per_peer", pytest.param("chunked", marks=pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1"))]
-)
+@pytest.mark.parametrize("mode", ["per_peer", pytest.param("chunked", marks=pytest.mark.full)])
 def test_tp_reference_model_with_decomposed_all_reduces(mode: str) -> None:
     """Megatron TP (no SP): every matmul -> all-reduce site rewritten, results as undecomposed."""
     for stats in run_on_ranks(_tp_sp, 2, mode, "eager", "tp", timeout_s=540):
@@ -713,7 +712,7 @@ def test_tp_reference_model_with_decomposed_all_reduces(mode: str) -> None:
     ("world_size", "kind", "tp_mesh"),
     [
         (2, "tp", (1, 0)),
-        pytest.param(4, "tp_sp", ((3, 2), (1, 0)), marks=pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1")),
+        pytest.param(4, "tp_sp", ((3, 2), (1, 0)), marks=pytest.mark.full),
     ],
 )
 def test_per_peer_peers_are_group_ranks_on_a_mesh_listed_out_of_order(world_size: int, kind: str, tp_mesh) -> None:
@@ -738,10 +737,8 @@ def test_per_peer_peers_are_group_ranks_on_a_mesh_listed_out_of_order(world_size
     ("world_size", "codegen"),
     [
         (2, "eager"),
-        pytest.param(4, "eager", marks=pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1")),
-        pytest.param(
-            2, "inductor", marks=[pytest.mark.inductor, pytest.mark.skipif(not _FULL, reason="DHELIX_TEST_FULL=1")]
-        ),
+        pytest.param(4, "eager", marks=pytest.mark.full),
+        pytest.param(2, "inductor", marks=[pytest.mark.inductor, pytest.mark.full]),
     ],
 )
 def test_moe_reference_model_with_per_peer_all_to_alls(world_size: int, codegen: str) -> None:

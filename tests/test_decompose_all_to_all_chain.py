@@ -8,7 +8,6 @@ Inductor, and the MoE reference model.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from unittest import mock
 
@@ -24,7 +23,6 @@ from graph_passes.decompose import SINGLE_SITE_PATTERNS
 from tests.test_decompose import SLOW_LINK, _decompose_stats, _ops, _p2p_peers, _run, _traced, per_peer_sites
 
 aten = torch.ops.aten
-_FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
 
 
 def _moe(send, w1, w3, w2, group, experts=2, act=torch.nn.functional.silu):

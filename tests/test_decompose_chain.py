@@ -202,9 +202,7 @@ def _chains(stats: dict[str, int]) -> int:
     [
         (2, 1),
         (2, 2),
-        pytest.param(
-            4, 1, marks=pytest.mark.skipif(not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1")
-        ),
+        pytest.param(4, 1, marks=pytest.mark.full),
     ],
 )
 def test_chain_equals_undecomposed_forward_and_backward(world: int, pieces: int) -> None:

@@ -9,7 +9,6 @@ PP=2 x TP=2 are checked on real gloo ranks (``tests/test_helix_pipeline.py``).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -56,9 +55,7 @@ def test_the_bench_refuses_what_it_cannot_run(argv: list[str], words: str, capsy
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
-)
+@pytest.mark.full
 def test_pp2_x_tp2_puts_each_pipeline_variant_beside_its_own_limit(tmp_path: Path) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -16,9 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.multirank
 @pytest.mark.timeout(400)
-@pytest.mark.skipif(
-    not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: 80 s, over the default suite's time budget"
-)
+@pytest.mark.full
 def test_train_llama_under_torchrun_matches_eager() -> None:
     """``torchrun --nproc-per-node 2 examples/train_llama.py``: helix's losses equal eager's (the
     script exits non-zero otherwise) and rank 0 prints the table."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,7 +38,6 @@ aten = torch.ops.aten
 higher_order = torch.ops.higher_order
 
 EAGER: dict[str, Any] = {"codegen": "eager", "fallback": "error"}
-FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -356,10 +354,7 @@ def _check_checkpointed_tp(rank: int, world_size: int, kind: CheckpointKind) -> 
     "kind",
     [
         "checkpoint",
-        *(
-            pytest.param(kind, marks=pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1"))
-            for kind in ("checkpoint_wrapper", "selective")
-        ),
+        *(pytest.param(kind, marks=pytest.mark.full) for kind in ("checkpoint_wrapper", "selective")),
     ],
 )
 def test_checkpointed_tensor_parallel_blocks_equal_eager_loop_on_2_ranks(kind: CheckpointKind) -> None:

@@ -26,7 +26,6 @@ pytestmark = pytest.mark.multirank
 #: The default suite's budget (15 minutes on 2 cores) keeps 1F1B out of the 4-rank run and
 #: DualPipeV through Inductor out; DHELIX_TEST_FULL=1 runs them.
 FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
-full_only = pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
 
 
 def _assert_no_problems(results: list[dict[str, list[str]]]) -> None:
@@ -100,7 +99,8 @@ def test_pp2_x_tp2_stages_equal_their_eager_run_and_merge_both_strands_collectiv
         assert len([m for m in merged if ("_with_" in m) == (rank < 2)]) >= want, f"rank {rank}: {merged}"
 
 
-@pytest.mark.parametrize("mode", ["replicate", pytest.param("shard", marks=full_only)])
+@pytest.mark.full
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
 def test_pp2_x_dp2_data_parallel_stages_equal_eager_averaged_over_dp(tmp_path: Path, mode: str) -> None:
     """4 ranks, a (pp=2, dp=2) mesh, every stage chunk wrapped by ``data_parallel`` over its DP
     pair: ``helix_pipeline`` over them (and torch's own schedule, under DHELIX_TEST_FULL=1) give each DP rank's own losses and the
@@ -147,7 +147,7 @@ def test_a_split_hugging_face_llama_equals_its_eager_run() -> None:
 
 
 @pytest.mark.inductor
-@pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
+@pytest.mark.full
 def test_dualpipev_through_inductor_equals_its_eager_run() -> None:
     """The folded schedule's merged graphs (F of one chunk with B of the other) through Inductor's
     C++ code; rank 1's two middle chunks share one Dynamo graph (their parameters are graph inputs)."""
@@ -200,8 +200,8 @@ def test_stage_meshes_listed_out_of_order_equal_eager() -> None:
     "mesh_ranks",
     [
         [[0, 1], [3, 2]],
-        pytest.param([[0, 1], [2, 3]], marks=full_only),
-        pytest.param([[1, 0], [3, 2]], marks=full_only),
+        pytest.param([[0, 1], [2, 3]], marks=pytest.mark.full),
+        pytest.param([[1, 0], [3, 2]], marks=pytest.mark.full),
     ],
 )
 def test_stages_on_one_rank_hand_over_as_eager_on_a_mesh_listed_out_of_order(mesh_ranks: list[list[int]]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -44,9 +43,7 @@ def _check(rank: int, world_size: int, sequence_parallel: bool) -> list[float]:
 @pytest.mark.parametrize(
     "sequence_parallel",
     [
-        pytest.param(
-            False, marks=pytest.mark.skipif(not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1")
-        ),
+        pytest.param(False, marks=pytest.mark.full),
         True,
     ],
     ids=["tp", "tp_sp"],

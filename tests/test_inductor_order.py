@@ -8,7 +8,6 @@ Inductor's generated wrapper code must equal the sequence in dhelix's final sche
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -67,9 +66,7 @@ def _compile_tp_sp_and_get_code(rank: int, world_size: int, dump_dir: str) -> li
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(
-    not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
-)  # the merged graph's order: tests/test_multirank_helix.py
+@pytest.mark.full  # the merged graph's order: tests/test_multirank_helix.py
 def test_generated_code_follows_dhelix_order(tmp_path: Path) -> None:
     codes = run_on_ranks(_compile_tp_sp_and_get_code, 2, str(tmp_path), timeout_s=500)[0]
     graph_folders = (p for p in (tmp_path / "rank0").iterdir() if p.is_dir())  # beside them, compile_clock.json

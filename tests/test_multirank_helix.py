@@ -131,7 +131,7 @@ def _helix_inductor_code(rank: int, world_size: int, dump_dir: str) -> dict:
 
 @pytest.mark.inductor
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
+@pytest.mark.full
 def test_merged_graph_through_inductor_keeps_the_interleaved_order(tmp_path: Path) -> None:
     results = run_on_ranks(_helix_inductor_code, 2, str(tmp_path), timeout_s=600)
     merged_dirs = list((tmp_path / "rank0").glob("*_merged"))
@@ -151,7 +151,7 @@ def test_merged_graph_through_inductor_keeps_the_interleaved_order(tmp_path: Pat
     "decompose",
     [
         "off",
-        pytest.param("per_peer", marks=pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1")),
+        pytest.param("per_peer", marks=pytest.mark.full),
     ],
 )
 def test_profiled_pairs_are_measured_and_agreed_across_ranks(tmp_path: Path, decompose: str) -> None:
@@ -252,14 +252,8 @@ def test_strands_that_merge_are_compiled_without_the_rewrites_a_graph_alone_woul
             assert "merge" not in summary["records"], name
 
 
-@pytest.mark.parametrize(
-    "dumps",
-    [
-        True,
-        pytest.param(False, marks=pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1")),
-    ],
-    ids=["dumps", "no-dumps"],
-)
+@pytest.mark.full
+@pytest.mark.parametrize("dumps", [True, False], ids=["dumps", "no-dumps"])
 def test_merged_graph_weighs_the_undecomposed_strands(tmp_path: Path, dumps: bool) -> None:
     """Decomposition decided for F and B alone is weighed again in the merged graph: M is planned
     from the decomposed and from the undecomposed strands, and the lower prediction is compiled

@@ -4,8 +4,6 @@ dtypes; bad calls. The plan itself is tested in ``test_reshard_plan.py``."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from dhelix_compile.testing.multirank import run_on_ranks
@@ -82,9 +80,7 @@ def test_placement_pairs_cover_every_combination(source_ndim: int, dest_ndim: in
         "eager",
         pytest.param(
             "inductor",
-            marks=pytest.mark.skipif(
-                not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
-            ),
+            marks=pytest.mark.full,
         ),
     ],
 )

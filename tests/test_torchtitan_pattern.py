@@ -24,12 +24,11 @@ from dhelix_compile.testing.multirank import MultiRankError, run_on_ranks
 from dhelix_compile.testing.torchtitan_pattern import check_torchtitan_pattern, check_whole_stack, compile_refusal
 
 FULL = bool(os.environ.get("DHELIX_TEST_FULL"))
-full_only = pytest.mark.skipif(not FULL, reason="DHELIX_TEST_FULL=1: the default suite's time budget")
 ROOT = Path(__file__).resolve().parents[1]
 REFUSAL = "expected all tensors_saved_with_vc_check to be Tensors"
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_functional_tp_checkpointed_blocks_compiled_one_at_a_time_under_fsdp2() -> None:
@@ -41,7 +40,7 @@ def test_functional_tp_checkpointed_blocks_compiled_one_at_a_time_under_fsdp2() 
     assert losses[0]["dhelix"] != losses[2]["dhelix"]  # the DP ranks trained on different data
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model", ["reference", "hf_llama"])
@@ -56,7 +55,7 @@ def test_dtensor_tp_blocks_compiled_one_at_a_time_equal_inductor(model: str) -> 
     run_on_ranks(check_torchtitan_pattern, 4, model=model, tp=tp, checkpoint=False, against_eager=False, timeout_s=840)
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_torch_refuses_checkpointed_dtensor_blocks_with_inductor() -> None:
@@ -66,7 +65,7 @@ def test_torch_refuses_checkpointed_dtensor_blocks_with_inductor() -> None:
     assert REFUSAL in message and "DeviceMesh" in message, message
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_whole_stack_equals_eager_fsdp2_in_bf16() -> None:
@@ -78,7 +77,7 @@ def test_whole_stack_equals_eager_fsdp2_in_bf16() -> None:
     assert all(len(per_rank["helix"]) == 3 for per_rank in losses)
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_whole_stack_with_checkpointed_blocks_is_refused_by_torch() -> None:
@@ -97,7 +96,7 @@ def test_examples_print_their_help(example: str) -> None:
     assert "torchrun --nproc-per-node 4" in done.stdout
 
 
-@full_only
+@pytest.mark.full
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ eager loop: same losses and gradients, and the logits' gather gone from the join
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -102,9 +101,7 @@ def _logit_gathers(shapes: list[list[int]], vocab: int, world_size: int) -> int:
             "tp_sp",
             4,
             "eager",
-            marks=pytest.mark.skipif(
-                not os.environ.get("DHELIX_TEST_FULL"), reason="DHELIX_TEST_FULL=1: the default suite's time budget"
-            ),
+            marks=pytest.mark.full,
         ),
     ],
     ids=["tp-2-inductor", "tp_sp-2", "tp_sp-4"],
