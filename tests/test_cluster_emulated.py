@@ -22,10 +22,12 @@ from cost_model.cluster.emulated import (
     recorded_link,
     variant_setting,
 )
+from cost_model.cluster.setting import MOE_CAPACITY_FACTOR
 from cost_model.cluster.strands import elementwise_time_s, matmul_time_s
 from cost_model.hardware import get_device
 from dhelix_compile.bench.recorded import setting_from_bench
 from dhelix_compile.cli import main
+from dhelix_compile.testing.moe import MoEConfig
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 #: The recorded GPU runs (BENCHMARKS.md, "Emulated cluster") and the settings they ran.
@@ -37,6 +39,7 @@ IB400 = "2026-11-28-h200-emulated-tp8-ib400.json"
 HF_TP = "2026-11-29-cpu-emulated-hf_tp.json"
 HF_TP_SP = "2026-11-29-cpu-emulated-hf_tp_sp.json"
 ZERO3 = "2026-11-29-cpu-emulated-zero3.json"
+MOE = "2026-11-29-cpu-emulated-moe.json"
 #: The recorded CPU runs (BENCHMARKS.md, "The emulated cluster, predicted") and the variants whose
 #: run issued per-peer steps (decompose="auto"), which no modeled program holds.
 RECORDED_CPU = {
@@ -44,6 +47,7 @@ RECORDED_CPU = {
     HF_TP: ("dhelix",),
     HF_TP_SP: ("dhelix",),
     ZERO3: (),
+    MOE: ("dhelix",),
 }
 
 
@@ -176,7 +180,7 @@ def test_records_that_cannot_be_modeled_are_named() -> None:
     with pytest.raises(ValueError, match="differs from the cost model's entry"):
         recorded_link(BenchRecord.from_json(other))
     with pytest.raises(ValueError, match="no cluster model"):
-        setting_from_bench({**data, "model": "moe_small"})
+        setting_from_bench({**data, "model": "mlp_medium"})
     with pytest.raises(ValueError, match="no program model for bench variant 'eager'"):
         predict_variant(EMULATED_SETTINGS[RECORDED[IB400]], "eager")
 
@@ -354,3 +358,36 @@ def test_cli_from_bench_zero3(capsys: pytest.CaptureFixture[str]) -> None:
     assert "DP2 TP1 PP1" in out and "ZeRO-3: parameters sharded over DP" in out
     assert "| helix | as dhelix, two strands (SI DP) |" in out and "| 235 / 235 | 312 / 312 |" in out
     assert "Not modeled (no program model): torch_inductor." in out
+
+
+# --------------------------------------------------------------------------- the MoE layer
+
+
+def test_an_moe_run_is_one_layer_with_its_experts_split_over_the_ranks() -> None:
+    setting, _ = setting_from_bench(_load(MOE))
+    m = setting.model
+    assert (m.family, m.hidden, m.ffn_hidden, m.experts, m.top_k) == ("moe", 512, 1024, 4, 2)
+    assert setting.parallel == Parallelism(dp=2, tp=1, sequence_parallel=False)
+    assert (setting.seq_len, setting.micro_batch_size, setting.micro_batches) == (256, 1, 4)
+    # the layer's own rule: ceil(1.25 * 256 tokens * top-2 / 4 experts) slots per expert
+    assert MoEConfig().capacity_factor == MOE_CAPACITY_FACTOR
+    assert m.expert_capacity(256) == MoEConfig(dim=512, ffn_hidden=1024).capacity(256) == 160
+    assert "one MoE layer: hidden 512, 4 SwiGLU experts of FFN 1024, top-2" in setting.describe()
+    with pytest.raises(ValueError, match="an MoE layer is modeled alone"):
+        dataclasses.replace(setting, parallel=Parallelism(dp=2, tp=2)).validate()
+    with pytest.raises(ValueError, match="3 experts with top_k 2 do not split over dp=2"):
+        dataclasses.replace(setting, model=dataclasses.replace(m, experts=3)).validate()
+
+
+def test_the_moe_layer_sends_its_tokens_and_back_and_one_gradient() -> None:
+    setting, record = setting_from_bench(_load(MOE))
+    fwd, bwd = strands(variant_setting(setting, "inductor"))
+    # neither the tokens nor the routing masks need a gradient: the dispatch's all-to-all has no backward
+    assert [s.collective for s in fwd] == ["all_to_all (dispatch)", "all_to_all (combine)", None]
+    assert [s.ops for s in fwd] == [("router", "dispatch"), ("experts",), ("combine", "loss")]
+    assert [s.collective for s in bwd] == ["all_to_all (combine grad)", None]
+    assert bwd[1].ops == ("experts", "router") and bwd[1].waits  # the experts' backward reads the gradient
+    assert bwd[0].weight_grad_s > 0  # the gates' gradient: only the router's backward reads it
+    # 4 experts x 160 slots x 512 float32 a transfer, half of it to the other rank
+    assert fwd[0].wire_bytes == 4 * 160 * 512 * 4 / 2
+    assert predict_variant(setting, "helix").operations == {"all_to_all": 12} == record.variants["helix"].operations

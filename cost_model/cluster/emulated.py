@@ -24,7 +24,9 @@ Under ZeRO-3 (``ClusterSetting.dp_mode="shard"``, the bench's ``--data-parallel 
 variant sends the same gathers and reduce-scatters (``strands``: one per parameter); the programs
 differ in order alone (``VariantProgram.sharded_order``): Inductor's waits each where it is issued,
 dhelix's and helix's issue a parameter group's gathers while the group before it computes and
-leave the reduce-scatters to the step's end.
+leave the reduce-scatters to the step's end. One MoE layer (``ModelShape.family="moe"``, the
+bench's ``moe_*``) sends three all-to-alls a micro-batch in every variant; Inductor waits each at
+its first use, dhelix runs the gates' gradient under the backward's.
 
 The step, m micro-batches, at segment granularity (``strand_plan.advance``: one compute stream
 and one link; a segment computes its lead, waits for its strand's latest transfer if it reads
@@ -124,6 +126,16 @@ TIMED_WIDTH: int = 8
 Order = Literal["inductor", "reordered", "two_strands"]
 
 
+ProgramKind = Literal["tp", "zero3", "moe"]
+
+
+def program_kind(setting: ClusterSetting) -> ProgramKind:
+    """What the setting's program is: a tensor-parallel transformer, ZeRO-3, or one MoE layer."""
+    if setting.model.family == "moe":
+        return "moe"
+    return "zero3" if setting.dp_mode == "shard" else "tp"
+
+
 @dataclass(frozen=True)
 class VariantProgram:
     """What a bench variant's passes make of the program, and the order it runs in."""
@@ -131,17 +143,15 @@ class VariantProgram:
     projection_reduces: ProjectionReduces
     loss: Loss
     order: Order
-    description: str
-    """The program under tensor parallelism."""
-    sharded_description: str
-    """The program under ZeRO-3 (``dp_mode="shard"``)."""
+    descriptions: Mapping[ProgramKind, str]
+    """The program on each kind of setting (:func:`program_kind`)."""
 
     @property
     def sharded_order(self) -> ShardedOrder:
         return "as_traced" if self.order == "inductor" else "prefetched"
 
     def describe(self, setting: ClusterSetting) -> str:
-        return self.sharded_description if setting.dp_mode == "shard" else self.description
+        return self.descriptions[program_kind(setting)]
 
 
 VARIANT_PROGRAMS: dict[str, VariantProgram] = {
@@ -149,29 +159,41 @@ VARIANT_PROGRAMS: dict[str, VariantProgram] = {
         "per_projection",
         "gathered_logits",
         "inductor",
-        "TP plan as written, waits at first use",
-        "each gather and reduce-scatter waited where issued",
+        {
+            "tp": "TP plan as written, waits at first use",
+            "zero3": "each gather and reduce-scatter waited where issued",
+            "moe": "each all-to-all waited at first use",
+        },
     ),
     "inductor_overlap": VariantProgram(
         "per_projection",
         "gathered_logits",
         "inductor",
-        "as inductor (its overlap scheduler's moves not modeled)",
-        "as inductor (its overlap passes' moves not modeled)",
+        {
+            "tp": "as inductor (its overlap scheduler's moves not modeled)",
+            "zero3": "as inductor (its overlap passes' moves not modeled)",
+            "moe": "as inductor (its overlap passes' moves not modeled)",
+        },
     ),
     "dhelix": VariantProgram(
         "fused",
         "gathered_logits",
         "reordered",
-        "all-reduces combined, weight gradients under them",
-        "gathers one group ahead, reduce-scatters waited at the end",
+        {
+            "tp": "all-reduces combined, weight gradients under them",
+            "zero3": "gathers one group ahead, reduce-scatters waited at the end",
+            "moe": "the gates' gradient under the backward's all-to-all",
+        },
     ),
     "helix": VariantProgram(
         "fused",
         "vocab_parallel",
         "two_strands",
-        "as dhelix + vocab-parallel loss, two strands (SI DP)",
-        "as dhelix, two strands (SI DP)",
+        {
+            "tp": "as dhelix + vocab-parallel loss, two strands (SI DP)",
+            "zero3": "as dhelix, two strands (SI DP)",
+            "moe": "as dhelix, two strands (SI DP)",
+        },
     ),
 }
 
@@ -426,13 +448,14 @@ def emulated_setting(
     """A tensor-parallel job of ``ranks`` on one emulated link, as the bench writes it (PyTorch's
     TP plan: per-projection all-reduces, logits gathered for the loss; ``ends="replicated"``:
     the plan on the decoder layers only, ``ClusterSetting.ends``); with ``dp_mode="shard"`` a
-    ZeRO-3 job of ``ranks`` instead (``data_parallel(model, mode="shard")``, no TP)."""
-    sharded = dp_mode == "shard"
+    ZeRO-3 job of ``ranks`` instead (``data_parallel(model, mode="shard")``, no TP), and an MoE
+    layer (``model.family == "moe"``) with its experts split over the ``ranks``."""
+    over_dp = dp_mode == "shard" or model.family == "moe"
     return ClusterSetting(
         name=name,
         model=model,
         parallel=Parallelism(
-            dp=ranks if sharded else 1, tp=1 if sharded else ranks, sequence_parallel=sequence_parallel
+            dp=ranks if over_dp else 1, tp=1 if over_dp else ranks, sequence_parallel=sequence_parallel
         ),
         seq_len=seq_len,
         micro_batch_size=micro_batch_size,
@@ -521,9 +544,9 @@ def per_peer_steps(
         for op, n in predicted.operations.items()
         if n > measured.operations.get(op, 0)
     }
-    sharded = setting.dp_mode == "shard"
-    link = setting.dp_link if sharded else setting.tp_link
-    group = setting.parallel.dp if sharded else setting.parallel.tp
+    over_dp = program_kind(setting) != "tp"  # ZeRO-3's and the MoE layer's collectives run over the DP group
+    link = setting.dp_link if over_dp else setting.tp_link
+    group = setting.parallel.dp if over_dp else setting.parallel.tp
 
     def fixed_s(op: str) -> float:
         return base_latency_s("nccl") + alpha_beta_terms(op, group)[0] * link.latency_s
@@ -636,6 +659,7 @@ __all__ = [
     "BenchRecord",
     "MeasuredVariant",
     "PerPeerSteps",
+    "ProgramKind",
     "VariantComparison",
     "VariantPrediction",
     "VariantProgram",
@@ -645,6 +669,7 @@ __all__ = [
     "emulated_setting_name",
     "per_peer_steps",
     "predict_variant",
+    "program_kind",
     "recorded_link",
     "variant_setting",
 ]

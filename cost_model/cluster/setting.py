@@ -40,13 +40,16 @@ import torch
 
 from cost_model.hardware import Link, get_device, get_link
 
-Family = Literal["llama", "gpt"]
+Family = Literal["llama", "gpt", "moe"]
 ProjectionReduces = Literal["fused", "per_projection"]
 Loss = Literal["vocab_parallel", "gathered_logits"]
 Ends = Literal["vocab_parallel", "replicated"]
 DataParallelMode = Literal["replicate", "shard"]
 ShardedOrder = Literal["as_traced", "prefetched"]
 Dtype = Literal["bfloat16", "float32"]
+
+#: Slots per expert over the tokens' fair share (``dhelix_compile.testing.moe.MoEConfig``'s default).
+MOE_CAPACITY_FACTOR: float = 1.25
 
 #: Bytes of one element of each :data:`Dtype`.
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float32": 4}
@@ -59,7 +62,11 @@ class ModelShape:
     name: str
     """Display name, e.g. ``"Llama-8B"``."""
     family: Family
-    """``"llama"``: RMSNorm, SwiGLU MLP (three matrices), RoPE; ``"gpt"``: LayerNorm, GeLU MLP (two)."""
+    """``"llama"``: RMSNorm, SwiGLU MLP (three matrices), RoPE; ``"gpt"``: LayerNorm, GeLU MLP (two);
+    ``"moe"``: one mixture-of-experts layer and nothing else (the bench's ``moe_*``: a router,
+    top-k dispatch to ``experts`` SwiGLU experts of ``ffn_hidden``, each taking at most
+    ``MOE_CAPACITY_FACTOR * tokens * top_k / experts`` tokens), its experts split over the DP
+    ranks, the tokens sent to them and back by all-to-all (tp = pp = cp = 1; ``layers`` 1)."""
     layers: int
     hidden: int
     heads: int
@@ -69,6 +76,14 @@ class ModelShape:
     """Where the shape comes from ("assumed: ..." when the paper does not give it)."""
     kv_heads: int | None = None
     """Key/value heads (grouped-query attention, e.g. 8 for Llama-3-8B); None: one per query head."""
+    experts: int = 0
+    """Experts of the ``"moe"`` family's layer."""
+    top_k: int = 0
+    """Experts each token goes to (``"moe"``)."""
+
+    def expert_capacity(self, tokens: int) -> int:
+        """Tokens one expert takes from a dispatch group of ``tokens`` (``"moe"``; ``testing.moe``'s rule)."""
+        return max(1, math.ceil(MOE_CAPACITY_FACTOR * tokens * self.top_k / self.experts))
 
     @property
     def head_dim(self) -> int:
@@ -190,6 +205,12 @@ class ClusterSetting:
         for name in ("dp", "tp", "pp", "cp"):
             if getattr(p, name) < 1:
                 raise ValueError(f"{self.name}: {name} must be >= 1, got {getattr(p, name)}")
+        if m.family == "moe" and ((p.tp, p.pp, p.cp, m.layers, self.dp_mode) != (1, 1, 1, 1, "replicate")):
+            raise ValueError(f"{self.name}: an MoE layer is modeled alone, expert-parallel over dp (tp = pp = cp = 1)")
+        if m.family == "moe" and (m.experts < 1 or m.experts % p.dp or m.top_k not in (1, 2) or m.top_k > m.experts):
+            raise ValueError(
+                f"{self.name}: {m.experts} experts with top_k {m.top_k} do not split over dp={p.dp} (top_k 1 or 2)"
+            )
         if m.hidden % m.heads:
             raise ValueError(f"{self.name}: hidden {m.hidden} is not a multiple of heads {m.heads}")
         if m.heads % p.tp:
@@ -257,9 +278,15 @@ class ClusterSetting:
         m, p = self.model, self.parallel
         nodes = math.ceil(p.gpus / self.gpus_per_node)
         kv = f" ({m.kv_heads} key/value)" if m.kv_heads is not None else ""
+        shape = (
+            f"one MoE layer: hidden {m.hidden}, {m.experts} SwiGLU experts of FFN {m.ffn_hidden}, top-{m.top_k}, "
+            "split over the DP ranks"
+            if m.family == "moe"
+            else f"{m.params() / 1e9:.1f}B: {m.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, "
+            f"FFN {m.ffn_hidden}, vocab {m.vocab}"
+        )
         return (
-            f"{m.name} ({m.params() / 1e9:.1f}B: {m.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, "
-            f"FFN {m.ffn_hidden}, vocab {m.vocab}) on {p.gpus}x {self.device} ({nodes} nodes x "
+            f"{m.name} ({shape}) on {p.gpus}x {self.device} ({nodes} nodes x "
             f"{self.gpus_per_node}, {self.intra_node_link} / {self.inter_node_link}); {p.label()}; "
             f"seq {self.seq_len}, micro-batch {self.micro_batch_size}, {self.micro_batches} micro-batches "
             f"per step"
@@ -271,6 +298,7 @@ class ClusterSetting:
 
 __all__ = [
     "DTYPE_BYTES",
+    "MOE_CAPACITY_FACTOR",
     "ClusterSetting",
     "DataParallelMode",
     "Dtype",

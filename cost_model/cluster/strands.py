@@ -56,6 +56,14 @@ the weight gradients are what the reduce-scatters send, so none can be deferred 
                  layer 0's landed) | [layer 0] | ... ; backward: [head] RS | RS | [layer 3] RS ... (no
                  wait: the step's end waits for them)
 
+One MoE layer (``family="moe"``: T tokens, E experts of FFN f, top-k, C slots per expert, E/dp
+experts on this rank; the bench's ``moe_*``, ``testing.moe``): the tokens travel to their experts'
+ranks and back by all-to-all over the DP group (E*C*h*e bytes each). Neither the tokens nor the
+routing masks need a gradient, so the backward sends only the combine's::
+
+    forward   [router, routing, dispatch matmul] A2A | [experts: 3 matmuls each] A2A | [combine, loss]
+    backward  [loss, combine (the gates' gradient: a weight gradient)] A2A | [experts, router]
+
 Costs (``cost_model.hardware`` tables, ``cost_model.collectives`` alpha-beta models)::
 
     matmul      launch + max(2mnk / (peak * matmul_efficiency), bytes / mem_bw)
@@ -326,6 +334,58 @@ class _StageBuilder:
         ops.append(self._elementwise("loss", 3 * T * FP32_BYTES))
         return ops
 
+    def moe_layer(self) -> list[_Op]:
+        """One expert-parallel MoE layer (``ModelShape.family == "moe"``; module docstring)."""
+        m, e = self.s.model, self.e
+        ep = self.s.parallel.dp
+        tokens, d, f, experts = self.tokens, m.hidden, m.ffn_hidden, m.experts
+        slots = experts * m.expert_capacity(tokens)  # rows of the dispatched buffer, [E * C, D]
+        local, rows = experts // ep, ep * m.expert_capacity(tokens)  # this rank's experts, their tokens each
+        mm = self._mm_s
+        # routing: softmax, top-k, each token's slot ([T, k, E, C] float32 masks, a few passes over them)
+        route_bytes = FP32_BYTES * (5 * tokens * m.top_k * slots + 2 * tokens * slots)
+        router = _Op(
+            "router",
+            fwd_s=mm(tokens, experts, d, torch.float32) + elementwise_time_s(route_bytes, self.dev),
+            bwd_s=mm(experts, d, tokens, torch.float32) + elementwise_time_s(2 * route_bytes, self.dev),
+        )
+        router = dataclasses.replace(router, bwd_weight_s=router.bwd_s)  # nothing later reads it
+        buffer = float(slots * d * e)
+        expert_fwd = local * (2 * mm(rows, f, d) + mm(rows, d, f)) + elementwise_time_s(
+            3 * local * rows * f * e + 4 * buffer, self.dev
+        )
+        expert_wgrad = local * (2 * mm(d, f, rows) + mm(f, d, rows))
+        expert_bwd = expert_wgrad + local * mm(rows, f, d) + elementwise_time_s(5 * local * rows * f * e, self.dev)
+        combine_grad = mm(tokens, slots, d)  # the gates' gradient: only the router's backward reads it
+        return [
+            router,
+            _Op("dispatch", fwd_s=mm(slots, d, tokens)),  # no backward: the tokens and masks need no gradient
+            _Op("dispatch all-to-all", fwd_comm=self._a2a("dispatch", buffer)),
+            _Op("experts", fwd_s=expert_fwd, bwd_s=expert_bwd, bwd_weight_s=expert_wgrad),
+            _Op(
+                "combine all-to-all", fwd_comm=self._a2a("combine", buffer), bwd_comm=self._a2a("combine grad", buffer)
+            ),
+            _Op(
+                "combine",
+                fwd_s=mm(tokens, d, slots),
+                bwd_s=mm(slots, d, tokens) + combine_grad,
+                bwd_weight_s=combine_grad,
+            ),
+            self._elementwise("loss", 3 * tokens * d * e),
+        ]
+
+    def _mm_s(self, m: int, n: int, k: int, dtype: torch.dtype | None = None) -> float:
+        return matmul_time_s(m, n, k, self.dev, self.eff, self.dtype if dtype is None else dtype)
+
+    def _a2a(self, label: str, nbytes: float) -> _Transfer:
+        """An all-to-all of ``nbytes`` over the DP group (the MoE layer's expert parallelism)."""
+        dp, link = self.s.parallel.dp, self.s.dp_link
+        return _Transfer(
+            f"all_to_all ({label})",
+            collective_time_s("all_to_all", nbytes, dp, link),
+            float(collective_bytes_on_wire("all_to_all", nbytes, dp)),
+        )
+
     def parameter_groups(self) -> list[_Group]:
         """The stage's operators by the parameters they read, in forward order (tp = pp = 1):
         the embedding, each layer, the head; each parameter's elements (module docstring)."""
@@ -410,7 +470,7 @@ def strands(
     builder = _StageBuilder(setting, matmul_efficiency, attention)
     if setting.dp_mode == "shard":
         return _sharded(setting, builder.parameter_groups())
-    ops = builder.stage_ops()
+    ops = builder.moe_layer() if setting.model.family == "moe" else builder.stage_ops()
     fwd = [_Item(op.name, op.fwd_s, 0.0, True, op.fwd_comm) for op in ops if op.fwd_comm is not None or op.fwd_s > 0]
     bwd = [
         _Item(op.name, op.bwd_s, op.bwd_weight_s, op.bwd_waits, op.bwd_comm)

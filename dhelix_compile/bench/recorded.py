@@ -6,7 +6,8 @@ reads such a file and builds the :class:`~cost_model.cluster.setting.ClusterSett
 model's shape, TP or TP + SP over the ranks, the recorded link, device, dtype and micro-batches --
 so that ``cost_model.cluster.emulated.compare_bench`` can set the predictions beside the
 measurements. A ZeRO-3 run (``--data-parallel shard``) is the reference transformer unparallelized
-under ``data_parallel(mode="shard")`` over the ranks (``ClusterSetting.dp_mode``). The shapes live here because ``cost_model`` knows no benchmark:
+under ``data_parallel(mode="shard")`` over the ranks (``ClusterSetting.dp_mode``); an MoE layer
+(``moe_*``) has its experts split over the ranks (``ModelShape.family="moe"``). The shapes live here because ``cost_model`` knows no benchmark:
 
     reference transformer  ``bench.choices.MODEL_SIZES`` (with ``MODEL_KV_HEADS``)
     Hugging Face Llama     ``bench.choices.HF_LLAMA_SIZES`` -> ``models.hf_llama.HF_LLAMA_SIZES``
@@ -23,7 +24,7 @@ Contract
 --------
 ``setting_from_bench(data) -> (ClusterSetting, BenchRecord)``; ``load_bench(path)`` reads the
 file first. ``ValueError`` names what it cannot model: a workload other than the reference
-transformer and Hugging Face Llama, a replicated data-parallel or pipeline run, a device without a ``cost_model.hardware`` entry,
+transformer, Hugging Face Llama and the MoE layer, a replicated data-parallel or pipeline run, a device without a ``cost_model.hardware`` entry,
 a link whose name the cost model holds with other numbers.
 """
 
@@ -42,7 +43,7 @@ from cost_model.cluster.emulated import (
     recorded_link,
 )
 from cost_model.cluster.setting import ClusterSetting, Ends, ModelShape
-from dhelix_compile.bench.choices import HF_LLAMA_SIZES, MODEL_KV_HEADS, MODEL_SIZES
+from dhelix_compile.bench.choices import HF_LLAMA_SIZES, MODEL_KV_HEADS, MODEL_SIZES, MOE_SIZES
 
 _SEQUENCE_PARALLEL: dict[str, bool] = {"tp": False, "tp_sp": True}
 #: The bench's ``parallel`` field of a ZeRO-3 run (``dhelix bench --data-parallel shard``).
@@ -50,12 +51,16 @@ ZERO3 = "data-parallel shard"
 
 
 def bench_model_shape(name: str) -> tuple[ModelShape, int, int]:
-    """The bench model ``name`` (``MODEL_SIZES`` or ``HF_LLAMA_SIZES``) as a ModelShape, its
-    sequence length and batch."""
+    """The bench model ``name`` (``MODEL_SIZES``, ``HF_LLAMA_SIZES`` or ``MOE_SIZES``) as a
+    ModelShape, its sequence length (an MoE layer's: its tokens per rank) and batch."""
     if name in HF_LLAMA_SIZES:
         return _hf_llama_shape(name)
+    if name in MOE_SIZES:
+        dim, ffn, experts, top_k, tokens = MOE_SIZES[name]
+        source = f"the bench's {name} (dhelix_compile.bench.choices.MOE_SIZES)"
+        return ModelShape(name, "moe", 1, dim, 1, ffn, 0, source, experts=experts, top_k=top_k), tokens, 1
     if name not in MODEL_SIZES:
-        known = ", ".join((*MODEL_SIZES, *HF_LLAMA_SIZES))
+        known = ", ".join((*MODEL_SIZES, *HF_LLAMA_SIZES, *MOE_SIZES))
         raise ValueError(f"bench model {name!r} has no cluster model; the modeled sizes: {known}")
     dim, heads, layers, ffn, vocab, seq, batch = MODEL_SIZES[name]
     source = f"the bench's {name} (dhelix_compile.bench.choices.MODEL_SIZES)"
@@ -103,7 +108,8 @@ def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRe
     model, seq, batch = bench_model_shape(record.model)
     link = recorded_link(record)
     device = device_entry(record.device)
-    parallel = "dp_shard" if record.parallel == ZERO3 else record.parallel
+    moe = model.family == "moe"
+    parallel = "dp_shard" if record.parallel == ZERO3 else "ep" if moe else record.parallel
     name = emulated_setting_name(device, record.model, parallel, record.ranks, str(data["emulated"]["link"]))
     setting = emulated_setting(
         name,
@@ -115,7 +121,7 @@ def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRe
         micro_batches=record.microbatches,
         device=device,
         dtype=dtype,
-        sequence_parallel=_SEQUENCE_PARALLEL.get(record.parallel, False),
+        sequence_parallel=not moe and _SEQUENCE_PARALLEL.get(record.parallel, False),
         ends=_ends(record.model, record.parallel),
         dp_mode="shard" if record.parallel == ZERO3 else "replicate",
     )
