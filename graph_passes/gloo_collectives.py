@@ -33,10 +33,13 @@ Contract
     collective on a listed group::
 
         g = all_gather_into_tensor(x, n, group)
-            at g:   x_n = repeat(x, [n, 1, ...]); g' = all_to_all_single(x_n, [rows] * n, [rows] * n, group)
+            at g:   x_n = dhelix::tile_rows(x, n); g' = all_to_all_single(x_n, [rows] * n, [rows] * n, group)
         r = reduce_scatter_tensor(x, "sum", n, group); w = wait_tensor(r)
             at r:   r' = all_to_all_single(x, [rows] * n, [rows] * n, group)      (rows = x's dim 0 / n)
-            at w:   w = wait_tensor(r'); s = sum(view(w, [n, rows, ...]), [0])     (w's readers read s)
+            at w:   w = wait_tensor(r'); s = dhelix::sum_row_blocks(w, n)         (w's readers read s)
+
+    ``tile_rows`` is ``x.repeat(n, 1, ...)`` and ``sum_row_blocks`` the sum of ``w``'s ``n`` row
+    blocks, each one ATen call that Inductor calls as it is (``dhelix_compile.ops.row_blocks``).
 
     (``rows`` of a gather: a ``sym_size`` node when symbolic.) Waits stay where they were: the
     schedule is the passes', values are equal. A reduce-scatter of another reduce op, with
@@ -64,12 +67,16 @@ from cost_model.profile.running import why_scatter_stays
 from graph_passes._torch_compat import fake_mode_of
 from graph_passes.annotate import META_KEY
 from graph_passes.context import PassContext
-from graph_passes.decompose.emit import Emitter, val
+from graph_passes.decompose.emit import Emitter, registered_op, val
 from graph_passes.node_args import as_int
 
 __all__ = ["PASS_NAME", "GlooCollectiveOptions", "gloo_collectives_pass"]
 
 PASS_NAME = "gloo_collectives"
+#: The copies around the all-to-alls, by their registered names (``dhelix_compile.ops.row_blocks``):
+#: Inductor calls them, where an ``aten.repeat`` or ``aten.sum`` would be a kernel it generates.
+TILE_ROWS_OP_NAME = "dhelix::tile_rows"
+SUM_ROW_BLOCKS_OP_NAME = "dhelix::sum_row_blocks"
 
 _C10D = torch.ops._c10d_functional
 
@@ -104,7 +111,8 @@ def _send_gather(graph: torch.fx.Graph, gather: torch.fx.Node, ctx: PassContext)
         return
     with graph.inserting_before(gather):
         rows = _rows(graph, shard)
-        repeated = graph.call_function(torch.ops.aten.repeat.default, (shard, _repeats(shard, ranks)))
+        _check_shard(shard)
+        repeated = graph.call_function(registered_op(TILE_ROWS_OP_NAME), (shard, ranks))
         sent = graph.call_function(_C10D.all_to_all_single.default, (repeated, [rows] * ranks, [rows] * ranks, group))
     for node in (repeated, sent):
         node.meta.update({k: copy.copy(v) for k, v in gather.meta.items()})
@@ -138,8 +146,7 @@ def _send_reduce_scatter(graph: torch.fx.Graph, scatter: torch.fx.Node, ctx: Pas
     wait.args = (sent, *wait.args[1:])
     wait.meta["val"] = val(sent)
     after = Emitter(graph, wait.next, fake_mode, strand)
-    blocks = after.view(wait, [ranks, rows, *val(x).shape[1:]])
-    total = after.call(torch.ops.aten.sum.dim_IntList, blocks, [0])
+    total = after.call(registered_op(SUM_ROW_BLOCKS_OP_NAME), wait, ranks)
     for node in after.nodes:
         _annotated_like(node, scatter)
     for reader in readers:
@@ -167,12 +174,9 @@ def _rows(graph: torch.fx.Graph, shard: torch.fx.Node) -> int | torch.fx.Node:
     return size
 
 
-def _repeats(shard: torch.fx.Node, ranks: int) -> list[int]:
-    """``repeat``'s argument: ``ranks`` copies along dim 0, one along every other dim."""
-    value = shard.meta.get("val")
-    if not isinstance(value, torch.Tensor):
+def _check_shard(shard: torch.fx.Node) -> None:
+    if not isinstance(shard.meta.get("val"), torch.Tensor):
         raise ValueError(f"{PASS_NAME}: the all-gather's input {shard.name} has no tensor meta['val']")
-    return [ranks] + [1] * (value.dim() - 1)
 
 
 def _planned_cost(estimator: Estimator, planned: torch.fx.Node, sent: torch.fx.Node) -> NodeCost:

@@ -59,7 +59,8 @@ _OPS = {
     c10d.all_gather_into_tensor.default: "ag",
     c10d.reduce_scatter_tensor.default: "rs",
     c10d.all_to_all_single.default: "a2a",
-    torch.ops.aten.repeat.default: "repeat",
+    torch.ops.dhelix.tile_rows.default: "repeat",
+    torch.ops.dhelix.sum_row_blocks.default: "blocks",
     c10d.wait_tensor.default: "wait",
     torch.ops.aten.cat.default: "cat",
     torch.ops.aten.mm.default: "mm",
@@ -89,9 +90,10 @@ def test_an_all_gather_becomes_an_all_to_all_of_the_repeated_shard_where_it_was_
         name = str(next(n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default).args[2])
         ctx = _rewritten(gm, frozenset({name}))
     assert _ops(gm) == ["repeat", "a2a", "mm", "wait", "mm"]
-    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.repeat.default]
+    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.dhelix.tile_rows.default]
     (sent,) = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
-    assert repeat.args[1] == [4, 1] and sent.args[1:] == ([3] * 4, [3] * 4, name)  # the shard is 3 x 8
+    assert repeat.args[1] == 4 and sent.args[1:] == ([3] * 4, [3] * 4, name)  # the shard is 3 x 8
+    assert list(repeat.meta["val"].shape) == [12, 8]
     assert repeat.meta["dhelix"]["kind"] == "compute" and sent.meta["dhelix"]["kind"] == "collective"
     assert ctx.stats[PASS] == {"all-gathers sent as all-to-alls": 1}
 
@@ -187,7 +189,7 @@ def test_the_all_to_all_keeps_the_price_the_plan_gave_the_all_gather() -> None:
         gloo_collectives_pass(gm, ctx)
     assert ctx.stats[PASS] == {"all-gathers sent as all-to-alls": 1}
     assert simulate(gm.graph, estimator).makespan_s < planned_s  # priced as an all-to-all of its own: 0.5 ms
-    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.repeat.default]  # the lowering's own op
+    (repeat,) = [n for n in gm.graph.nodes if n.target == torch.ops.dhelix.tile_rows.default]  # the lowering's own op
     as_planned_s = planned_s + estimator.node_cost(repeat).time_s
     assert simulate(gm.graph, PlannedCosts(estimator)).makespan_s == pytest.approx(as_planned_s)
 
@@ -212,14 +214,13 @@ def test_a_reduce_scatter_becomes_an_all_to_all_summed_after_its_wait() -> None:
         assert _ops(gm, sums=True) == ["mm", "rs", "mm", "wait", "mm", "sum", "sum"]
         name = str(next(n for n in gm.graph.nodes if n.target == c10d.reduce_scatter_tensor.default).args[3])
         ctx = _rewritten(gm, frozenset({name}))
-    assert _ops(gm, sums=True) == ["mm", "a2a", "mm", "wait", "sum", "mm", "sum", "sum"]
+    assert _ops(gm, sums=True) == ["mm", "a2a", "mm", "wait", "blocks", "mm", "sum", "sum"]
     (sent,) = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
     assert sent.args[1:] == ([3] * 4, [3] * 4, name)  # the input is 12 x 8: 3 rows per rank
     assert list(sent.meta["val"].shape) == [12, 8] and sent.meta["dhelix"]["kind"] == "collective"
     (wait,) = sent.users
-    (view,) = wait.users
-    assert list(view.meta["val"].shape) == [4, 3, 8] and view.meta["dhelix"]["kind"] == "view"
-    (total,) = view.users
+    (total,) = wait.users
+    assert total.target == torch.ops.dhelix.sum_row_blocks.default and total.args[1] == 4
     assert list(total.meta["val"].shape) == [3, 8] and total.meta["dhelix"]["kind"] == "compute"
     assert ctx.stats[PASS] == {"reduce-scatters sent as all-to-alls": 1}
 
@@ -275,3 +276,19 @@ def test_gloo_all_to_all_reduce_scatters_equal_the_reduce_scatter_on_gloo_ranks(
     for diffs in run_on_ranks(_scatter_on_ranks, world_size, timeout_s=240):
         for diff in diffs:
             assert diff == 0.0 if world_size == 2 else diff < 1e-6
+
+
+def test_the_copies_around_the_all_to_alls_are_repeat_and_sum_and_inductor_calls_them() -> None:
+    x = torch.randn(3, 4, 2)
+    assert torch.equal(torch.ops.dhelix.tile_rows(x, 3), x.repeat(3, 1, 1))
+    blocks = torch.randn(12, 5)
+    assert torch.equal(torch.ops.dhelix.sum_row_blocks(blocks, 4), blocks.view(4, 3, 5).sum(0))
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dhelix.sum_row_blocks(torch.ops.dhelix.tile_rows(a * 2, 2), 2) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="inductor", fullgraph=True, dynamic=True)
+    for rows in (3, 5):  # symbolic rows: the fake implementations give the shapes
+        a = torch.randn(rows, 4)
+        assert torch.equal(compiled(a), a * 4 + 1)

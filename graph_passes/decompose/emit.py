@@ -43,8 +43,8 @@ def registered_op(qualified_name: str) -> OpOverload:
         return getattr(getattr(torch.ops, namespace), name).default
     except (AttributeError, RuntimeError) as exc:
         raise RuntimeError(
-            f"the custom op {qualified_name} is not registered: the decompose pass emits it by name, and "
-            f"importing dhelix_compile (dhelix_compile.ops.exchange) registers it"
+            f"the custom op {qualified_name} is not registered: dhelix's passes emit it by name, and "
+            f"importing dhelix_compile (dhelix_compile.ops) registers it"
         ) from exc
 
 
