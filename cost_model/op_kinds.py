@@ -59,6 +59,11 @@ P2P_OPS: tuple[torch._ops.OpOverloadPacket, ...] = present_c10d_ops("isend", "ir
 #: model needs nothing of dhelix). Completed with ``wait_tensor`` on each output.
 P2P_OP_NAMES: tuple[str, ...] = ("dhelix::exchange",)
 
+#: Compute ops defined outside torch that are pure functions of their inputs, by schema name
+#: (``dhelix_compile.ops.row_blocks``: the copies around a gloo collective sent as an all-to-all):
+#: the profiler runs and times them as it does torch's own ops.
+PURE_OP_NAMES: tuple[str, ...] = ("dhelix::tile_rows", "dhelix::sum_row_blocks")
+
 WAIT_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (c10d.wait_tensor,)
 
 #: Ops that read a tensor's shape, strides or offset, never its data: they may read a collective's

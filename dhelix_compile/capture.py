@@ -43,7 +43,7 @@ from cost_model.estimator import STAND_IN_KEY
 from cost_model.op_kinds import op_name
 from cost_model.profile import ProfiledEstimator
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile import ops as _ops  # noqa: F401 - registers dhelix::exchange, which decompose emits
+from dhelix_compile import ops as _ops  # noqa: F401 - registers the dhelix ops the passes emit
 from dhelix_compile.codegen import generate, has_communication
 from dhelix_compile.comm_threads import ThreadPriority, local_ranks, prioritize_gloo_threads
 from dhelix_compile.config import DHelixConfig

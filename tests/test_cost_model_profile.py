@@ -820,3 +820,25 @@ def test_an_expanded_input_is_made_real_with_its_shared_elements() -> None:
     real = materialize(val, {})
     assert (real.shape, real.stride()) == ((4, 16), (0, 1))
     assert torch.equal(real[0], real[3]) and real.abs().sum() > 0
+
+
+def test_dhelix_copy_ops_are_measured_as_torchs_own(tmp_path: pathlib.Path) -> None:
+    """The copies around a gloo collective sent as an all-to-all (``dhelix::tile_rows``,
+    ``dhelix::sum_row_blocks``, pure functions) are timed as torch's ops are."""
+    import dhelix_compile.ops  # noqa: F401 - registers the dhelix ops
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dhelix.sum_row_blocks(torch.ops.dhelix.tile_rows(torch.relu(x), 2), 2)
+
+    gm = trace_aten(f, torch.randn(64, 16))
+    est = ProfiledEstimator(AnalyticEstimator(DEVICE, LINK), tmp_path, warmup=1, repeats=3, progress=False)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [str(n.target) for n in ops] == [
+        "aten.relu.default",
+        "dhelix.tile_rows.default",
+        "dhelix.sum_row_blocks.default",
+    ]
+    assert [est.skip_reason(n) for n in ops] == [None, None, None]
+    report = est.calibrate(gm)
+    assert report.measured == 3 and all(est.node_cost(n).time_s > 0 for n in ops)
+    assert est.measurements[est.signature(ops[1]) or ""] > 0

@@ -140,7 +140,7 @@ from cost_model.comm_nodes import bound_args, describe_comm, resolve_group_size,
 from cost_model.estimator import Estimator, EstimatorBase, NodeCost
 from cost_model.memory import is_schema_view
 from cost_model.nodes import NodesLike, call_target, node_list
-from cost_model.op_kinds import P2P_OP_NAMES, kind_of, op_name
+from cost_model.op_kinds import P2P_OP_NAMES, PURE_OP_NAMES, kind_of, op_name
 from cost_model.profile.cache import MeasurementCache, cached_seconds, device_key, settled, with_sample
 from cost_model.profile.contention import (
     CONTENTION_KEY_PREFIX,
@@ -528,7 +528,9 @@ class ProfiledEstimator(EstimatorBase):
         if kind == "compute":
             if is_schema_view(node):
                 return "free"
-            if getattr(node.target, "namespace", None) not in _PURE_NAMESPACES:
+            schema = getattr(node.target, "_schema", None)
+            pure = schema is not None and schema.name in PURE_OP_NAMES
+            if getattr(node.target, "namespace", None) not in _PURE_NAMESPACES and not pure:
                 return "not a torch op: may have side effects"
             vals = [node.meta.get("val"), *(i.meta.get("val") for i in node.all_input_nodes)]
             for t in (t for v in vals for t in tensors_in(v)):
