@@ -233,8 +233,10 @@ class ClusterSetting:
             raise ValueError(f"{self.name}: dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.ends == "replicated" and p.sequence_parallel and p.tp > 1:
             raise ValueError(f"{self.name}: replicated ends need tp without sequence parallelism")
-        if self.dp_mode == "shard" and (p.tp, p.pp, p.cp, m.family) != (1, 1, 1, "llama"):
-            raise ValueError(f"{self.name}: dp_mode='shard' is modeled for the Llama family with tp = pp = cp = 1")
+        if self.dp_mode == "shard" and ((p.tp, p.pp, p.cp, m.family) != (1, 1, 1, "llama") or p.dp < 2):
+            raise ValueError(
+                f"{self.name}: dp_mode='shard' is modeled for the Llama family with tp = pp = cp = 1 and dp >= 2"
+            )
         if self.contention_factor is not None and self.contention_factor < 1.0:
             raise ValueError(f"{self.name}: contention_factor must be >= 1.0, got {self.contention_factor}")
         get_device(self.device)

@@ -133,6 +133,15 @@ class _Transfer:
     wire_bytes: float
 
 
+def _collective(op: str, label: str, nbytes: float, group: int, link: Link) -> _Transfer:
+    """``op`` of ``nbytes`` over a group of ``group`` ranks on ``link``, labelled ``"<op> (<label>)"``."""
+    return _Transfer(
+        f"{op} ({label})",
+        collective_time_s(op, nbytes, group, link),
+        float(collective_bytes_on_wire(op, nbytes, group)),
+    )
+
+
 @dataclass(frozen=True)
 class _Op:
     """One operator of the forward, with the cost of its backward counterpart.
@@ -198,16 +207,9 @@ class _StageBuilder:
     def _elementwise(self, name: str, nbytes: float) -> _Op:
         return _Op(name, fwd_s=elementwise_time_s(nbytes, self.dev), bwd_s=elementwise_time_s(2 * nbytes, self.dev))
 
-    def _transfer(self, op: str, label: str, nbytes: float, link: Link | None = None) -> _Transfer | None:
+    def _transfer(self, op: str, label: str, nbytes: float) -> _Transfer | None:
         """A TP collective; None where the TP group is one rank (nothing is issued)."""
-        if self.tp == 1:
-            return None
-        link = self.s.tp_link if link is None else link
-        return _Transfer(
-            f"{op} ({label})",
-            collective_time_s(op, nbytes, self.tp, link),
-            float(collective_bytes_on_wire(op, nbytes, self.tp)),
-        )
+        return None if self.tp == 1 else _collective(op, label, nbytes, self.tp, self.s.tp_link)
 
     def _activation_bytes(self) -> float:
         return float(self.tokens * self.s.model.hidden * self.e)
@@ -379,12 +381,7 @@ class _StageBuilder:
 
     def _a2a(self, label: str, nbytes: float) -> _Transfer:
         """An all-to-all of ``nbytes`` over the DP group (the MoE layer's expert parallelism)."""
-        dp, link = self.s.parallel.dp, self.s.dp_link
-        return _Transfer(
-            f"all_to_all ({label})",
-            collective_time_s("all_to_all", nbytes, dp, link),
-            float(collective_bytes_on_wire("all_to_all", nbytes, dp)),
-        )
+        return _collective("all_to_all", label, nbytes, self.s.parallel.dp, self.s.dp_link)
 
     def parameter_groups(self) -> list[_Group]:
         """The stage's operators by the parameters they read, in forward order (tp = pp = 1):
@@ -487,10 +484,8 @@ def _sharded(setting: ClusterSetting, groups: Sequence[_Group]) -> tuple[list[Cl
     traced = setting.sharded_order == "as_traced"
 
     def transfer(op: str, label: str, elements: int, waits: bool) -> ClusterSegment:
-        nbytes = elements * e
-        seconds = collective_time_s(op, nbytes, dp, link)
-        wire = float(collective_bytes_on_wire(op, nbytes, dp))
-        return ClusterSegment((), 0.0, seconds, f"{op} ({label})", wire, 0.0, waits)
+        t = _collective(op, label, elements * e, dp, link)
+        return ClusterSegment((), 0.0, t.seconds, t.label, t.wire_bytes, 0.0, waits)
 
     def gathers(group: _Group, waits_first: bool) -> list[ClusterSegment]:
         return [
