@@ -20,7 +20,8 @@ import dhelix_compile
 from cost_model.collectives import collective_bytes_on_wire, collective_time_s
 from cost_model.hardware import get_link
 from dhelix_compile import _torch_compat as compat
-from dhelix_compile.bench.emulated import _measure_variants, balanced_link, parse_emulated_link, plans_on_link
+from dhelix_compile.bench.choices import compiled_by_dhelix
+from dhelix_compile.bench.emulated import _measure_variants, balanced_link, parse_emulated_link
 from dhelix_compile.emulation import EmulationError, LinkSpecError, describe_presets, parse_link
 from dhelix_compile.emulation.clock import CpuQueues
 from dhelix_compile.emulation.group import EmulatedWork, Transfer
@@ -106,7 +107,9 @@ def test_a_dhelix_variant_that_sets_the_balanced_link_is_compiled_again_on_it(
         return step
 
     spec = parse_emulated_link("emulated:balanced,ranks=8")
-    assert spec is not None and plans_on_link("helix[decompose=off]") and not plans_on_link("inductor_overlap")
+    assert (
+        spec is not None and compiled_by_dhelix("helix[decompose=off]") and not compiled_by_dhelix("inductor_overlap")
+    )
     times, done = _measure_variants(
         cluster, spec, parse_link("ib400"), [first, "dhelix"], make_step, torch.device("cpu"), 1, 0, 60.0
     )

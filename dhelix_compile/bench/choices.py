@@ -34,6 +34,13 @@ HELIX_VARIANTS: dict[str, dict[str, Any]] = {"helix": {}, "helix_decompose": {"d
 #: Every variant of a training step (``--variants``).
 STEP_VARIANTS: tuple[str, ...] = (*VARIANTS, *HELIX_VARIANTS)
 
+
+def compiled_by_dhelix(variant: str) -> bool:
+    """Whether the bench variant ``variant`` (bracketed options allowed) is compiled by dhelix
+    (``dhelix*``, ``helix*``): its plan prices the live link, and its dumps hold a predicted step."""
+    return variant.split("[", 1)[0].startswith(("dhelix", "helix"))
+
+
 #: The pipeline benchmark's variants (``--pipeline``; ``bench.pipeline_parallel``).
 PIPELINE_VARIANTS: tuple[str, ...] = ("pipeline_eager", "pipeline_inductor", "helix_pipeline")
 #: torch.distributed.pipelining schedules the pipeline benchmark builds (``testing.pipeline_checks.build_schedule``).

@@ -50,6 +50,7 @@ from cost_model.timing import synchronize
 from cost_model.units import format_ms
 from dhelix_compile.bench import exposure
 from dhelix_compile.bench.bounds import hidden_share
+from dhelix_compile.bench.choices import compiled_by_dhelix
 from dhelix_compile.emulation.group import Transfer, TransferTimes
 from dhelix_compile.step_phases import recording_phases
 
@@ -309,11 +310,6 @@ def measure_emulated_pipeline(
         cluster.close()
 
 
-def plans_on_link(variant: str) -> bool:
-    """Whether ``variant``'s compile prices the live link (dhelix's variants: their plans do)."""
-    return variant.split("[", 1)[0].startswith(("dhelix", "helix"))
-
-
 def _emulate(emulated: EmulatedLink, rank: int) -> tuple[Any, Link]:
     """The live emulation as rank ``rank``, and the link it starts on (ib400 for ``balanced``)."""
     import dhelix_compile
@@ -362,7 +358,7 @@ def _measure_variants(
             t_compute = statistics.median(_timed(steps[first], device) for _ in range(3))
             per_step = cluster.ledger.transfers()[: len(cluster.ledger.transfers()) // 3]
         cluster.set_link(balanced_link(per_step, t_compute, first_link.latency_s))
-        if plans_on_link(first):  # its plan priced the starting link: compiled again on this one
+        if compiled_by_dhelix(first):  # its plan priced the starting link: compiled again on this one
             print(f"    {first} planned on {first_link.name}: compiling it again", file=sys.stderr, flush=True)
             cold = times[first].compile_s, times[first].compile_phases_s
             del steps[first]

@@ -46,7 +46,13 @@ import torch.distributed as dist
 
 from cost_model import compile_clock
 from cost_model.rank_agreement import agree_max, all_agree, gather_floats
-from dhelix_compile.bench.choices import DATA_PARALLEL_MODES, MODEL_NAMES, PIPELINE_VARIANTS, SCHEDULE_KINDS
+from dhelix_compile.bench.choices import (
+    DATA_PARALLEL_MODES,
+    MODEL_NAMES,
+    PIPELINE_VARIANTS,
+    SCHEDULE_KINDS,
+    compiled_by_dhelix,
+)
 from dhelix_compile.bench.data_parallel import data_parallel_collectives_step, data_parallel_step
 from dhelix_compile.bench.measure import (
     Replay,
@@ -321,7 +327,7 @@ def _run(args: argparse.Namespace, dump_root: Path) -> dict[str, Any]:
         predicted = {
             name: _predicted_step_s(dump_root / _folder(name), rank, args.microbatches)
             for name in steps
-            if name.startswith(("dhelix", "helix")) and not args.pipeline
+            if compiled_by_dhelix(name) and not args.pipeline
         }
         names = sorted(predicted)
         contention = [_predicted_contention_s(dump_root / _folder(name), rank, args.microbatches) for name in names]
