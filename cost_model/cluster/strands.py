@@ -341,8 +341,9 @@ class _StageBuilder:
         m, e = self.s.model, self.e
         ep = self.s.parallel.dp
         tokens, d, f, experts = self.tokens, m.hidden, m.ffn_hidden, m.experts
-        slots = experts * m.expert_capacity(tokens)  # rows of the dispatched buffer, [E * C, D]
-        local, rows = experts // ep, ep * m.expert_capacity(tokens)  # this rank's experts, their tokens each
+        capacity = m.expert_capacity(tokens)
+        slots = experts * capacity  # rows of the dispatched buffer, [E * C, D]
+        local, rows = experts // ep, ep * capacity  # this rank's experts, their tokens each
         mm = self._mm_s
         # routing: softmax, top-k, each token's slot ([T, k, E, C] float32 masks, a few passes over them)
         route_bytes = FP32_BYTES * (5 * tokens * m.top_k * slots + 2 * tokens * slots)
