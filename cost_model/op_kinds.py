@@ -62,7 +62,9 @@ P2P_OP_NAMES: tuple[str, ...] = ("dhelix::exchange",)
 #: Compute ops defined outside torch that are pure functions of their inputs, by schema name
 #: (``dhelix_compile.ops.row_blocks``: the copies around a gloo collective sent as an all-to-all):
 #: the profiler runs and times them as it does torch's own ops.
-PURE_OP_NAMES: tuple[str, ...] = ("dhelix::tile_rows", "dhelix::sum_row_blocks")
+TILE_ROWS_OP_NAME = "dhelix::tile_rows"
+SUM_ROW_BLOCKS_OP_NAME = "dhelix::sum_row_blocks"
+PURE_OP_NAMES: tuple[str, ...] = (TILE_ROWS_OP_NAME, SUM_ROW_BLOCKS_OP_NAME)
 
 WAIT_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (c10d.wait_tensor,)
 

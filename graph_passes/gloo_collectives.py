@@ -62,7 +62,7 @@ import torch
 import torch.fx
 
 from cost_model.estimator import PLANNED_COST_KEY, Estimator, NodeCost
-from cost_model.op_kinds import kind_of
+from cost_model.op_kinds import SUM_ROW_BLOCKS_OP_NAME, TILE_ROWS_OP_NAME, kind_of
 from cost_model.profile.running import why_scatter_stays
 from graph_passes._torch_compat import fake_mode_of
 from graph_passes.annotate import META_KEY
@@ -73,10 +73,6 @@ from graph_passes.node_args import as_int
 __all__ = ["PASS_NAME", "GlooCollectiveOptions", "gloo_collectives_pass"]
 
 PASS_NAME = "gloo_collectives"
-#: The copies around the all-to-alls, by their registered names (``dhelix_compile.ops.row_blocks``):
-#: Inductor calls them, where an ``aten.repeat`` or ``aten.sum`` would be a kernel it generates.
-TILE_ROWS_OP_NAME = "dhelix::tile_rows"
-SUM_ROW_BLOCKS_OP_NAME = "dhelix::sum_row_blocks"
 
 _C10D = torch.ops._c10d_functional
 

@@ -7,7 +7,8 @@ model's shape, TP or TP + SP over the ranks, the recorded link, device, dtype an
 so that ``cost_model.cluster.emulated.compare_bench`` can set the predictions beside the
 measurements. A ZeRO-3 run (``--data-parallel shard``) is the reference transformer unparallelized
 under ``data_parallel(mode="shard")`` over the ranks (``ClusterSetting.dp_mode``); an MoE layer
-(``moe_*``) has its experts split over the ranks (``ModelShape.family="moe"``). The shapes live here because ``cost_model`` knows no benchmark:
+(``moe_*``) has its experts split over the ranks (``ModelShape.family="moe"``). The shapes live
+here because ``cost_model`` knows no benchmark:
 
     reference transformer  ``bench.choices.MODEL_SIZES`` (with ``MODEL_KV_HEADS``)
     Hugging Face Llama     ``bench.choices.HF_LLAMA_SIZES`` -> ``models.hf_llama.HF_LLAMA_SIZES``
@@ -24,8 +25,9 @@ Contract
 --------
 ``setting_from_bench(data) -> (ClusterSetting, BenchRecord)``; ``load_bench(path)`` reads the
 file first. ``ValueError`` names what it cannot model: a workload other than the reference
-transformer, Hugging Face Llama and the MoE layer, a replicated data-parallel or pipeline run, a device without a ``cost_model.hardware`` entry,
-a link whose name the cost model holds with other numbers.
+transformer, Hugging Face Llama and the MoE layer, a replicated data-parallel or pipeline run,
+a device without a ``cost_model.hardware`` entry, a link whose name the cost model holds with
+other numbers.
 """
 
 from __future__ import annotations
