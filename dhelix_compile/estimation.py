@@ -36,7 +36,7 @@ import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ from cost_model.profile import device_key
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.config import DHelixConfig
 from dhelix_compile.group_timeouts import graph_wait_s
+
+if TYPE_CHECKING:
+    from dhelix_compile.emulation import Emulation
 
 log = logging.getLogger("dhelix")
 
@@ -212,26 +215,29 @@ def replay_link(base: AnalyticEstimator, link: str, cuda: bool) -> str:
     return f"{device}-{link}-w{base.world_size}-{base.comm_backend}-{socket.gethostname()}"
 
 
-def _emulated_link() -> str | None:
-    """The link of this process's emulated cluster (``dhelix_compile.emulate``), if one is live:
-    the planner prices collectives with the numbers the emulator times them by (NCCL's)."""
+def _emulated_cluster() -> Emulation | None:
+    """This process's emulated cluster (``dhelix_compile.emulate``), if one is live: the planner
+    prices its collectives with the numbers the emulator times them by (NCCL's), and compute
+    beside them with the emulator's contention (``Emulation.contention_factor``)."""
     from dhelix_compile import emulation
 
-    cluster = emulation.active()
-    return None if cluster is None else cluster.cost_model_link
+    return emulation.active()
 
 
 def build_estimator(config: DHelixConfig, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Estimator:
     """The estimator for one partition: analytic, or profiled (calibrated on ``gm`` now)."""
     cuda = _uses_cuda(example_inputs)
-    emulated = _emulated_link()
+    cluster = _emulated_cluster()
+    emulated = None if cluster is None else cluster.cost_model_link
     link = config.link if config.link != "auto" else (emulated or ("nvlink4" if cuda else "loopback"))
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    device = resolve_device(config, example_inputs, graph_wait_s(gm, config.consistency_timeout_s))
     base = AnalyticEstimator(
-        resolve_device(config, example_inputs, graph_wait_s(gm, config.consistency_timeout_s)),
+        device,
         link,
         world_size,
         comm_backend="nccl" if cuda or emulated else "gloo",
+        contention_factor=None if cluster is None else cluster.contention_factor(device, cuda),
     )
     if resolve_cost_model(config, gm) == "analytic":
         return base

@@ -304,6 +304,32 @@ def test_the_planner_prices_collectives_on_the_emulated_link(cluster: dhelix_com
     assert getattr(estimation.build_estimator(config, gm, []), "link", None) == cluster.link
 
 
+def test_the_planner_prices_compute_beside_a_transfer_as_the_emulator_slows_it(
+    cluster: dhelix_compile.emulation.Emulation,
+) -> None:
+    """A CPU transfer is a timer (no core taken: the measured device's factor is gloo's copies);
+    a CUDA transfer is a delay kernel on one SM, or with ``traffic`` a copy as NCCL's."""
+    from cost_model.hardware import get_device
+    from dhelix_compile import estimation
+    from dhelix_compile.config import DHelixConfig
+    from dhelix_compile.emulation import CUDA_DELAY_CONTENTION_FACTOR
+
+    gloo_like = get_device("h100_sxm").replace(name="busy_cpu", contention_factor=2.7)
+    assert cluster.contention_factor(gloo_like, cuda=False) == 1.0
+    assert cluster.contention_factor(gloo_like, cuda=True) == CUDA_DELAY_CONTENTION_FACTOR
+    cluster._state.traffic = True
+    try:
+        assert cluster.contention_factor(gloo_like, cuda=True) == 2.7
+    finally:
+        cluster._state.traffic = False
+    gm = torch.fx.symbolic_trace(_MLP())
+    config = DHelixConfig(device="h100_sxm")  # its table factor is NCCL's on a GPU, not 1
+    assert get_device("h100_sxm").contention_factor > 1.0
+    assert estimation.build_estimator(config, gm, [torch.randn(4, 32)]).contention_factor == 1.0
+    dist.destroy_process_group()  # no emulation: the device's own factor
+    assert estimation.build_estimator(config, gm, []).contention_factor == get_device("h100_sxm").contention_factor
+
+
 @pytest.mark.parametrize(
     ("variants", "data_parallel"),
     [(["eager", "helix"], None), (["torch_eager", "eager"], "shard")],
