@@ -309,14 +309,14 @@ def test_the_planner_prices_compute_beside_a_transfer_as_the_emulator_slows_it(
 ) -> None:
     """A CPU transfer is a timer (no core taken: the measured device's factor is gloo's copies);
     a CUDA transfer is a delay kernel on one SM, or with ``traffic`` a copy as NCCL's."""
+    from cost_model.cluster.emulated import EMULATED_CONTENTION_FACTOR
     from cost_model.hardware import get_device
     from dhelix_compile import estimation
     from dhelix_compile.config import DHelixConfig
-    from dhelix_compile.emulation import CUDA_DELAY_CONTENTION_FACTOR
 
     gloo_like = get_device("h100_sxm").replace(name="busy_cpu", contention_factor=2.7)
     assert cluster.contention_factor(gloo_like, cuda=False) == 1.0
-    assert cluster.contention_factor(gloo_like, cuda=True) == CUDA_DELAY_CONTENTION_FACTOR
+    assert cluster.contention_factor(gloo_like, cuda=True) == EMULATED_CONTENTION_FACTOR
     cluster._state.traffic = True
     try:
         assert cluster.contention_factor(gloo_like, cuda=True) == 2.7

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cost_model.cluster.emulated import EMULATED_CONTENTION_FACTOR
 from cost_model.hardware import LINKS, Device, Link, register_link
 from dhelix_compile import _torch_compat as compat
 from dhelix_compile.emulation.group import EmulatedGroup, EmulationState, Ledger, Transfer
@@ -55,10 +56,6 @@ __all__ = [
 
 BACKEND = "emulated"
 
-#: Compute beside an emulated transfer on CUDA without ``traffic``: a chain of 4096x4096 bf16
-#: matmuls ran 1.04x as long beside a 128 MiB all-reduce in flight as alone (the delay kernel
-#: holds one SM; one H200, torch 2.11.0+cu130, 2026-11-28, docs/emulation.md).
-CUDA_DELAY_CONTENTION_FACTOR = 1.04
 
 _ACTIVE: Emulation | None = None
 
@@ -96,12 +93,13 @@ class Emulation:
 
         On the CPU a transfer is a timer: it takes no core from the compute, so 1.0 (the
         measured CPU device's factor is gloo's, whose threads copy and send on the compute's
-        cores). On CUDA the delay kernel holds one SM (:data:`CUDA_DELAY_CONTENTION_FACTOR`); with
+        cores). On CUDA the delay kernel holds one SM (``cost_model.cluster``'s measured
+        ``EMULATED_CONTENTION_FACTOR``, as its predictions of an emulated run use); with
         ``traffic`` its copy moves the message's bytes through device memory as NCCL does, so
         ``device``'s own factor (NCCL's) applies."""
         if not cuda:
             return 1.0
-        return device.contention_factor if self.traffic else CUDA_DELAY_CONTENTION_FACTOR
+        return device.contention_factor if self.traffic else EMULATED_CONTENTION_FACTOR
 
     def set_link(self, link: str | Link) -> None:
         """Time every later operation on ``link`` (graphs compiled before keep their plan)."""
