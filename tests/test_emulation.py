@@ -7,6 +7,7 @@ operation *lasts* its link time is measured by the bench (``dhelix_compile.bench
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -86,6 +87,32 @@ def test_balanced_link_makes_the_transfers_take_the_compute_time() -> None:
     assert sum(collective_time_s(t.op, t.nbytes, t.group_size, link) for t in transfers) == pytest.approx(0.010)
     with pytest.raises(ValueError, match="latency alone"):
         balanced_link(transfers, 1e-6, 9.6e-6)
+
+
+@pytest.mark.parametrize(
+    ("link", "comm_s", "off"), [("balanced", 0.77, True), ("balanced", 0.40, False), ("ib400", 0.77, False)]
+)
+def test_a_balanced_link_off_balance_is_said(link: str, comm_s: float, off: bool) -> None:
+    """The bandwidth comes from the first variant's link-free steps: measured on a busy moment it
+    is too low for the rest of the run, and the table says so."""
+    from dhelix_compile.bench.emulated import EmulatedLink, VariantTimes, markdown_emulated, variant_row
+
+    row = variant_row(VariantTimes(step_s=[1.2], host_s=[1.2], compute_s=[0.38], comm_s=[comm_s], wire_bytes=[1]))
+    summary = {
+        "emulated": dataclasses.asdict(EmulatedLink(link, ranks=2)),
+        "link": {"name": link, "bandwidth_bytes_per_s": 1e7, "alpha_s": 9.6e-6},
+        "model": "moe_medium",
+        "parallel": "tp_sp",
+        "device": "cpu",
+        "dtype": "float32",
+        "microbatches": 4,
+        "repeats": 1,
+        "torch": torch.__version__,
+        "variants": {"inductor": row, "helix": row},
+    }
+    table = markdown_emulated(summary)
+    assert ("off balance: inductor's own communication is 2.03x its own compute" in table) is off
+    assert ("off balance" in table) is off
 
 
 @pytest.mark.parametrize(("first", "made_on_balanced"), [("helix", 2), ("inductor", 1)])

@@ -56,6 +56,8 @@ from dhelix_compile.step_phases import recording_phases
 
 EMULATED_PREFIX = "emulated:"
 BALANCED = "balanced"
+#: Link-free steps of the first variant that the balanced link's compute time is the fastest of.
+BALANCE_STEPS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,8 +357,10 @@ def _measure_variants(
         with cluster.link_free():
             prepare(first)
             cluster.ledger.clear()
-            t_compute = statistics.median(_timed(steps[first], device) for _ in range(3))
-            per_step = cluster.ledger.transfers()[: len(cluster.ledger.transfers()) // 3]
+            # the fastest: a busy moment only makes a step slower, and one slow sample would
+            # halve the bandwidth for the whole run
+            t_compute = min(_timed(steps[first], device) for _ in range(BALANCE_STEPS))
+            per_step = cluster.ledger.transfers()[: len(cluster.ledger.transfers()) // BALANCE_STEPS]
         cluster.set_link(balanced_link(per_step, t_compute, first_link.latency_s))
         if compiled_by_dhelix(first):  # its plan priced the starting link: compiled again on this one
             print(f"    {first} planned on {first_link.name}: compiling it again", file=sys.stderr, flush=True)
@@ -484,6 +488,9 @@ def markdown_emulated(summary: dict[str, Any]) -> str:
             f"{format_ms(row['t_comm_s'])} | {format_ms(row['limit_s'])} | {row['step_over_limit']:.2f} | {hidden} | "
             f"{row['wire_bytes_per_step'] / 1e6:.1f} | {format_ms(row['host_s_median'])} | {_compile_cell(row)} |"
         )
+    off = _balance_note(summary)
+    if off:
+        lines += ["", off]
     lines += [
         "",
         "first step: the variant's first call, which compiles every graph of the step, less writing the graph "
@@ -500,6 +507,27 @@ def markdown_emulated(summary: dict[str, Any]) -> str:
         lines += ["", "Where each variant's communication is exposed, part by part of the step (bench.exposure):", ""]
         lines += [*exposure.PARTS_HEADER, *parts]
     return "\n".join(lines)
+
+
+#: A balanced link whose first variant's own communication over its own compute falls outside
+#: this range is reported off balance (:func:`_balance_note`).
+BALANCE_RANGE = (0.8, 1.25)
+
+
+def _balance_note(summary: dict[str, Any]) -> str | None:
+    """A line when ``balanced`` set a link on which the first variant's communication is not
+    about its compute (its compute measured while the machine was busy, or varying from step to
+    step): the run's ratios stand, its regime is not T_comm = T_compute."""
+    if summary["emulated"]["link"] != BALANCED or not summary["variants"]:
+        return None
+    name, row = next(iter(summary["variants"].items()))
+    ratio = row["t_comm_s"] / row["t_compute_s"]
+    if BALANCE_RANGE[0] <= ratio <= BALANCE_RANGE[1]:
+        return None
+    return (
+        f"The link is off balance: {name}'s own communication is {ratio:.2f}x its own compute (the "
+        f"bandwidth was set from its link-free steps; a busy machine then makes it too low)."
+    )
 
 
 def _compile_cell(row: dict[str, Any]) -> str:
