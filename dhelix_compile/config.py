@@ -189,8 +189,9 @@ class DHelixConfig:
         "activations more held; 'same_phase': F0+F1, B0+B1, F2+F3, ... On 2 gloo ranks level with "
         "the default on the bench's TP+SP and MoE workloads (a strand alone already hides much of its "
         "communication behind its own per-peer steps); on the emulated link (CPU, balanced) "
-        "'same_phase' stepped 2-13% and 'paired_ends' 2-8% faster on HF Llama TP, TP+SP and the MoE "
-        "layer, with no strand call left alone (helix_runtime.schedule; BENCHMARKS.md).",
+        "'same_phase', with no strand call left alone, stepped 5% faster on HF Llama TP and 10% on the "
+        "MoE layer, 4% slower on TP+SP, whose two forwards' transfers outlast their compute "
+        "(helix_runtime.schedule; BENCHMARKS.md).",
     )
     helix_strand_rewrites: bool = _option(
         False,

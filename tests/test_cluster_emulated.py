@@ -296,7 +296,7 @@ def test_cli_from_bench_hugging_face_llama(capsys: pytest.CaptureFixture[str]) -
     assert "### cpu-emulated-hf_llama-tp2-balanced against" in out
     assert "### cpu-emulated-hf_llama-tp_sp2-balanced against" in out
     assert "embedding and LM head replicated (outside the TP plan)" in out
-    assert "| 59 / 59 | 56 / 56 | 1122.1 / 1122.1 |" in out and "| 50 / 50 | 84 / 84 | 1009.8 / 1009.8 |" in out
+    assert "| 59 / 59 | 56 / 56 | 1066.8 / 1066.8 |" in out and "| 50 / 50 | 84 / 84 | 1225.5 / 1225.5 |" in out
     assert "none: per-peer steps" in out
     assert "decompose='auto' issued 16 all_reduce a step as per-peer steps (" in out
 
