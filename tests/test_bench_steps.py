@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -58,3 +60,30 @@ def test_bad_variant_names_are_named(bad: str) -> None:
 
     with pytest.raises(ValueError, match="variant"):
         split_variant(bad)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"dump_dir": "/tmp/d", "profile_steps": 2}',
+        "dump_dir=/tmp/d,profile_steps=2",
+        " dump_dir=/tmp/d, profile_steps=2 ",
+    ],
+)
+def test_dhelix_options_are_json_or_key_value_pairs(text: str) -> None:
+    from dhelix_compile.bench.run import _check, dhelix_options, parse_args
+
+    assert dhelix_options(text) == {"dump_dir": "/tmp/d", "profile_steps": 2}
+    args = parse_args(["--dhelix-options", text])
+    assert _check(args) is None
+    assert json.loads(args.dhelix_options) == {"dump_dir": "/tmp/d", "profile_steps": 2}  # as the workers read it
+
+
+@pytest.mark.parametrize(
+    ("text", "words"), [("[1, 2]", "not a JSON object"), ("{nope", "not a JSON object"), ("decompose", "key=value")]
+)
+def test_bad_dhelix_options_are_named(text: str, words: str) -> None:
+    from dhelix_compile.bench.run import _check, parse_args
+
+    problem = _check(parse_args(["--dhelix-options", text]))
+    assert problem is not None and problem.startswith("--dhelix-options") and words in problem

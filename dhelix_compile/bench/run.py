@@ -585,7 +585,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gloo's threads in every variant, T_comm and the ceilings: at real-time priority (dhelix's default "
         "gloo_thread_priority, dhelix_compile.comm_threads) or left at normal priority",
     )
-    parser.add_argument("--dhelix-options", default="{}")
+    parser.add_argument(
+        "--dhelix-options",
+        default="{}",
+        help="dhelix options for every dhelix variant, as key=value pairs (decompose=off,profile_steps=2) or a "
+        "JSON object; a variant's own options in brackets win over them",
+    )
     parser.add_argument(
         "--time-limit-s", type=float, default=240.0, help="per launch of the ranks, for the timed repeats"
     )
@@ -653,11 +658,27 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--rate: {exc}"
     if args.rate.lower() != "none" and args.ranks != 2:
         return "a rate-limited link joins exactly 2 ranks; use --ranks 2 or --rate none"
-    try:
-        json.loads(args.dhelix_options)
-    except json.JSONDecodeError as exc:
-        return f"--dhelix-options is not JSON: {exc}"
+    try:  # the workers and the runs below read it as JSON
+        args.dhelix_options = json.dumps(dhelix_options(args.dhelix_options))
+    except ValueError as exc:
+        return f"--dhelix-options: {exc}"
     return None
+
+
+def dhelix_options(text: str) -> dict[str, Any]:
+    """``--dhelix-options``: a JSON object, or ``key=value`` pairs as a variant's brackets take
+    them (``dump_dir=/tmp/d,profile_steps=2``). ValueError says what is wrong."""
+    from dhelix_compile.bench.steps import parse_options
+
+    if not text.strip().startswith(("{", "[")):
+        return parse_options(text, "--dhelix-options")
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not a JSON object: {exc}") from exc
+    if not isinstance(options, dict):
+        raise ValueError(f"not a JSON object: {text!r}")
+    return options
 
 
 def measure(args: argparse.Namespace, total_stages: int = 2) -> dict[str, Any]:

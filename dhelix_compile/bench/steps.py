@@ -57,16 +57,22 @@ def split_variant(name: str, known: Sequence[str] = STEP_VARIANTS) -> tuple[str,
             f"unknown benchmark variant {name!r}; choose from {', '.join(known)}, "
             "each optionally with options in brackets, e.g. helix[decompose=off]"
         )
+    return match["base"], parse_options(match["options"] or "", f"benchmark variant {name!r}")
+
+
+def parse_options(text: str, where: str) -> dict[str, Any]:
+    """``"x=1,y=off"`` -> ``{"x": 1, "y": "off"}``: each value read as JSON where it is JSON, else
+    as a string. ValueError names ``where`` and the item that is not ``key=value``."""
     options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in (match["options"] or "").split(","))):
+    for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"benchmark variant {name!r}: expected key=value options, got {item!r}")
+            raise ValueError(f"{where}: expected key=value options, got {item!r}")
         try:
             options[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
             options[key.strip()] = value.strip()
-    return match["base"], options
+    return options
 
 
 def step_function(
