@@ -87,7 +87,7 @@ def _run_simulate_bench(args: argparse.Namespace) -> int:
         "Predictions of the cost model (cost_model/cluster/emulated.py) beside measurements of the emulated "
         "cluster (dhelix bench --link emulated:...). Measured: the bench's step, host time, own compute and "
         "communication, bytes and transfers. Assumed: elementwise ops at the datasheet's memory bandwidth, the "
-        "programs each variant's passes make (cost_model.cluster.emulated.VARIANT_PROGRAMS).\n"
+        "programs each variant's passes make (cost_model.cluster.emulated.VARIANT_PROGRAMS; helix on any helix_schedule).\n"
     )
     for path in args.from_bench:
         try:

@@ -19,11 +19,13 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from cost_model.helix_schedule import HelixScheduleKind
+
 Codegen = Literal["inductor", "eager"]
 Fallback = Literal["inductor", "error"]
 CostModelKind = Literal["auto", "analytic", "profile"]
 DecomposeMode = Literal["off", "auto", "per_peer", "chunked"]
-HelixSchedule = Literal["forward_backward", "paired_ends", "same_phase"]
+HelixSchedule = HelixScheduleKind
 GlooThreadPriority = Literal["realtime", "normal"]
 
 

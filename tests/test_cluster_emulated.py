@@ -14,9 +14,9 @@ from cost_model.cluster import EMULATED_SETTINGS, Parallelism, get_setting, mode
 from cost_model.cluster.emulated import (
     PER_PEER_OPERATIONS,
     TOLERANCE,
-    VARIANT_PROGRAMS,
     BenchRecord,
     compare_bench,
+    modeled,
     per_peer_steps,
     predict_variant,
     recorded_link,
@@ -25,6 +25,7 @@ from cost_model.cluster.emulated import (
 from cost_model.cluster.setting import MOE_CAPACITY_FACTOR
 from cost_model.cluster.strands import elementwise_time_s, matmul_time_s
 from cost_model.hardware import get_device
+from cost_model.helix_schedule import SCHEDULE_KINDS
 from dhelix_compile.bench.recorded import setting_from_bench
 from dhelix_compile.cli import main
 from dhelix_compile.testing.moe import MoEConfig
@@ -246,9 +247,8 @@ def test_what_the_cpu_runs_sent_is_predicted_exactly(name: str) -> None:
     their fixed costs account for the rest exactly."""
     setting, record = setting_from_bench(_load(name))
     assert {"inductor", "dhelix", "helix"} <= set(record.variants)
-    modeled = set(VARIANT_PROGRAMS)  # a run may carry variants with options of their own too
     for variant, measured in record.variants.items():
-        if variant not in modeled:
+        if not modeled(variant):  # a run may carry variants with options of their own too
             continue
         predicted = predict_variant(setting, variant)
         assert predicted.wire_bytes == pytest.approx(measured.wire_bytes, rel=1e-9), variant
@@ -278,6 +278,28 @@ def test_claimed_predictions_are_within_tolerance_of_the_recorded_cpu_steps(name
         assert not row.analytic_claimed, row.variant  # no roofline describes Python dispatch
         if row.measured_inputs_claimed:
             assert abs(row.measured_inputs_ratio - 1) <= TOLERANCE, (row.variant, row.measured_inputs_ratio)
+
+
+def test_helix_schedules_are_priced_as_the_runtime_pairs_the_calls() -> None:
+    """``helix[helix_schedule=...]`` is helix's program on that schedule's steps: the default
+    schedule is helix itself, the others send the same and step otherwise, an unknown one is
+    named."""
+    setting, record = setting_from_bench(_load(HF_TP))
+    assert "helix[helix_schedule=same_phase]" in record.variants
+    helix = predict_variant(setting, "helix")
+    assert predict_variant(setting, "helix[helix_schedule=forward_backward]").step_s == helix.step_s
+    for kind in ("same_phase", "paired_ends"):
+        other = predict_variant(setting, f"helix[helix_schedule={kind}]")
+        assert (other.wire_bytes, other.transfers, other.comm_s) == (helix.wire_bytes, helix.transfers, helix.comm_s)
+        assert other.step_s != helix.step_s, kind
+        assert kind in other.program.describe(setting)
+    one = dataclasses.replace(setting, micro_batches=1)  # one forward and one backward, whatever the schedule
+    assert {predict_variant(one, f"helix[helix_schedule={k}]").step_s for k in SCHEDULE_KINDS} == {
+        predict_variant(one, "helix").step_s
+    }
+    assert not modeled("helix[helix_schedule=zigzag]") and not modeled("helix[decompose=off]")
+    with pytest.raises(ValueError, match="same_phase"):
+        predict_variant(setting, "helix[helix_schedule=zigzag]")
 
 
 def test_helix_has_no_logits_gather_to_rewrite_under_the_hugging_face_tp_plan() -> None:

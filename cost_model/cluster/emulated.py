@@ -38,6 +38,8 @@ beside a transfer runs ``contention_factor`` times slower)::
                        time among plan_pairs (+ refine_path) and plan_timed, with the backward's
                        weight gradients in place or deferred one segment (the interleave pass's
                        candidates)
+    helix[helix_schedule=same_phase]   M(F1, F2), M(B1, B2), ... (and paired_ends): the steps of
+                       ``cost_model.helix_schedule``, each merged pair of calls planned so
 
 Two predictions per variant:
 
@@ -81,6 +83,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -99,6 +103,7 @@ from cost_model.cluster.setting import (
 from cost_model.cluster.step_model import MEASURED_ATTENTION_EFFICIENCY, MEASURED_MATMUL_EFFICIENCY
 from cost_model.cluster.strands import ClusterSegment, strands
 from cost_model.collectives import alpha_beta_terms, base_latency_s
+from cost_model.helix_schedule import SCHEDULE_KINDS, HelixScheduleKind, ScheduleStep, StrandCall, helix_schedule
 from cost_model.links import Link, get_link, register_link
 from cost_model.strand_plan import (
     Pair,
@@ -145,6 +150,8 @@ class VariantProgram:
     order: Order
     descriptions: Mapping[ProgramKind, str]
     """The program on each kind of setting (:func:`program_kind`)."""
+    schedule: HelixScheduleKind = "forward_backward"
+    """``two_strands``: which strand calls run merged (``cost_model.helix_schedule``)."""
 
     @property
     def sharded_order(self) -> ShardedOrder:
@@ -252,22 +259,51 @@ def _single_strand_s(fwd: list[Segment], bwd: list[Segment], m: int, factor: flo
     return _run([(i, None) for i in range(len(sequence))], sequence, [], factor)
 
 
-def _two_strands_s(fwd: list[Segment], bwd: list[Segment], m: int, factor: float) -> float:
-    """F1, M(F2, B1), ..., Bm: the least step over the interleave pass's planners."""
-    nf, nb = len(fwd), len(bwd)
-    if m == 1:
-        return _run([(i, None) for i in range(nf)] + [(None, j) for j in range(nb)], fwd, bwd, factor)
-    dp_path, _ = plan_pairs(fwd, bwd, cost=formula_cost(fwd, bwd, factor))
-    refined, _ = refine_path(dp_path, fwd, bwd, contention_factor=factor)
-    timed, _ = plan_timed(fwd, bwd, contention_factor=factor, width=TIMED_WIDTH)
+def _two_strands_s(
+    fwd: list[Segment], bwd: list[Segment], m: int, factor: float, schedule: HelixScheduleKind = "forward_backward"
+) -> float:
+    """The step as ``helix_schedule(m, schedule)`` runs it: a call alone, or two calls merged (the
+    forward on the planner's forward side beside a backward; of two calls of one phase, the first).
+    The least whole-step time over the interleave pass's planners (plan_pairs + refine_path,
+    plan_timed), one planner for every merged step."""
+    segments = {"fwd": fwd, "bwd": bwd}
+    merged_kinds = sorted(
+        {tuple(c.phase for c in _sides(step)) for step in helix_schedule(m, schedule) if len(step) == 2}
+    )
+    candidates: dict[tuple[str, ...], list[list[Pair]]] = {}
+    for a_phase, b_phase in merged_kinds:
+        a, b = segments[a_phase], segments[b_phase]
+        dp_path, _ = plan_pairs(a, b, cost=formula_cost(a, b, factor))
+        refined, _ = refine_path(dp_path, a, b, contention_factor=factor)
+        timed, _ = plan_timed(a, b, contention_factor=factor, width=TIMED_WIDTH)
+        candidates[(a_phase, b_phase)] = [dp_path, refined, timed]
     best = math.inf
-    for merged in (dp_path, refined, timed):
-        path: list[Pair] = [(i, None) for i in range(nf)]
-        for k in range(m - 1):  # forward k+1 (0-based) beside backward k
-            path.extend((None if i is None else (k + 1) * nf + i, None if j is None else k * nb + j) for i, j in merged)
-        path.extend((None, (m - 1) * nb + j) for j in range(nb))
-        best = min(best, _run(path, fwd * m, bwd * m, factor))
+    for planner in range(3 if candidates else 1):
+        sides: tuple[list[Segment], list[Segment]] = ([], [])
+        path: list[Pair] = []
+        for step in helix_schedule(m, schedule):
+            if len(step) == 1:
+                side = 0 if step[0].phase == "fwd" else 1
+                start = len(sides[side])
+                sides[side].extend(segments[step[0].phase])
+                path.extend(
+                    (start + k, None) if side == 0 else (None, start + k) for k in range(len(segments[step[0].phase]))
+                )
+                continue
+            first, second = _sides(step)
+            starts = (len(sides[0]), len(sides[1]))
+            sides[0].extend(segments[first.phase])
+            sides[1].extend(segments[second.phase])
+            merged = candidates[(first.phase, second.phase)][planner]
+            path.extend((None if i is None else starts[0] + i, None if j is None else starts[1] + j) for i, j in merged)
+        best = min(best, _run(path, sides[0], sides[1], factor))
     return best
+
+
+def _sides(step: ScheduleStep) -> tuple[StrandCall, ...]:
+    """A merged step's calls as the planner's two sides: a forward beside a backward on the
+    forward side (0); two calls of one phase in the schedule's order."""
+    return tuple(sorted(step, key=lambda c: c.phase != "fwd")) if step[0].phase != step[-1].phase else tuple(step)
 
 
 def variant_setting(setting: ClusterSetting, variant: str) -> ClusterSetting:
@@ -278,10 +314,32 @@ def variant_setting(setting: ClusterSetting, variant: str) -> ClusterSetting:
     )
 
 
+#: A bench variant ``helix[helix_schedule=<kind>]``: helix's program on another schedule.
+_SCHEDULED_HELIX = re.compile(r"^helix\[helix_schedule=(?P<kind>[a-z_]+)\]$")
+
+
+def modeled(variant: str) -> bool:
+    """Whether :func:`predict_variant` has a program for the bench variant ``variant``."""
+    try:
+        _program(variant)
+    except ValueError:
+        return False
+    return True
+
+
 def _program(variant: str) -> VariantProgram:
-    if variant not in VARIANT_PROGRAMS:
-        raise ValueError(f"no program model for bench variant {variant!r}; modeled: {', '.join(VARIANT_PROGRAMS)}")
-    return VARIANT_PROGRAMS[variant]
+    if variant in VARIANT_PROGRAMS:
+        return VARIANT_PROGRAMS[variant]
+    match = _SCHEDULED_HELIX.match(variant)
+    if match is not None and match["kind"] in SCHEDULE_KINDS:
+        kind = typing.cast(HelixScheduleKind, match["kind"])
+        helix = VARIANT_PROGRAMS["helix"]
+        described = {k: f"{text}, schedule {kind}" for k, text in helix.descriptions.items()}
+        return dataclasses.replace(helix, schedule=kind, descriptions=described)
+    raise ValueError(
+        f"no program model for bench variant {variant!r}; modeled: {', '.join(VARIANT_PROGRAMS)}, "
+        f"and helix[helix_schedule=<{'|'.join(SCHEDULE_KINDS)}>]"
+    )
 
 
 def predict_variant(
@@ -304,7 +362,10 @@ def predict_variant(
     if program.order == "two_strands":
         # the pass keeps whichever candidate its simulation prefers: weight gradients in place or deferred
         in_place = _plan_segments(bwd_c, 1, defer=False, scale=compute_scale)
-        step = min(_two_strands_s(fwd, bwd, m, factor), _two_strands_s(fwd, in_place, m, factor))
+        step = min(
+            _two_strands_s(fwd, bwd, m, factor, program.schedule),
+            _two_strands_s(fwd, in_place, m, factor, program.schedule),
+        )
     else:
         step = _single_strand_s(fwd, bwd, m, factor)
     both = fwd_c + bwd_c
@@ -618,7 +679,7 @@ def compare_bench(
     rows = []
     efficiencies = {"matmul_efficiency": matmul_efficiency, "attention_efficiency": attention_efficiency}
     for variant, measured in record.variants.items():
-        if variant not in VARIANT_PROGRAMS:
+        if not modeled(variant):
             continue
         analytic = predict_variant(setting, variant, **efficiencies)
         host_bound = measured.host_s >= HOST_BOUND_SHARE * measured.step_s
@@ -643,7 +704,7 @@ def compare_bench(
                 notes=_program_notes(setting, variant),
             )
         )
-    not_modeled = tuple(v for v in record.variants if v not in VARIANT_PROGRAMS)
+    not_modeled = tuple(v for v in record.variants if not modeled(v))
     return BenchComparison(setting, record, matmul_efficiency, attention_efficiency, tuple(rows), not_modeled)
 
 
@@ -667,6 +728,7 @@ __all__ = [
     "device_entry",
     "emulated_setting",
     "emulated_setting_name",
+    "modeled",
     "per_peer_steps",
     "predict_variant",
     "program_kind",
