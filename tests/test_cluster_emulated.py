@@ -248,7 +248,7 @@ def test_what_the_cpu_runs_sent_is_predicted_exactly(name: str) -> None:
     setting, record = setting_from_bench(_load(name))
     assert {"inductor", "dhelix", "helix"} <= set(record.variants)
     for variant, measured in record.variants.items():
-        if not modeled(variant):  # a run may carry variants with options of their own too
+        if not modeled(variant, setting):  # a run may carry variants with options of their own too
             continue
         predicted = predict_variant(setting, variant)
         assert predicted.wire_bytes == pytest.approx(measured.wire_bytes, rel=1e-9), variant
@@ -300,6 +300,29 @@ def test_helix_schedules_are_priced_as_the_runtime_pairs_the_calls() -> None:
     assert not modeled("helix[helix_schedule=zigzag]") and not modeled("helix[decompose=off]")
     with pytest.raises(ValueError, match="same_phase"):
         predict_variant(setting, "helix[helix_schedule=zigzag]")
+
+
+def test_fsdp2_gathers_each_unit_together_and_each_layer_again_in_the_backward() -> None:
+    """The bench's FSDP2 + Inductor (``torch_inductor``): fully_shard on each layer, then the root."""
+    setting, record = setting_from_bench(_load(ZERO3))
+    assert modeled("torch_inductor", setting) and "torch_inductor" in record.variants
+    fwd, bwd = strands(variant_setting(setting, "torch_inductor"))
+    layers = setting.model.layers
+    kinds = [[c.collective for c in side if c.collective is not None] for side in (fwd, bwd)]
+    assert kinds[0] == ["all_gather (root)", *(f"all_gather (layer {i})" for i in range(layers))]
+    backward = [f"all_gather (layer {i})" for i in reversed(range(layers))]
+    assert kinds[1] == [
+        x for i in reversed(range(layers)) for x in (f"all_gather (layer {i})", f"reduce_scatter (layer {i} grad)")
+    ] + ["reduce_scatter (root grad)"]
+    assert [k for k in kinds[1] if k.startswith("all_gather")] == backward
+    fsdp2, zero3 = predict_variant(setting, "torch_inductor"), predict_variant(setting, "inductor")
+    # the same parameters gathered and reduced, and the layers gathered once more
+    layer_bytes = fsdp2.wire_bytes - zero3.wire_bytes
+    assert 0 < layer_bytes < zero3.wire_bytes / 2
+    tp_setting, _ = setting_from_bench(_load(HF_TP))
+    assert not modeled("torch_inductor", tp_setting)
+    with pytest.raises(ValueError, match="zero3 settings only"):
+        predict_variant(tp_setting, "torch_inductor")
 
 
 def test_helix_has_no_logits_gather_to_rewrite_under_the_hugging_face_tp_plan() -> None:
@@ -379,7 +402,8 @@ def test_cli_from_bench_zero3(capsys: pytest.CaptureFixture[str]) -> None:
     assert "### cpu-emulated-medium-dp_shard2-balanced against" in out
     assert "DP2 TP1 PP1" in out and "ZeRO-3: parameters sharded over DP" in out
     assert "| helix | as dhelix, two strands (SI DP) |" in out and "| 235 / 235 | 312 / 312 |" in out
-    assert "Not modeled (no program model): torch_inductor." in out
+    assert "| torch_inductor | FSDP2: a gather per layer" in out and "| 344 / 344 | 56 / 56 |" in out
+    assert "Not modeled" not in out
 
 
 # --------------------------------------------------------------------------- the MoE layer

@@ -21,10 +21,12 @@ What a variant's passes make of the program (:data:`VARIANT_PROGRAMS`)::
                        with micro-batch i's backward by the Strand Interleaving DP
 
 Under ZeRO-3 (``ClusterSetting.dp_mode="shard"``, the bench's ``--data-parallel shard``) every
-variant sends the same gathers and reduce-scatters (``strands``: one per parameter); the programs
-differ in order alone (``VariantProgram.sharded_order``): Inductor's waits each where it is issued,
-dhelix's and helix's issue a parameter group's gathers while the group before it computes and
-leave the reduce-scatters to the step's end. One MoE layer (``ModelShape.family="moe"``, the
+``data_parallel`` variant sends the same gathers and reduce-scatters (``strands``: one per
+parameter); the programs differ in order alone (``VariantProgram.sharded_order``): Inductor's
+waits each where it is issued, dhelix's and helix's issue a parameter group's gathers while the
+group before it computes and leave the reduce-scatters to the step's end. FSDP2 + Inductor
+(``torch_inductor``) sends FSDP2's: a gather and a reduce-scatter per unit, each layer gathered
+again in the backward, each waited where issued. One MoE layer (``ModelShape.family="moe"``, the
 bench's ``moe_*``) sends three all-to-alls a micro-batch in every variant; Inductor waits each at
 its first use, dhelix runs the gates' gradient under the backward's.
 
@@ -152,9 +154,14 @@ class VariantProgram:
     """The program on each kind of setting (:func:`program_kind`)."""
     schedule: HelixScheduleKind = "forward_backward"
     """``two_strands``: which strand calls run merged (``cost_model.helix_schedule``)."""
+    sharded: ShardedOrder | None = None
+    """Under ZeRO-3, the program's own collectives (FSDP2's); None: ``data_parallel``'s, in the
+    variant's order."""
 
     @property
     def sharded_order(self) -> ShardedOrder:
+        if self.sharded is not None:
+            return self.sharded
         return "as_traced" if self.order == "inductor" else "prefetched"
 
     def describe(self, setting: ClusterSetting) -> str:
@@ -181,6 +188,13 @@ VARIANT_PROGRAMS: dict[str, VariantProgram] = {
             "zero3": "as inductor (its overlap passes' moves not modeled)",
             "moe": "as inductor (its overlap passes' moves not modeled)",
         },
+    ),
+    "torch_inductor": VariantProgram(
+        "per_projection",
+        "gathered_logits",
+        "inductor",
+        {"zero3": "FSDP2: a gather per layer and one of the root, again in the backward, each waited where issued"},
+        sharded="fsdp2",
     ),
     "dhelix": VariantProgram(
         "fused",
@@ -318,13 +332,14 @@ def variant_setting(setting: ClusterSetting, variant: str) -> ClusterSetting:
 _SCHEDULED_HELIX = re.compile(r"^helix\[helix_schedule=(?P<kind>[a-z_]+)\]$")
 
 
-def modeled(variant: str) -> bool:
-    """Whether :func:`predict_variant` has a program for the bench variant ``variant``."""
+def modeled(variant: str, setting: ClusterSetting | None = None) -> bool:
+    """Whether :func:`predict_variant` has a program for the bench variant ``variant`` (on
+    ``setting``'s kind of program, :func:`program_kind`, where given)."""
     try:
-        _program(variant)
+        program = _program(variant)
     except ValueError:
         return False
-    return True
+    return setting is None or program_kind(setting) in program.descriptions
 
 
 def _program(variant: str) -> VariantProgram:
@@ -353,6 +368,8 @@ def predict_variant(
     """``variant``'s step on ``setting`` (module docstring); ``compute_scale`` multiplies every
     segment's compute (1.0: the roofline's)."""
     program = _program(variant)
+    if program_kind(setting) not in program.descriptions:
+        raise ValueError(f"bench variant {variant!r} is modeled on {', '.join(program.descriptions)} settings only")
     fwd_c, bwd_c = strands(variant_setting(setting, variant), matmul_efficiency, attention_efficiency)
     factor = 1.0 if setting.contention_factor is None else setting.contention_factor
     m = setting.micro_batches
@@ -679,7 +696,7 @@ def compare_bench(
     rows = []
     efficiencies = {"matmul_efficiency": matmul_efficiency, "attention_efficiency": attention_efficiency}
     for variant, measured in record.variants.items():
-        if not modeled(variant):
+        if not modeled(variant, setting):
             continue
         analytic = predict_variant(setting, variant, **efficiencies)
         host_bound = measured.host_s >= HOST_BOUND_SHARE * measured.step_s
@@ -704,7 +721,7 @@ def compare_bench(
                 notes=_program_notes(setting, variant),
             )
         )
-    not_modeled = tuple(v for v in record.variants if not modeled(v))
+    not_modeled = tuple(v for v in record.variants if not modeled(v, setting))
     return BenchComparison(setting, record, matmul_efficiency, attention_efficiency, tuple(rows), not_modeled)
 
 

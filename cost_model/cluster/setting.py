@@ -45,7 +45,7 @@ ProjectionReduces = Literal["fused", "per_projection"]
 Loss = Literal["vocab_parallel", "gathered_logits"]
 Ends = Literal["vocab_parallel", "replicated"]
 DataParallelMode = Literal["replicate", "shard"]
-ShardedOrder = Literal["as_traced", "prefetched"]
+ShardedOrder = Literal["as_traced", "prefetched", "fsdp2"]
 Dtype = Literal["bfloat16", "float32"]
 
 #: Slots per expert over the tokens' fair share (``dhelix_compile.testing.moe.MoEConfig``'s default).
@@ -197,7 +197,10 @@ class ClusterSetting:
     """With ``dp_mode="shard"``: ``"as_traced"``, each collective waited where it is issued (the
     traced program's order, which Inductor keeps); ``"prefetched"``, each parameter group's gathers
     issued while the group before it computes and the reduce-scatters waited at the step's end
-    (dhelix's reorder)."""
+    (dhelix's reorder); ``"fsdp2"``, PyTorch's FSDP2 as the bench applies it (``fully_shard`` on
+    each layer, then the root): one gather of a unit's parameters together, the root's (the
+    embedding, final norm and head) once before the forward, each layer's again in the backward,
+    one reduce-scatter per unit after its backward, each waited where it is issued."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that does not fit the model or cluster."""

@@ -466,6 +466,8 @@ def strands(
     if not 0.0 < attention <= 1.0:
         raise ValueError(f"attention_efficiency must be in (0, 1], got {attention}")
     builder = _StageBuilder(setting, matmul_efficiency, attention)
+    if setting.dp_mode == "shard" and setting.sharded_order == "fsdp2":
+        return _fsdp2(setting, builder.parameter_groups())
     if setting.dp_mode == "shard":
         return _sharded(setting, builder.parameter_groups())
     ops = builder.moe_layer() if setting.model.family == "moe" else builder.stage_ops()
@@ -514,6 +516,49 @@ def _sharded(setting: ClusterSetting, groups: Sequence[_Group]) -> tuple[list[Cl
         compute = math.fsum(op.bwd_s for op in group.ops)
         bwd.append(dataclasses.replace(first, ops=names, compute_s=compute))
         bwd += rest
+    return fwd, bwd
+
+
+def _fsdp2(setting: ClusterSetting, groups: Sequence[_Group]) -> tuple[list[ClusterSegment], list[ClusterSegment]]:
+    """FSDP2's strands (``ClusterSetting.sharded_order``): a transfer per unit, every one waited
+    where it is issued. The units: each layer, and the root (the first and last groups: the
+    embedding, the final norm and the head), which is not gathered again in the backward."""
+    dp, link, e = setting.parallel.dp, setting.dp_link, setting.dtype_bytes
+    root, *layers, last = groups
+    root_params = root.params + last.params
+
+    def transfer(op: str, label: str, params: Sequence[tuple[str, int]], compute: float = 0.0) -> ClusterSegment:
+        t = _collective(op, label, math.fsum(n for _, n in params) * e, dp, link)
+        return ClusterSegment((), compute, t.seconds, t.label, t.wire_bytes)
+
+    def computing(group: _Group, phase: str) -> ClusterSegment:
+        ops = group.ops if phase == "fwd" else list(reversed(group.ops))
+        seconds = math.fsum(op.fwd_s if phase == "fwd" else op.bwd_s for op in ops)
+        return ClusterSegment(
+            tuple(op.name for op in ops if (op.fwd_s if phase == "fwd" else op.bwd_s) > 0), seconds, 0.0, None
+        )
+
+    fwd = [transfer("all_gather", "root", root_params), computing(root, "fwd")]
+    for layer in layers:
+        fwd += [transfer("all_gather", layer.name, layer.params), computing(layer, "fwd")]
+    fwd.append(computing(last, "fwd"))
+    bwd = [computing(last, "bwd")]
+    for layer in reversed(layers):
+        backward = computing(layer, "bwd")
+        bwd += [
+            transfer("all_gather", layer.name, layer.params),
+            dataclasses.replace(
+                transfer("reduce_scatter", f"{layer.name} grad", layer.params),
+                ops=backward.ops,
+                compute_s=backward.compute_s,
+            ),
+        ]
+    backward = computing(root, "bwd")
+    bwd.append(
+        dataclasses.replace(
+            transfer("reduce_scatter", "root grad", root_params), ops=backward.ops, compute_s=backward.compute_s
+        )
+    )
     return fwd, bwd
 
 
