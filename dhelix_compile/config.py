@@ -192,8 +192,8 @@ class DHelixConfig:
         "the default on the bench's TP+SP and MoE workloads (a strand alone already hides much of its "
         "communication behind its own per-peer steps); on the emulated link (CPU, balanced) "
         "'same_phase', with no strand call left alone, stepped 5% faster on HF Llama TP and 10% on the "
-        "MoE layer, 4% slower on TP+SP, whose two forwards' transfers outlast their compute "
-        "(helix_runtime.schedule; BENCHMARKS.md).",
+        "MoE layer, 4% slower on TP+SP, whose two forwards' transfers outlast their compute; "
+        "'paired_ends' 6% faster on TP+SP and 9% on the MoE layer (helix_runtime.schedule; BENCHMARKS.md).",
     )
     helix_strand_rewrites: bool = _option(
         False,
