@@ -85,6 +85,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -480,26 +481,33 @@ def strands(
     return _cut(fwd), _cut(bwd)
 
 
+def _dp_transfer(setting: ClusterSetting, op: str, label: str, elements: float, waits: bool = True) -> ClusterSegment:
+    """A segment of no compute that issues one collective of ``elements`` over the DP group."""
+    t = _collective(op, label, elements * setting.dtype_bytes, setting.parallel.dp, setting.dp_link)
+    return ClusterSegment((), 0.0, t.seconds, t.label, t.wire_bytes, 0.0, waits)
+
+
+def _group_compute(group: _Group, phase: Literal["fwd", "bwd"]) -> tuple[tuple[str, ...], float]:
+    """The names of a group's operators that compute in ``phase`` (in its order) and their time."""
+    ops = group.ops if phase == "fwd" else list(reversed(group.ops))
+    seconds = [op.fwd_s if phase == "fwd" else op.bwd_s for op in ops]
+    return tuple(op.name for op, t in zip(ops, seconds, strict=True) if t > 0), math.fsum(seconds)
+
+
 def _sharded(setting: ClusterSetting, groups: Sequence[_Group]) -> tuple[list[ClusterSegment], list[ClusterSegment]]:
     """ZeRO-3's strands (module docstring): a transfer per parameter, each alone in a segment of no
     compute, around each group's compute."""
-    dp, link, e = setting.parallel.dp, setting.dp_link, setting.dtype_bytes
     traced = setting.sharded_order == "as_traced"
-
-    def transfer(op: str, label: str, elements: int, waits: bool) -> ClusterSegment:
-        t = _collective(op, label, elements * e, dp, link)
-        return ClusterSegment((), 0.0, t.seconds, t.label, t.wire_bytes, 0.0, waits)
 
     def gathers(group: _Group, waits_first: bool) -> list[ClusterSegment]:
         return [
-            transfer("all_gather", name, n, traced or (waits_first and i == 0))
+            _dp_transfer(setting, "all_gather", name, n, traced or (waits_first and i == 0))
             for i, (name, n) in enumerate(group.params)
         ]
 
     fwd: list[ClusterSegment] = [] if traced else gathers(groups[0], False)
     for k, group in enumerate(groups):
-        names = tuple(op.name for op in group.ops if op.fwd_s > 0)
-        compute = math.fsum(op.fwd_s for op in group.ops)
+        names, compute = _group_compute(group, "fwd")
         if traced:
             fwd += gathers(group, True)
         elif k + 1 < len(groups):  # the next group's gathers, issued once this group's have landed
@@ -509,11 +517,12 @@ def _sharded(setting: ClusterSetting, groups: Sequence[_Group]) -> tuple[list[Cl
         fwd.append(ClusterSegment(names, compute, 0.0, None, waits=traced))
     bwd: list[ClusterSegment] = []
     for group in reversed(groups):
-        names = tuple(op.name for op in reversed(group.ops) if op.bwd_s > 0)
+        names, compute = _group_compute(group, "bwd")
         # the last parameter read in the forward has its gradient first
-        first, *rest = (transfer("reduce_scatter", f"{name} grad", n, traced) for name, n in reversed(group.params))
+        first, *rest = (
+            _dp_transfer(setting, "reduce_scatter", f"{name} grad", n, traced) for name, n in reversed(group.params)
+        )
         # the group's backward reads no transfer; its weight gradients are what the reduce-scatters send
-        compute = math.fsum(op.bwd_s for op in group.ops)
         bwd.append(dataclasses.replace(first, ops=names, compute_s=compute))
         bwd += rest
     return fwd, bwd
@@ -523,42 +532,29 @@ def _fsdp2(setting: ClusterSetting, groups: Sequence[_Group]) -> tuple[list[Clus
     """FSDP2's strands (``ClusterSetting.sharded_order``): a transfer per unit, every one waited
     where it is issued. The units: each layer, and the root (the first and last groups: the
     embedding, the final norm and the head), which is not gathered again in the backward."""
-    dp, link, e = setting.parallel.dp, setting.dp_link, setting.dtype_bytes
     root, *layers, last = groups
+
+    def unit(op: str, label: str, params: Sequence[tuple[str, int]]) -> ClusterSegment:
+        return _dp_transfer(setting, op, label, math.fsum(n for _, n in params))
+
+    def computing(group: _Group, phase: Literal["fwd", "bwd"]) -> ClusterSegment:
+        names, seconds = _group_compute(group, phase)
+        return ClusterSegment(names, seconds, 0.0, None)
+
+    def reducing(group: _Group, label: str, params: Sequence[tuple[str, int]]) -> ClusterSegment:
+        """The group's backward, then the reduce-scatter of its gradients."""
+        names, seconds = _group_compute(group, "bwd")
+        return dataclasses.replace(unit("reduce_scatter", label, params), ops=names, compute_s=seconds)
+
     root_params = root.params + last.params
-
-    def transfer(op: str, label: str, params: Sequence[tuple[str, int]], compute: float = 0.0) -> ClusterSegment:
-        t = _collective(op, label, math.fsum(n for _, n in params) * e, dp, link)
-        return ClusterSegment((), compute, t.seconds, t.label, t.wire_bytes)
-
-    def computing(group: _Group, phase: str) -> ClusterSegment:
-        ops = group.ops if phase == "fwd" else list(reversed(group.ops))
-        seconds = math.fsum(op.fwd_s if phase == "fwd" else op.bwd_s for op in ops)
-        return ClusterSegment(
-            tuple(op.name for op in ops if (op.fwd_s if phase == "fwd" else op.bwd_s) > 0), seconds, 0.0, None
-        )
-
-    fwd = [transfer("all_gather", "root", root_params), computing(root, "fwd")]
+    fwd = [unit("all_gather", "root", root_params), computing(root, "fwd")]
     for layer in layers:
-        fwd += [transfer("all_gather", layer.name, layer.params), computing(layer, "fwd")]
+        fwd += [unit("all_gather", layer.name, layer.params), computing(layer, "fwd")]
     fwd.append(computing(last, "fwd"))
     bwd = [computing(last, "bwd")]
     for layer in reversed(layers):
-        backward = computing(layer, "bwd")
-        bwd += [
-            transfer("all_gather", layer.name, layer.params),
-            dataclasses.replace(
-                transfer("reduce_scatter", f"{layer.name} grad", layer.params),
-                ops=backward.ops,
-                compute_s=backward.compute_s,
-            ),
-        ]
-    backward = computing(root, "bwd")
-    bwd.append(
-        dataclasses.replace(
-            transfer("reduce_scatter", "root grad", root_params), ops=backward.ops, compute_s=backward.compute_s
-        )
-    )
+        bwd += [unit("all_gather", layer.name, layer.params), reducing(layer, f"{layer.name} grad", layer.params)]
+    bwd.append(reducing(root, "root grad", root_params))
     return fwd, bwd
 
 
