@@ -56,7 +56,6 @@ __all__ = [
 
 BACKEND = "emulated"
 
-
 _ACTIVE: Emulation | None = None
 
 
