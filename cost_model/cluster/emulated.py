@@ -281,21 +281,20 @@ def _two_strands_s(
     The least whole-step time over the interleave pass's planners (plan_pairs + refine_path,
     plan_timed), one planner for every merged step."""
     segments = {"fwd": fwd, "bwd": bwd}
-    merged_kinds = sorted(
-        {tuple(c.phase for c in _sides(step)) for step in helix_schedule(m, schedule) if len(step) == 2}
-    )
+    steps = helix_schedule(m, schedule)
     candidates: dict[tuple[str, ...], list[list[Pair]]] = {}
-    for a_phase, b_phase in merged_kinds:
+    for a_phase, b_phase in sorted({tuple(c.phase for c in _sides(step)) for step in steps if len(step) == 2}):
         a, b = segments[a_phase], segments[b_phase]
         dp_path, _ = plan_pairs(a, b, cost=formula_cost(a, b, factor))
         refined, _ = refine_path(dp_path, a, b, contention_factor=factor)
         timed, _ = plan_timed(a, b, contention_factor=factor, width=TIMED_WIDTH)
         candidates[(a_phase, b_phase)] = [dp_path, refined, timed]
+    planners = len(next(iter(candidates.values()))) if candidates else 1
     best = math.inf
-    for planner in range(3 if candidates else 1):
+    for planner in range(planners):
         sides: tuple[list[Segment], list[Segment]] = ([], [])
         path: list[Pair] = []
-        for step in helix_schedule(m, schedule):
+        for step in steps:
             if len(step) == 1:
                 side = 0 if step[0].phase == "fwd" else 1
                 start = len(sides[side])
