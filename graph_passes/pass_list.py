@@ -6,11 +6,14 @@ Contract
     graph functional (no new mutation), and it either proves its rewrite safe or leaves
     the graph alone and counts why in ``ctx.stats``. It raises only when a contract is broken.
 
-Driver (``run_pipeline``), for each pass in ``PASSES`` order, unless disabled by name::
+Driver (``run_pipeline``): ``gm.recompile()``, then for each pass in ``PASSES`` order, unless
+disabled by name::
 
     before = observer.snapshot(gm)      # only when an observer (dumps) is attached
     t0 = perf_counter()
-    gm = pass(gm, ctx); gm.graph.lint(); gm.recompile()
+    code = code_of(gm)
+    gm = pass(gm, ctx); gm.graph.lint()
+    if the pass returned another module or code_of(gm) changed: gm.recompile()
     log  "<graph>: <pass> 1.2 ms, 120 -> 131 nodes"
     observer.after_pass(i, name, before, gm, seconds)
 
@@ -109,6 +112,24 @@ def check_pass_names(names: Sequence[str], passes: Sequence[GraphPass] | None = 
         )
 
 
+def code_of(gm: torch.fx.GraphModule) -> list[tuple[object, ...]]:
+    """What ``gm``'s generated code is made of: each node's name, opcode, target, arguments and
+    type, in order, and the graph's output structure. Equal lists generate equal code, so a pass
+    that left them equal needs no ``recompile`` (FX's code generation is most of a pass's time
+    on a large graph)."""
+    codegen = gm.graph._codegen
+    nodes: list[tuple[object, ...]] = [(n, n.name, n.op, n.target, n.args, n.kwargs, n.type) for n in gm.graph.nodes]
+    nodes.append((type(codegen), getattr(codegen, "pytree_info", None)))
+    return nodes
+
+
+def _same_code(a: list[tuple[object, ...]], b: list[tuple[object, ...]]) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (an argument whose == is not a bool, a tensor: recompile)
+        return False
+
+
 def run_pipeline(
     gm: torch.fx.GraphModule,
     ctx: PassContext,
@@ -122,6 +143,7 @@ def run_pipeline(
     """
     passes = PASSES if passes is None else passes
     check_pass_names(disabled, passes)
+    gm.recompile()  # the code matches the graph from the first pass on
     for index, graph_pass in enumerate(passes):
         if graph_pass.name in disabled:
             log.info("%s: pass %s disabled", ctx.graph_name, graph_pass.name)
@@ -130,9 +152,11 @@ def run_pipeline(
         nodes_before = len(gm.graph.nodes)
         start_s = time.perf_counter()
         try:
+            module, code = gm, code_of(gm)
             gm = graph_pass.fn(gm, ctx)
             gm.graph.lint()
-            gm.recompile()
+            if gm is not module or not _same_code(code_of(gm), code):
+                gm.recompile()
         except Exception as exc:
             raise PassError(graph_pass.name, ctx.graph_name, exc) from exc
         seconds = time.perf_counter() - start_s

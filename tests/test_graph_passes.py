@@ -189,6 +189,57 @@ def test_driver_runs_in_order_skips_disabled_and_logs_times(caplog) -> None:
     assert "test: pass boom disabled" in caplog.text
 
 
+def _relu_to_abs_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    for node in gm.graph.nodes:
+        if node.target == aten.relu.default:
+            node.target = aten.abs.default
+    return gm
+
+
+def _move_relu_first_pass(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    relu = next(n for n in gm.graph.nodes if n.target == aten.relu.default)
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    first.prepend(relu)
+    return gm
+
+
+def _pointwise_graph() -> torch.fx.GraphModule:
+    """x -> neg, relu (independent) -> add; returns (add, relu)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    negated = g.call_function(aten.neg.default, (x,))
+    y = g.call_function(aten.relu.default, (x,))
+    g.output((g.call_function(aten.add.Tensor, (negated, y)), y))
+    return _gm(g)
+
+
+def test_driver_regenerates_the_code_exactly_when_a_pass_changed_what_it_is_made_of(monkeypatch) -> None:
+    x = torch.randn(8)
+    recompiles = []
+    real_recompile = torch.fx.GraphModule.recompile
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: recompiles.append(1) or real_recompile(self))
+
+    def run(*fns: Any) -> torch.fx.GraphModule:
+        gm = _pointwise_graph()
+        recompiles.clear()
+        return run_pipeline(gm, _ctx(), passes=[GraphPass(f"p{i}", fn, "") for i, fn in enumerate(fns)])
+
+    gm = run(lambda gm, ctx: gm, lambda gm, ctx: gm)
+    assert len(recompiles) == 1  # the driver's own, before the first pass
+    torch.testing.assert_close(gm(x), (torch.relu(x) - x, torch.relu(x)))
+
+    gm = run(lambda gm, ctx: gm, _relu_to_abs_pass, lambda gm, ctx: gm)  # a target changed in place
+    assert len(recompiles) == 2
+    torch.testing.assert_close(gm(x), (x.abs() - x, x.abs()))
+
+    gm = run(_move_relu_first_pass)  # the same nodes in another order
+    assert len(recompiles) == 2 and gm.code.index("relu") < gm.code.index("neg")
+
+    gm = run(_add_clone_pass)  # an argument of the output replaced
+    assert len(recompiles) == 2 and "clone" in gm.code
+    torch.testing.assert_close(gm(x)[0], torch.relu(x) - x)
+
+
 def test_driver_wraps_pass_errors_with_the_pass_name() -> None:
     passes = [GraphPass("boom", _boom_pass, "")]
     with pytest.raises(PassError, match="dhelix pass 'boom' failed on graph 'test': ValueError: cannot schedule"):
