@@ -19,6 +19,7 @@ from cost_model.cluster.emulated import (
     modeled,
     per_peer_steps,
     predict_variant,
+    program_kind,
     recorded_link,
     variant_setting,
 )
@@ -26,6 +27,7 @@ from cost_model.cluster.setting import MOE_CAPACITY_FACTOR
 from cost_model.cluster.strands import elementwise_time_s, matmul_time_s
 from cost_model.hardware import get_device
 from cost_model.helix_schedule import SCHEDULE_KINDS
+from cost_model.strand_plan import Segment
 from dhelix_compile.bench.recorded import setting_from_bench
 from dhelix_compile.cli import main
 from dhelix_compile.testing.moe import MoEConfig
@@ -41,6 +43,7 @@ HF_TP = "2026-11-29-cpu-emulated-hf_tp.json"
 HF_TP_SP = "2026-11-29-cpu-emulated-hf_tp_sp.json"
 ZERO3 = "2026-11-29-cpu-emulated-zero3.json"
 MOE = "2026-11-29-cpu-emulated-moe.json"
+PIPELINE = "2026-11-29-cpu-emulated-pp_1f1b.json"
 #: The recorded CPU runs (BENCHMARKS.md, "The emulated cluster, predicted") and the variants whose
 #: run issued per-peer steps (decompose="auto"), which no modeled program holds.
 RECORDED_CPU = {
@@ -437,3 +440,78 @@ def test_the_moe_layer_sends_its_tokens_and_back_and_one_gradient() -> None:
     # 4 experts x 160 slots x 512 float32 a transfer, half of it to the other rank
     assert fwd[0].wire_bytes == 4 * 160 * 512 * 4 / 2
     assert predict_variant(setting, "helix").operations == {"all_to_all": 12} == record.variants["helix"].operations
+
+
+# --------------------------------------------------------------------------- the pipeline's last stage
+
+
+def test_a_pipeline_run_is_its_last_stage_tensor_parallel_within_it() -> None:
+    setting, record = setting_from_bench(_load(PIPELINE))
+    assert program_kind(setting) == "pipeline"
+    assert (setting.parallel.pp, setting.parallel.tp, setting.parallel.dp) == (2, 2, 1)
+    assert setting.name == "cpu-emulated-small-pp2-tp2-ranks4-balanced"
+    fwd, bwd = strands(variant_setting(setting, "pipeline_inductor"))
+    assert not any("embedding" in " ".join(c.ops) for c in fwd + bwd)  # the first stage's
+    assert {v for v in record.variants if modeled(v, setting)} == {"pipeline_inductor", "helix_pipeline"}
+    assert not modeled("helix", setting) and not modeled(
+        "pipeline_inductor", get_setting(next(iter(RECORDED.values())))
+    )
+
+
+def test_what_the_pipeline_run_sent_is_predicted_exactly() -> None:
+    """Its stage's collectives, and a receive and a send of one micro-batch's hidden states each
+    micro-batch; helix_pipeline's per-peer steps account for the rest of its transfers."""
+    setting, record = setting_from_bench(_load(PIPELINE))
+    inductor, helix = (record.variants[v] for v in ("pipeline_inductor", "helix_pipeline"))
+    predicted = predict_variant(setting, "pipeline_inductor")
+    assert predicted.operations == inductor.operations == {"all_gather": 4, "all_reduce": 60, "recv": 4, "send": 4}
+    assert (predicted.transfers, predicted.wire_bytes) == (inductor.transfers, inductor.wire_bytes)
+    assert predicted.comm_s == pytest.approx(inductor.t_comm_s, rel=1e-9)  # the sends: the outbound queue
+    assert per_peer_steps(setting, predicted, inductor) is None
+    predicted = predict_variant(setting, "helix_pipeline")
+    assert predicted.wire_bytes == helix.wire_bytes
+    steps = per_peer_steps(setting, predicted, helix)
+    assert steps is not None and steps.sends == steps.recvs == 84 and steps.replaced == {"all_reduce": 20}
+    assert steps.comm_s == pytest.approx(helix.t_comm_s, rel=1e-9)
+
+
+def test_the_pipeline_run_is_predicted_within_tolerance_where_claimed() -> None:
+    setting, record = setting_from_bench(_load(PIPELINE))
+    rows = {r.variant: r for r in compare_bench(setting, record).rows}
+    assert rows["pipeline_inductor"].measured_inputs_claimed
+    assert abs(rows["pipeline_inductor"].measured_inputs_ratio - 1) <= TOLERANCE
+    assert not rows["helix_pipeline"].measured_inputs_claimed  # per-peer steps
+
+
+def _stage_program(transfers: str) -> float:
+    """Three micro-batches of a 10 s forward and a 10 s backward, 1 s stage transfers."""
+    from cost_model.cluster.emulated import _last_stage_s
+
+    def segment(strand: int) -> Segment:
+        return Segment(strand=strand, nodes=(), compute_s=10.0, comm_s=0.0, live_after_bytes=0, peak_bytes=0)
+
+    return _last_stage_s([segment(0)], [segment(1)], 3, 1.0, transfers, 1.0)  # type: ignore[arg-type]
+
+
+def test_the_schedules_loop_waits_every_transfer_and_the_runtime_only_the_first_and_last() -> None:
+    """torch's Schedule1F1B on the last stage: the first receive, each send batched with the next
+    receive and the last send, all waited where issued. Its runtime (helix_pipeline's) posts each
+    later receive before the backward ahead of its forward and waits the sends at the end."""
+    assert _stage_program("schedule_loop") == pytest.approx(60.0 + 4 * 1.0)
+    assert _stage_program("runtime") == pytest.approx(60.0 + 2 * 1.0)
+
+
+def test_pipeline_runs_the_model_does_not_hold_are_named() -> None:
+    data = _load(PIPELINE)
+    with pytest.raises(ValueError, match="only 1f1b is modeled"):
+        setting_from_bench({**data, "parallel": "pipeline dualpipev, PP=2 x TP=2"})
+    with pytest.raises(ValueError, match="as rank 0: only a rank of the last stage"):
+        setting_from_bench({**data, "rank": 0})
+
+
+def test_cli_from_bench_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--from-bench", str(RESULTS / PIPELINE)]) == 0
+    out = capsys.readouterr().out
+    assert "### cpu-emulated-small-pp2-tp2-ranks4-balanced against" in out and "DP1 TP2 PP2" in out
+    assert "| pipeline_inductor | Schedule1F1B, Inductor stages" in out and "| 36 / 36 | 72 / 72 |" in out
+    assert "helix_pipeline: decompose='auto' issued 20 all_reduce a step as per-peer steps" in out

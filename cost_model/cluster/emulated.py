@@ -30,6 +30,21 @@ again in the backward, each waited where issued. One MoE layer (``ModelShape.fam
 bench's ``moe_*``) sends three all-to-alls a micro-batch in every variant; Inductor waits each at
 its first use, dhelix runs the gates' gradient under the backward's.
 
+A pipeline (``parallel.pp > 1``, the bench's ``--pipeline 1f1b``, PP x TP) is its last stage as
+the bench's rank runs it: the stage's layers and the head, tensor-parallel over the stage's
+ranks (``strands``), one strand (torch's 1F1B keeps no forward beside a backward on the last
+stage), and per micro-batch a receive of the activation before the forward and a send of its
+gradient after the backward, one micro-batch's hidden states each over the PP link. When they
+are waited (``VariantProgram.stage_transfers``)::
+
+    schedule_loop   pipeline_inductor: Schedule1F1B's own loop. The first receive waited before
+                    F1; each send batched with the next forward's receive, both waited before
+                    it; the last send waited at the end: R | F1 B1 | S1+R2 | F2 B2 | ... | Sm
+    runtime         helix_pipeline: torch's action runtime, its 1F1B actions lowered by
+                    ``_add_send_recv``. Each later receive posted before the backward ahead of
+                    its forward and waited there (landed); the sends waited at the step's end:
+                    R | F1 | R2 B1 S1 | F2 | R3 B2 S2 | ... | Bm Sm
+
 The step, m micro-batches, at segment granularity (``strand_plan.advance``: one compute stream
 and one link; a segment computes its lead, waits for its strand's latest transfer if it reads
 it, computes the rest and issues its transfer, which starts when the link is free; compute
@@ -76,6 +91,8 @@ Contract
   names a missing field. :func:`compare_bench` -> :class:`BenchComparison`, one row per variant
   the record holds and :data:`VARIANT_PROGRAMS` knows (others are listed as not modeled), with
   :func:`per_peer_steps` where the run holds them.
+* A pipeline's sends count in ``comm_s`` and ``wire_bytes`` (the emulator's outbound queue,
+  the bench's own T_comm); its receives, as many and as large, in ``transfers`` and ``operations``.
 * :data:`EMULATED_SETTINGS`: the recorded GPU runs' settings (the bench's ``llama3_8b_gpu`` at
   TP=8 on one H200, ib400 and nvlink4).
 """
@@ -104,7 +121,7 @@ from cost_model.cluster.setting import (
 )
 from cost_model.cluster.step_model import MEASURED_ATTENTION_EFFICIENCY, MEASURED_MATMUL_EFFICIENCY
 from cost_model.cluster.strands import ClusterSegment, strands
-from cost_model.collectives import alpha_beta_terms, base_latency_s
+from cost_model.collectives import alpha_beta_terms, base_latency_s, collective_bytes_on_wire, collective_time_s
 from cost_model.helix_schedule import SCHEDULE_KINDS, HelixScheduleKind, ScheduleStep, StrandCall, helix_schedule
 from cost_model.links import Link, get_link, register_link
 from cost_model.strand_plan import (
@@ -133,14 +150,20 @@ TIMED_WIDTH: int = 8
 Order = Literal["inductor", "reordered", "two_strands"]
 
 
-ProgramKind = Literal["tp", "zero3", "moe"]
+ProgramKind = Literal["tp", "zero3", "moe", "pipeline"]
+
+#: How a pipeline variant moves the last stage's activations and gradients (module docstring).
+StageTransfers = Literal["schedule_loop", "runtime"]
 
 
 def program_kind(setting: ClusterSetting) -> ProgramKind:
-    """What the setting's program is: a tensor-parallel transformer, ZeRO-3, or one MoE layer."""
+    """What the setting's program is: a tensor-parallel transformer, ZeRO-3, one MoE layer, or
+    the last stage of a pipeline (``parallel.pp > 1``), tensor-parallel within the stage."""
     if setting.model.family == "moe":
         return "moe"
-    return "zero3" if setting.dp_mode == "shard" else "tp"
+    if setting.dp_mode == "shard":
+        return "zero3"
+    return "pipeline" if setting.parallel.pp > 1 else "tp"
 
 
 @dataclass(frozen=True)
@@ -157,6 +180,8 @@ class VariantProgram:
     sharded: ShardedOrder | None = None
     """Under ZeRO-3, the program's own collectives (FSDP2's); None: ``data_parallel``'s, in the
     variant's order."""
+    stage_transfers: StageTransfers = "schedule_loop"
+    """On a pipeline's last stage: when its receives are posted and its sends waited."""
 
     @property
     def sharded_order(self) -> ShardedOrder:
@@ -205,6 +230,20 @@ VARIANT_PROGRAMS: dict[str, VariantProgram] = {
             "zero3": "gathers one group ahead, reduce-scatters waited at the end",
             "moe": "the gates' gradient under the backward's all-to-all",
         },
+    ),
+    "pipeline_inductor": VariantProgram(
+        "per_projection",
+        "gathered_logits",
+        "inductor",
+        {"pipeline": "Schedule1F1B, Inductor stages: TP plan as written, each send waited with the next receive"},
+        stage_transfers="schedule_loop",
+    ),
+    "helix_pipeline": VariantProgram(
+        "fused",
+        "gathered_logits",
+        "reordered",
+        {"pipeline": "dhelix stages on torch's runtime: as dhelix, receives a backward ahead, sends waited at the end"},
+        stage_transfers="runtime",
     ),
     "helix": VariantProgram(
         "fused",
@@ -270,6 +309,38 @@ def _run(path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment], f
 def _single_strand_s(fwd: list[Segment], bwd: list[Segment], m: int, factor: float) -> float:
     """F1 B1 F2 B2 ... as one strand: every wait is on the strand's latest transfer."""
     sequence = [dataclasses.replace(s, strand=0) for s in (fwd + bwd) * m]
+    return _run([(i, None) for i in range(len(sequence))], sequence, [], factor)
+
+
+def _last_stage_s(
+    fwd: list[Segment], bwd: list[Segment], m: int, factor: float, how: StageTransfers, transfer_s: float
+) -> float:
+    """The last stage of a 1F1B pipeline: F1 B1 F2 B2 ... as one strand (1F1B keeps no forward
+    beside a backward there), with a receive of ``transfer_s`` before each forward and a send
+    after each backward, timed as ``how`` (module docstring)."""
+
+    def transfer(waits: bool) -> Segment:
+        return Segment(
+            strand=0, nodes=(), compute_s=0.0, comm_s=transfer_s, live_after_bytes=0, peak_bytes=0, waits=waits
+        )
+
+    # Neither the backward's first segment nor, on the runtime, a forward after the first waits
+    # for the transfer just before it: the loss's gather landed within the forward, and the
+    # forward's receive under the backward before it.
+    loose_backward = [dataclasses.replace(bwd[0], waits=False), *bwd[1:]]
+    sequence: list[Segment] = [transfer(True), dataclasses.replace(fwd[0], waits=True), *fwd[1:]]
+    for i in range(m):
+        if how == "runtime":
+            if i + 1 < m:
+                sequence.append(transfer(False))  # the next forward's receive, posted before this backward
+            sequence += [*loose_backward, transfer(True)]  # the send, waited at the step's end
+            if i + 1 < m:
+                sequence += [dataclasses.replace(fwd[0], waits=False), *fwd[1:]]
+        else:
+            sequence += [*loose_backward, transfer(True)]  # the send, batched with the next receive
+            if i + 1 < m:
+                sequence += [dataclasses.replace(fwd[0], waits=True), *fwd[1:]]
+    sequence = [dataclasses.replace(s, strand=0) for s in sequence]
     return _run([(i, None) for i in range(len(sequence))], sequence, [], factor)
 
 
@@ -375,7 +446,10 @@ def predict_variant(
     defer = program.order != "inductor"
     fwd = _plan_segments(fwd_c, 0, defer=False, scale=compute_scale)
     bwd = _plan_segments(bwd_c, 1, defer=defer, scale=compute_scale)
-    if program.order == "two_strands":
+    stage = _StageTransfer.of(setting) if program_kind(setting) == "pipeline" else _StageTransfer(0.0, 0.0, 0)
+    if stage.count:
+        step = _last_stage_s(fwd, bwd, m, factor, program.stage_transfers, stage.time_s)
+    elif program.order == "two_strands":
         # the pass keeps whichever candidate its simulation prefers: weight gradients in place or deferred
         in_place = _plan_segments(bwd_c, 1, defer=False, scale=compute_scale)
         step = min(
@@ -385,16 +459,37 @@ def predict_variant(
     else:
         step = _single_strand_s(fwd, bwd, m, factor)
     both = fwd_c + bwd_c
+    operations = _operations(both) + collections.Counter(dict.fromkeys(PER_PEER_OPERATIONS, stage.count))
     return VariantPrediction(
         variant=variant,
         program=program,
         step_s=step,
         compute_s=m * math.fsum(c.compute_s for c in both) * compute_scale,
-        comm_s=m * math.fsum(c.comm_s for c in both),
-        wire_bytes=m * math.fsum(c.wire_bytes for c in both),
-        transfers=m * sum(1 for c in both if c.collective is not None),
-        operations={op: m * n for op, n in sorted(_operations(both).items())},
+        comm_s=m * (math.fsum(c.comm_s for c in both) + stage.count * stage.time_s),
+        wire_bytes=m * (math.fsum(c.wire_bytes for c in both) + stage.count * stage.wire_bytes),
+        transfers=m * (sum(1 for c in both if c.collective is not None) + 2 * stage.count),
+        operations={op: m * n for op, n in sorted(operations.items())},
     )
+
+
+@dataclass(frozen=True)
+class _StageTransfer:
+    """The last pipeline stage's send of one micro-batch's input gradient (and, as large, the
+    receive of its activation): ``count`` of each a micro-batch."""
+
+    time_s: float
+    wire_bytes: float
+    count: int
+
+    @classmethod
+    def of(cls, setting: ClusterSetting) -> _StageTransfer:
+        """The stage's input: every token's hidden state (sequence-sharded under SP)."""
+        p = setting.parallel
+        tokens = setting.micro_batch_size * setting.seq_len // (p.tp if p.sequence_parallel else 1)
+        nbytes = tokens * setting.model.hidden * setting.dtype_bytes
+        return cls(
+            collective_time_s("send", nbytes, 2, setting.pp_link), collective_bytes_on_wire("send", nbytes, 2), 1
+        )
 
 
 def _operations(segments: Sequence[ClusterSegment]) -> collections.Counter[str]:
@@ -521,18 +616,25 @@ def emulated_setting(
     sequence_parallel: bool = False,
     ends: Ends = "vocab_parallel",
     dp_mode: DataParallelMode = "replicate",
+    pp: int = 1,
 ) -> ClusterSetting:
     """A tensor-parallel job of ``ranks`` on one emulated link, as the bench writes it (PyTorch's
     TP plan: per-projection all-reduces, logits gathered for the loss; ``ends="replicated"``:
-    the plan on the decoder layers only, ``ClusterSetting.ends``); with ``dp_mode="shard"`` a
-    ZeRO-3 job of ``ranks`` instead (``data_parallel(model, mode="shard")``, no TP), and an MoE
-    layer (``model.family == "moe"``) with its experts split over the ``ranks``."""
+    the plan on the decoder layers only, ``ClusterSetting.ends``); with ``pp`` > 1 a pipeline of
+    ``pp`` stages, each tensor-parallel over ``ranks // pp``; with ``dp_mode="shard"`` a ZeRO-3
+    job of ``ranks`` instead (``data_parallel(model, mode="shard")``, no TP), and an MoE layer
+    (``model.family == "moe"``) with its experts split over the ``ranks``."""
     over_dp = dp_mode == "shard" or model.family == "moe"
+    if ranks % pp or (pp > 1 and over_dp):
+        raise ValueError(f"an emulated pipeline of {pp} stages needs a tensor-parallel job of a multiple of {pp} ranks")
     return ClusterSetting(
         name=name,
         model=model,
         parallel=Parallelism(
-            dp=ranks if over_dp else 1, tp=1 if over_dp else ranks, sequence_parallel=sequence_parallel
+            dp=ranks if over_dp else 1,
+            tp=1 if over_dp else ranks // pp,
+            pp=pp,
+            sequence_parallel=sequence_parallel,
         ),
         seq_len=seq_len,
         micro_batch_size=micro_batch_size,
@@ -600,6 +702,7 @@ class PerPeerSteps:
     replaced: Mapping[str, int]
     """Collectives a step of the modeled program issues and the run did not, by kind."""
     sends: int
+    """The run's sends beyond the modeled program's own (a pipeline stage's); ``recvs`` likewise."""
     recvs: int
     comm_s: float
     """The modeled program's link time with ``replaced`` sent as the ``sends`` (the emulator's
@@ -613,15 +716,16 @@ def per_peer_steps(
     """What the run issued as per-peer steps instead of ``predicted``'s collectives (None: nothing,
     or no record of its transfers by kind). Each transfer costs ``base + steps * alpha + wire / B``
     and the steps keep the bytes, so the link time differs by the fixed costs alone."""
-    sends, recvs = (measured.operations.get(op, 0) for op in PER_PEER_OPERATIONS)
-    if sends == recvs == 0 or any(op in predicted.operations for op in PER_PEER_OPERATIONS):
+    # beyond the program's own sends and receives (a pipeline stage's)
+    sends, recvs = (measured.operations.get(op, 0) - predicted.operations.get(op, 0) for op in PER_PEER_OPERATIONS)
+    if sends <= 0 and recvs <= 0:
         return None
     replaced = {
         op: n - measured.operations.get(op, 0)
         for op, n in predicted.operations.items()
-        if n > measured.operations.get(op, 0)
+        if op not in PER_PEER_OPERATIONS and n > measured.operations.get(op, 0)
     }
-    over_dp = program_kind(setting) != "tp"  # ZeRO-3's and the MoE layer's collectives run over the DP group
+    over_dp = program_kind(setting) in ("zero3", "moe")  # their collectives run over the DP group
     link = setting.dp_link if over_dp else setting.tp_link
     group = setting.parallel.dp if over_dp else setting.parallel.tp
 

@@ -7,7 +7,8 @@ model's shape, TP or TP + SP over the ranks, the recorded link, device, dtype an
 so that ``cost_model.cluster.emulated.compare_bench`` can set the predictions beside the
 measurements. A ZeRO-3 run (``--data-parallel shard``) is the reference transformer unparallelized
 under ``data_parallel(mode="shard")`` over the ranks (``ClusterSetting.dp_mode``); an MoE layer
-(``moe_*``) has its experts split over the ranks (``ModelShape.family="moe"``). The shapes live
+(``moe_*``) has its experts split over the ranks (``ModelShape.family="moe"``); a 1F1B pipeline
+(``--pipeline 1f1b``, PP x TP) is the last stage's program, which the bench's rank runs. The shapes live
 here because ``cost_model`` knows no benchmark:
 
     reference transformer  ``bench.choices.MODEL_SIZES`` (with ``MODEL_KV_HEADS``)
@@ -25,7 +26,8 @@ Contract
 --------
 ``setting_from_bench(data) -> (ClusterSetting, BenchRecord)``; ``load_bench(path)`` reads the
 file first. ``ValueError`` names what it cannot model: a workload other than the reference
-transformer, Hugging Face Llama and the MoE layer, a replicated data-parallel or pipeline run,
+transformer, Hugging Face Llama and the MoE layer, a replicated data-parallel run, a pipeline
+schedule other than 1F1B or a rank off its last stage,
 a device without a ``cost_model.hardware`` entry, a link whose name the cost model holds with
 other numbers.
 """
@@ -33,6 +35,7 @@ other numbers.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +53,8 @@ from dhelix_compile.bench.choices import HF_LLAMA_SIZES, MODEL_KV_HEADS, MODEL_S
 _SEQUENCE_PARALLEL: dict[str, bool] = {"tp": False, "tp_sp": True}
 #: The bench's ``parallel`` field of a ZeRO-3 run (``dhelix bench --data-parallel shard``).
 ZERO3 = "data-parallel shard"
+#: ... and of an emulated pipeline run (``dhelix bench --pipeline <kind> --link emulated:...``).
+_PIPELINE = re.compile(r"^pipeline (?P<kind>\w+), PP=(?P<pp>\d+) x TP=(?P<tp>\d+)$")
 
 
 def bench_model_shape(name: str) -> tuple[ModelShape, int, int]:
@@ -100,10 +105,13 @@ def _ends(model: str, parallel: str) -> Ends:
 def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRecord]:
     """The setting a recorded emulated bench run ran, and the record (module docstring)."""
     record = BenchRecord.from_json(data)
-    if record.parallel not in _SEQUENCE_PARALLEL and record.parallel != ZERO3:
+    pipeline = _PIPELINE.match(record.parallel)
+    if record.parallel not in _SEQUENCE_PARALLEL and record.parallel != ZERO3 and pipeline is None:
         raise ValueError(
-            f"bench run {record.parallel!r}: only tensor-parallel runs (tp, tp_sp) and ZeRO-3 ({ZERO3}) are modeled"
+            f"bench run {record.parallel!r}: only tensor-parallel runs (tp, tp_sp), ZeRO-3 ({ZERO3}) and "
+            "pipelines are modeled"
         )
+    pp = _pipeline_stages(pipeline, data.get("rank"))
     if record.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"bench dtype {record.dtype!r}: bfloat16 or float32 are modeled")
     dtype: Literal["bfloat16", "float32"] = "bfloat16" if record.dtype == "bfloat16" else "float32"
@@ -111,7 +119,7 @@ def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRe
     link = recorded_link(record)
     device = device_entry(record.device)
     moe = model.family == "moe"
-    parallel = "dp_shard" if record.parallel == ZERO3 else "ep" if moe else record.parallel
+    parallel = "dp_shard" if record.parallel == ZERO3 else "ep" if moe else f"pp{pp}-tp{record.ranks // pp}-ranks" if pp > 1 else record.parallel
     name = emulated_setting_name(device, record.model, parallel, record.ranks, str(data["emulated"]["link"]))
     setting = emulated_setting(
         name,
@@ -126,8 +134,23 @@ def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRe
         sequence_parallel=not moe and _SEQUENCE_PARALLEL.get(record.parallel, False),
         ends=_ends(record.model, record.parallel),
         dp_mode="shard" if record.parallel == ZERO3 else "replicate",
+        pp=pp,
     )
     return setting, record
+
+
+def _pipeline_stages(pipeline: re.Match[str] | None, rank: object) -> int:
+    """The stages of a recorded pipeline run (1: not a pipeline); ``ValueError`` where the run
+    is one the cluster model does not hold: a schedule other than 1F1B, or a rank off the last
+    stage (the model is the last stage's program)."""
+    if pipeline is None:
+        return 1
+    pp, tp = int(pipeline["pp"]), int(pipeline["tp"])
+    if pipeline["kind"] != "1f1b":
+        raise ValueError(f"bench run 'pipeline {pipeline['kind']}': of the pipelines, only 1f1b is modeled")
+    if not isinstance(rank, int) or rank // tp != pp - 1:
+        raise ValueError(f"bench run of a pipeline as rank {rank}: only a rank of the last stage is modeled")
+    return pp
 
 
 def load_bench(path: str | Path) -> tuple[ClusterSetting, BenchRecord]:
