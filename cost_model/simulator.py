@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,9 @@ class SimResult:
     peak_memory_bytes: int
     events: tuple[SimEvent, ...]
     contention_s: float = 0.0
+    held_peak_bytes: int | None = None
+    """The peak above the graph inputs the order never frees (``memory.LiveProfile``); None
+    where the result was not simulated from an order."""
 
     def to_chrome_trace(self) -> dict[str, Any]:
         """Events as a Chrome / Perfetto trace (``json.dump`` it; microseconds)."""
@@ -200,8 +203,10 @@ def simulate(
     *,
     num_comm_channels: int = 1,
     contention_factor: float | None = None,
+    freeable_inputs: Collection[torch.fx.Node] = (),
 ) -> SimResult:
-    """Simulate ``nodes`` in order (see the module docstring for the model)."""
+    """Simulate ``nodes`` in order (see the module docstring for the model); ``freeable_inputs``:
+    graph inputs the order may free after their last reader (``memory.live_bytes_profile``)."""
     if num_comm_channels < 1:
         raise ValueError(f"num_comm_channels must be >= 1, got {num_comm_channels}")
     factor = float(estimator.contention_factor if contention_factor is None else contention_factor)
@@ -273,7 +278,7 @@ def simulate(
         cost = costs.get(node)
         return (cost if cost is not None else estimator.node_cost(node)).output_bytes
 
-    peak = live_bytes_profile(order, allocated).peak_bytes
+    memory = live_bytes_profile(order, allocated, freeable_inputs=freeable_inputs)
     compute_s = math.fsum(compute_parts)
     busy_compute_s = math.fsum(e.end_s - e.start_s for e in events if e.kind in ("compute", "issue"))
     return SimResult(
@@ -281,7 +286,8 @@ def simulate(
         compute_s=compute_s,
         comm_s=math.fsum(comm_parts),
         exposed_comm_s=math.fsum(exposed_parts),
-        peak_memory_bytes=peak,
+        peak_memory_bytes=memory.peak_bytes,
         events=tuple(events),
         contention_s=max(0.0, busy_compute_s - compute_s),
+        held_peak_bytes=memory.held_peak_bytes,
     )

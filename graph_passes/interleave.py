@@ -102,9 +102,9 @@ import torch.fx
 
 from cost_model import compile_clock
 from cost_model.estimator import Estimator, MemoizedEstimator
-from cost_model.memory import held_peak_bytes, live_bytes_profile
+from cost_model.memory import live_bytes_profile
 from cost_model.op_kinds import is_comm
-from cost_model.simulator import simulate
+from cost_model.simulator import SimResult, simulate
 from cost_model.strand_plan import (
     Pair,
     PairCost,
@@ -358,13 +358,12 @@ def _plan_and_order(
             for name, critical in (("list", False), ("list_critical", True))
         },
     }
-    results = {name: simulate(head + order + tail, estimator) for name, order in candidates.items()}
-    peaks = {
-        name: held_peak_bytes(
-            head + order + tail, lambda n: estimator.node_cost(n).output_bytes, freeable_inputs=bwd_inputs
-        )
-        for name, order in candidates.items()
-    }
+    simulated: dict[tuple[torch.fx.Node, ...], SimResult] = {}  # candidates often coincide
+    for order in candidates.values():
+        if tuple(order) not in simulated:
+            simulated[tuple(order)] = simulate(head + order + tail, estimator, freeable_inputs=bwd_inputs)
+    results = {name: simulated[tuple(order)] for name, order in candidates.items()}
+    peaks = {name: _held_peak(result) for name, result in results.items()}
     fits = [n for n in candidates if n == "sequential" or peaks[n] <= options.memory_budget_ratio * peaks["sequential"]]
     chosen = min(fits, key=lambda n: (results[n].makespan_s, list(candidates).index(n)))
     ctx.record(
@@ -441,6 +440,11 @@ def _sequential_peak(fwd: Sequence[Segment], bwd: Sequence[Segment], bwd_base: i
     """Peak live bytes of all of the backward, then all of the forward (what the budget scales)."""
     bwd_end = bwd[-1].live_after_bytes if bwd else bwd_base
     return max([bwd_base, *(s.peak_bytes for s in bwd)] + [s.peak_bytes + bwd_end for s in fwd])
+
+
+def _held_peak(result: SimResult) -> int:
+    assert result.held_peak_bytes is not None  # simulated from an order
+    return result.held_peak_bytes
 
 
 def _measured_or(measured: dict[Pair, float], formula: PairCost) -> PairCost:

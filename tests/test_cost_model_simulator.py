@@ -23,7 +23,7 @@ from cost_model import (
     simulate,
     simulator,
 )
-from cost_model.memory import fused_pointwise
+from cost_model.memory import fused_pointwise, held_peak_bytes
 from cost_model.op_kinds import is_comm, kind_of
 
 aten = torch.ops.aten
@@ -238,6 +238,12 @@ def test_peak_memory_liveness_views_and_waits() -> None:
     swapped = [x, bb, a, v, c, ar, w, order[-1]]
     assert simulate(swapped, est).peak_memory_bytes == 3500
     assert est.node_cost(v).output_bytes == 0 and est.node_cost(w).output_bytes == 0
+    # the peak above what the order never frees: x held (3500 - 400), or freed after bb, its last
+    # reader (then the peak is at bb: x, a and bb)
+    assert simulate(order, est).held_peak_bytes == 3100
+    freed = simulate(order, est, freeable_inputs=[x])
+    assert freed.peak_memory_bytes == freed.held_peak_bytes == 3400
+    assert freed.held_peak_bytes == held_peak_bytes(order, lambda n: est.node_cost(n).output_bytes, freeable_inputs=[x])
 
 
 def test_peak_memory_counts_a_pointwise_chain_as_the_buffer_inductor_makes() -> None:
