@@ -201,7 +201,10 @@ class DHelixConfig:
         "(decompose='auto', bucketing); merged graphs of them compete with plain ones. "
         "The strands run alone once a step (the first forward, the last backward). Off by default: the merged graph kept the plain strands on every "
         "workload measured (HF Llama TP+SP: 0.2123 s against 0.2135 measured, and a first step of "
-        "59.7 s against 40.5 s with no rewrite at all, 2 gloo ranks; docs/backend.md). A forced "
+        "59.7 s against 40.5 s with no rewrite at all, 2 gloo ranks; docs/backend.md). On the emulated "
+        "link (HF Llama TP+SP, balanced, 4 micro-batches; 2026-11-29, 3825e74) the merged graphs took the rewritten strands "
+        "and ran slower: a step of 1290.7 ms against 1128.8 (the lone first forward 146.4 against 179.6, "
+        "each merged part 313-331 against 246-260), a first step of 72.7 s against 31.3. A forced "
         "decompose mode applies either way.",
         experimental=True,
     )
