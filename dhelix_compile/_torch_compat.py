@@ -15,7 +15,7 @@ import bisect
 import contextlib
 import copy
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
@@ -189,6 +189,7 @@ def inductor_compile_partition(
     """Inductor code generation for one partition (``compile_fx_inner``). With ``fusion_group``
     no fused kernel joins nodes of two groups (:class:`_DhelixFusionChoices`)."""
     choices = _V.set_choices_handler(_DhelixFusionChoices(True, fusion_group)) if fusion_group else None
+    wait_for_vec_isa_check()
     with tracing_for_graph_cache(example_inputs), stable_mesh_cache_keys(), choices or contextlib.nullcontext():
         return _compile_fx_inner(gm, example_inputs, **inductor_kwargs)
 
@@ -356,6 +357,7 @@ def inductor_compile_partition_keeping_order(
     Pointwise ops that Inductor inlines into their consumer still run with that consumer;
     matmuls, reductions and other materialized buffers keep their place.
     """
+    wait_for_vec_isa_check()
     with (
         _inductor_config.patch(KEEP_ORDER_CONFIG),
         _V.set_choices_handler(_DhelixFusionChoices(False, fusion_group)),
@@ -625,6 +627,41 @@ def start_compile_workers() -> bool:
         return False
     AsyncCompile.use_process_pool()
     return AsyncCompile._ready_future is not None
+
+
+_vec_isa_lock = threading.Lock()
+_vec_isa_check: threading.Thread | None = None
+
+
+def start_vec_isa_check(tensors: Iterable[Any]) -> None:
+    """Where any of ``tensors`` lives on the CPU, start Inductor's check of which vector
+    instructions the CPU's kernels may use on a background thread, once a process;
+    :func:`wait_for_vec_isa_check` waits for it.
+
+    Inductor runs the check at the first CPU kernel it generates and keeps the answer for the
+    process (``cpu_vec_isa.pick_vec_isa``): it compiles a probe library with the ISA's flags
+    (cached in Inductor's cache folder) and loads it in a child Python. On the 2-core machine
+    that took 14.3 s of a cold ZeRO-3 ``helix`` first step (build 7.1 s, load 7.2 s; 0.7 s with
+    the library cached, idle): waiting on a compiler and a child process, while this process
+    can trace the model."""
+    global _vec_isa_check
+    from torch._inductor import cpu_vec_isa
+
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors):
+        return
+    with _vec_isa_lock:
+        if _vec_isa_check is None:
+            _vec_isa_check = threading.Thread(target=cpu_vec_isa.pick_vec_isa, name="dhelix-vec-isa", daemon=True)
+            _vec_isa_check.start()
+
+
+def wait_for_vec_isa_check() -> None:
+    """Wait for the check :func:`start_vec_isa_check` started (if it did): Inductor's own call
+    then finds the answer instead of running the check a second time."""
+    with _vec_isa_lock:
+        check = _vec_isa_check
+    if check is not None:
+        check.join()
 
 
 def wait_for_compile_workers(timeout_s: float = 120.0) -> None:

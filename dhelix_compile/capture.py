@@ -73,8 +73,9 @@ def capture(
     mode: str | None = None,
 ) -> Callable[..., Any]:
     """Compile a Dynamo graph with dhelix; returns what ``torch.compile`` expects of a backend."""
-    if config.codegen == "inductor":  # its workers start while AOTAutograd traces the joint graph
+    if config.codegen == "inductor":  # its workers, and its CPU check, start while AOTAutograd traces
         compat.start_compile_workers()
+        compat.start_vec_isa_check(example_inputs)
     inner = functools.partial(compile_partition, config=config)
     with compile_clock.phase("capture"):  # the partitions' compiles inside count as their own phases
         compiled = compat.compile_with_aot_autograd(

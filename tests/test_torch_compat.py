@@ -399,3 +399,22 @@ def test_a_merged_graph_compiles_to_its_strands_own_kernels() -> None:
             torch.testing.assert_close(got, want)
     # helix_strand_kernels=False: Inductor fuses across the strands again
     assert kernels == {(False, True): 1, (True, True): 2, (True, False): 1}
+
+
+def test_the_cpu_vector_check_runs_once_on_its_own_thread_and_only_for_cpu_tensors(monkeypatch) -> None:
+    """``start_vec_isa_check`` runs Inductor's ``pick_vec_isa`` on a thread of its own, once a
+    process, where a tensor lives on the CPU; ``wait_for_vec_isa_check`` waits for it."""
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    calls: list[str] = []
+    monkeypatch.setattr(compat, "_vec_isa_check", None)
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: calls.append(threading.current_thread().name))
+    compat.start_vec_isa_check([torch.empty(1, device="meta"), "not a tensor"])
+    compat.wait_for_vec_isa_check()
+    assert calls == []
+    compat.start_vec_isa_check(iter([torch.empty(1, device="meta"), torch.empty(1)]))
+    compat.start_vec_isa_check([torch.empty(1)])
+    compat.wait_for_vec_isa_check()
+    assert calls == ["dhelix-vec-isa"]

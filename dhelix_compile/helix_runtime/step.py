@@ -87,8 +87,9 @@ class HelixStep:
         self._compiled = torch.compile(
             with_own_code(self._loss, "helix_loss"), backend=self._strands.backend, fullgraph=True, dynamic=False
         )
-        if config.codegen == "inductor":  # its workers start while the first call traces the model
+        if config.codegen == "inductor":  # its workers, and its CPU check, start while the first call traces
             compat.start_compile_workers()
+            compat.start_vec_isa_check(model.parameters())
 
     @property
     def schedule_kind(self) -> HelixScheduleKind:
