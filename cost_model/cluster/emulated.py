@@ -306,10 +306,15 @@ def _run(path: Sequence[Pair], fwd: Sequence[Segment], bwd: Sequence[Segment], f
     return state.end_s
 
 
+def _one_strand_s(sequence: Sequence[Segment], factor: float) -> float:
+    """``sequence`` run in order as one strand: every wait is on the strand's latest transfer."""
+    segments = [dataclasses.replace(s, strand=0) for s in sequence]
+    return _run([(i, None) for i in range(len(segments))], segments, [], factor)
+
+
 def _single_strand_s(fwd: list[Segment], bwd: list[Segment], m: int, factor: float) -> float:
-    """F1 B1 F2 B2 ... as one strand: every wait is on the strand's latest transfer."""
-    sequence = [dataclasses.replace(s, strand=0) for s in (fwd + bwd) * m]
-    return _run([(i, None) for i in range(len(sequence))], sequence, [], factor)
+    """F1 B1 F2 B2 ... as one strand."""
+    return _one_strand_s((fwd + bwd) * m, factor)
 
 
 def _last_stage_s(
@@ -340,8 +345,7 @@ def _last_stage_s(
             sequence += [*loose_backward, transfer(True)]  # the send, batched with the next receive
             if i + 1 < m:
                 sequence += [dataclasses.replace(fwd[0], waits=True), *fwd[1:]]
-    sequence = [dataclasses.replace(s, strand=0) for s in sequence]
-    return _run([(i, None) for i in range(len(sequence))], sequence, [], factor)
+    return _one_strand_s(sequence, factor)
 
 
 def _two_strands_s(
@@ -446,9 +450,9 @@ def predict_variant(
     defer = program.order != "inductor"
     fwd = _plan_segments(fwd_c, 0, defer=False, scale=compute_scale)
     bwd = _plan_segments(bwd_c, 1, defer=defer, scale=compute_scale)
-    stage = _StageTransfer.of(setting) if program_kind(setting) == "pipeline" else _StageTransfer(0.0, 0.0, 0)
-    if stage.count:
-        step = _last_stage_s(fwd, bwd, m, factor, program.stage_transfers, stage.time_s)
+    stage = _stage_transfers(setting) if program_kind(setting) == "pipeline" else ()
+    if stage:
+        step = _last_stage_s(fwd, bwd, m, factor, program.stage_transfers, stage[-1].comm_s)
     elif program.order == "two_strands":
         # the pass keeps whichever candidate its simulation prefers: weight gradients in place or deferred
         in_place = _plan_segments(bwd_c, 1, defer=False, scale=compute_scale)
@@ -458,38 +462,36 @@ def predict_variant(
         )
     else:
         step = _single_strand_s(fwd, bwd, m, factor)
-    both = fwd_c + bwd_c
-    operations = _operations(both) + collections.Counter(dict.fromkeys(PER_PEER_OPERATIONS, stage.count))
+    both = fwd_c + bwd_c + list(stage)
     return VariantPrediction(
         variant=variant,
         program=program,
         step_s=step,
         compute_s=m * math.fsum(c.compute_s for c in both) * compute_scale,
-        comm_s=m * (math.fsum(c.comm_s for c in both) + stage.count * stage.time_s),
-        wire_bytes=m * (math.fsum(c.wire_bytes for c in both) + stage.count * stage.wire_bytes),
-        transfers=m * (sum(1 for c in both if c.collective is not None) + 2 * stage.count),
-        operations={op: m * n for op, n in sorted(operations.items())},
+        comm_s=m * math.fsum(c.comm_s for c in both),
+        wire_bytes=m * math.fsum(c.wire_bytes for c in both),
+        transfers=m * sum(1 for c in both if c.collective is not None),
+        operations={op: m * n for op, n in sorted(_operations(both).items())},
     )
 
 
-@dataclass(frozen=True)
-class _StageTransfer:
-    """The last pipeline stage's send of one micro-batch's input gradient (and, as large, the
-    receive of its activation): ``count`` of each a micro-batch."""
-
-    time_s: float
-    wire_bytes: float
-    count: int
-
-    @classmethod
-    def of(cls, setting: ClusterSetting) -> _StageTransfer:
-        """The stage's input: every token's hidden state (sequence-sharded under SP)."""
-        p = setting.parallel
-        tokens = setting.micro_batch_size * setting.seq_len // (p.tp if p.sequence_parallel else 1)
-        nbytes = tokens * setting.model.hidden * setting.dtype_bytes
-        return cls(
-            collective_time_s("send", nbytes, 2, setting.pp_link), collective_bytes_on_wire("send", nbytes, 2), 1
-        )
+def _stage_transfers(setting: ClusterSetting) -> tuple[ClusterSegment, ClusterSegment]:
+    """The last pipeline stage's transfers of one micro-batch: the receive of its input (every
+    token's hidden state, sequence-sharded under SP) and the send of that input's gradient. The
+    receive runs on the emulator's inbound queue: it counts as a transfer, with neither the link
+    time nor the bytes of the outbound one (the bench's own T_comm)."""
+    p = setting.parallel
+    tokens = setting.micro_batch_size * setting.seq_len // (p.tp if p.sequence_parallel else 1)
+    nbytes = tokens * setting.model.hidden * setting.dtype_bytes
+    receive = ClusterSegment(("receive",), 0.0, 0.0, "recv (stage input)")
+    send = ClusterSegment(
+        ("send",),
+        0.0,
+        collective_time_s("send", nbytes, 2, setting.pp_link),
+        "send (stage input gradient)",
+        float(collective_bytes_on_wire("send", nbytes, 2)),
+    )
+    return receive, send
 
 
 def _operations(segments: Sequence[ClusterSegment]) -> collections.Counter[str]:
