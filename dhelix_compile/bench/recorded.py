@@ -119,7 +119,14 @@ def setting_from_bench(data: Mapping[str, Any]) -> tuple[ClusterSetting, BenchRe
     link = recorded_link(record)
     device = device_entry(record.device)
     moe = model.family == "moe"
-    parallel = "dp_shard" if record.parallel == ZERO3 else "ep" if moe else f"pp{pp}-tp{record.ranks // pp}-ranks" if pp > 1 else record.parallel
+    if record.parallel == ZERO3:
+        parallel = "dp_shard"
+    elif moe:
+        parallel = "ep"
+    elif pp > 1:
+        parallel = f"pp{pp}-tp{record.ranks // pp}-ranks"
+    else:
+        parallel = record.parallel
     name = emulated_setting_name(device, record.model, parallel, record.ranks, str(data["emulated"]["link"]))
     setting = emulated_setting(
         name,
