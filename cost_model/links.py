@@ -138,6 +138,8 @@ _BUILTIN_LINKS: tuple[Link, ...] = (
 )
 
 LINKS: dict[str, Link] = {link.name: link for link in _BUILTIN_LINKS}
+#: The names of the links this module defines (others are registered at run time).
+BUILTIN_LINK_NAMES: frozenset[str] = frozenset(LINKS)
 
 #: Preset name -> the link entry it names.
 LINK_PRESETS: dict[str, str] = {

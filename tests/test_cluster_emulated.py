@@ -44,6 +44,8 @@ HF_TP_SP = "2026-11-29-cpu-emulated-hf_tp_sp.json"
 ZERO3 = "2026-11-29-cpu-emulated-zero3.json"
 MOE = "2026-11-29-cpu-emulated-moe.json"
 PIPELINE = "2026-11-29-cpu-emulated-pp_1f1b.json"
+#: The same pipeline, 8 micro-batches, another run (its balanced link of the same label, another rate).
+PIPELINE_8 = "2026-11-29-cpu-emulated-pp_1f1b-8mb.json"
 #: The recorded CPU runs (BENCHMARKS.md, "The emulated cluster, predicted") and the variants whose
 #: run issued per-peer steps (decompose="auto"), which no modeled program holds.
 RECORDED_CPU = {
@@ -458,25 +460,40 @@ def test_a_pipeline_run_is_its_last_stage_tensor_parallel_within_it() -> None:
     )
 
 
-def test_what_the_pipeline_run_sent_is_predicted_exactly() -> None:
+@pytest.mark.parametrize("name", [PIPELINE, PIPELINE_8])
+def test_what_the_pipeline_run_sent_is_predicted_exactly(name: str) -> None:
     """Its stage's collectives, and a receive and a send of one micro-batch's hidden states each
     micro-batch; helix_pipeline's per-peer steps account for the rest of its transfers."""
-    setting, record = setting_from_bench(_load(PIPELINE))
+    setting, record = setting_from_bench(_load(name))
+    m = record.microbatches
     inductor, helix = (record.variants[v] for v in ("pipeline_inductor", "helix_pipeline"))
     predicted = predict_variant(setting, "pipeline_inductor")
-    assert predicted.operations == inductor.operations == {"all_gather": 4, "all_reduce": 60, "recv": 4, "send": 4}
+    expected = {"all_gather": m, "all_reduce": 15 * m, "recv": m, "send": m}
+    assert predicted.operations == inductor.operations == expected
     assert (predicted.transfers, predicted.wire_bytes) == (inductor.transfers, inductor.wire_bytes)
     assert predicted.comm_s == pytest.approx(inductor.t_comm_s, rel=1e-9)  # the sends: the outbound queue
     assert per_peer_steps(setting, predicted, inductor) is None
     predicted = predict_variant(setting, "helix_pipeline")
     assert predicted.wire_bytes == helix.wire_bytes
     steps = per_peer_steps(setting, predicted, helix)
-    assert steps is not None and steps.sends == steps.recvs == 84 and steps.replaced == {"all_reduce": 20}
+    assert steps is not None and steps.sends == steps.recvs == 21 * m and steps.replaced == {"all_reduce": 5 * m}
     assert steps.comm_s == pytest.approx(helix.t_comm_s, rel=1e-9)
 
 
-def test_the_pipeline_run_is_predicted_within_tolerance_where_claimed() -> None:
-    setting, record = setting_from_bench(_load(PIPELINE))
+def test_records_of_one_link_label_and_other_rates_are_each_priced_on_their_own() -> None:
+    """A balanced link's label rounds its rate: two runs' links of one label are two links."""
+    (first, _), (second, _) = (setting_from_bench(_load(name)) for name in (PIPELINE, PIPELINE_8))
+    links = [first.tp_link, second.tp_link]
+    assert links[0].name.split("@")[0] == links[1].name.split("@")[0] == "balanced_0.14gbps"
+    assert [link.bandwidth_bytes_per_s for link in links] == [
+        _load(name)["link"]["bandwidth_bytes_per_s"] for name in (PIPELINE, PIPELINE_8)
+    ]
+    assert setting_from_bench(_load(PIPELINE))[0].tp_link == links[0]  # the same numbers: the same entry
+
+
+@pytest.mark.parametrize("name", [PIPELINE, PIPELINE_8])
+def test_the_pipeline_run_is_predicted_within_tolerance_where_claimed(name: str) -> None:
+    setting, record = setting_from_bench(_load(name))
     rows = {r.variant: r for r in compare_bench(setting, record).rows}
     assert rows["pipeline_inductor"].measured_inputs_claimed
     assert abs(rows["pipeline_inductor"].measured_inputs_ratio - 1) <= TOLERANCE

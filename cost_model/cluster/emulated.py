@@ -123,7 +123,7 @@ from cost_model.cluster.step_model import MEASURED_ATTENTION_EFFICIENCY, MEASURE
 from cost_model.cluster.strands import ClusterSegment, strands
 from cost_model.collectives import alpha_beta_terms, base_latency_s, collective_bytes_on_wire, collective_time_s
 from cost_model.helix_schedule import SCHEDULE_KINDS, HelixScheduleKind, ScheduleStep, StrandCall, helix_schedule
-from cost_model.links import Link, get_link, register_link
+from cost_model.links import BUILTIN_LINK_NAMES, Link, get_link, register_link
 from cost_model.strand_plan import (
     Pair,
     PathState,
@@ -570,20 +570,28 @@ class BenchRecord:
 
 def recorded_link(record: BenchRecord) -> str:
     """The cost model's name of the record's link: the registered entry of that name, or the
-    record's own numbers registered (a ``balanced`` or ``alpha=...,bandwidth=...`` link);
-    ``ValueError`` where an entry of that name has other numbers."""
+    record's own numbers registered (a ``balanced`` or ``alpha=...,bandwidth=...`` link); where
+    another record registered that name with other numbers (a balanced link's label rounds its
+    rate), the record's numbers under the name and those numbers. ``ValueError`` where one of
+    the cost model's own links (``cost_model.links.BUILTIN_LINK_NAMES``) has that name and other
+    numbers."""
     link = record.link
     try:
         known = get_link(link.name)
     except KeyError:
         return register_link(link).name
-    if (known.bandwidth_bytes_per_s, known.latency_s) != (link.bandwidth_bytes_per_s, link.latency_s):
-        raise ValueError(
-            f"the bench result's link {link.name!r} ({link.bandwidth_bytes_per_s / 1e9:g} GB/s, alpha "
-            f"{link.latency_s * 1e6:g} us) differs from the cost model's entry of that name "
-            f"({known.bandwidth_bytes_per_s / 1e9:g} GB/s, alpha {known.latency_s * 1e6:g} us)"
+    if (known.bandwidth_bytes_per_s, known.latency_s) == (link.bandwidth_bytes_per_s, link.latency_s):
+        return known.name
+    if known.name not in BUILTIN_LINK_NAMES:
+        own = dataclasses.replace(
+            link, name=f"{link.name}@{link.bandwidth_bytes_per_s:.0f}_bytes_per_s_{link.latency_s * 1e6:g}us"
         )
-    return known.name
+        return register_link(own).name
+    raise ValueError(
+        f"the bench result's link {link.name!r} ({link.bandwidth_bytes_per_s / 1e9:g} GB/s, alpha "
+        f"{link.latency_s * 1e6:g} us) differs from the cost model's entry of that name "
+        f"({known.bandwidth_bytes_per_s / 1e9:g} GB/s, alpha {known.latency_s * 1e6:g} us)"
+    )
 
 
 _DEVICE_NAMES: tuple[tuple[str, str], ...] = (("h200", "h200"), ("h100", "h100_sxm"), ("a100", "a100_80gb"))
