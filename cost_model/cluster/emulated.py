@@ -120,8 +120,8 @@ from cost_model.cluster.setting import (
     ShardedOrder,
 )
 from cost_model.cluster.step_model import MEASURED_ATTENTION_EFFICIENCY, MEASURED_MATMUL_EFFICIENCY
-from cost_model.cluster.strands import ClusterSegment, strands
-from cost_model.collectives import alpha_beta_terms, base_latency_s, collective_bytes_on_wire, collective_time_s
+from cost_model.cluster.strands import ClusterSegment, stage_transfers, strands
+from cost_model.collectives import alpha_beta_terms, base_latency_s
 from cost_model.helix_schedule import SCHEDULE_KINDS, HelixScheduleKind, ScheduleStep, StrandCall, helix_schedule
 from cost_model.links import BUILTIN_LINK_NAMES, Link, get_link, register_link
 from cost_model.strand_plan import (
@@ -450,7 +450,7 @@ def predict_variant(
     defer = program.order != "inductor"
     fwd = _plan_segments(fwd_c, 0, defer=False, scale=compute_scale)
     bwd = _plan_segments(bwd_c, 1, defer=defer, scale=compute_scale)
-    stage = _stage_transfers(setting) if program_kind(setting) == "pipeline" else ()
+    stage = stage_transfers(setting) if program_kind(setting) == "pipeline" else ()
     if stage:
         step = _last_stage_s(fwd, bwd, m, factor, program.stage_transfers, stage[-1].comm_s)
     elif program.order == "two_strands":
@@ -473,25 +473,6 @@ def predict_variant(
         transfers=m * sum(1 for c in both if c.collective is not None),
         operations={op: m * n for op, n in sorted(_operations(both).items())},
     )
-
-
-def _stage_transfers(setting: ClusterSetting) -> tuple[ClusterSegment, ClusterSegment]:
-    """The last pipeline stage's transfers of one micro-batch: the receive of its input (every
-    token's hidden state, sequence-sharded under SP) and the send of that input's gradient. The
-    receive runs on the emulator's inbound queue: it counts as a transfer, with neither the link
-    time nor the bytes of the outbound one (the bench's own T_comm)."""
-    p = setting.parallel
-    tokens = setting.micro_batch_size * setting.seq_len // (p.tp if p.sequence_parallel else 1)
-    nbytes = tokens * setting.model.hidden * setting.dtype_bytes
-    receive = ClusterSegment(("receive",), 0.0, 0.0, "recv (stage input)")
-    send = ClusterSegment(
-        ("send",),
-        0.0,
-        collective_time_s("send", nbytes, 2, setting.pp_link),
-        "send (stage input gradient)",
-        float(collective_bytes_on_wire("send", nbytes, 2)),
-    )
-    return receive, send
 
 
 def _operations(segments: Sequence[ClusterSegment]) -> collections.Counter[str]:

@@ -8,6 +8,8 @@ operators of one micro-batch on one tensor-parallel rank of the last pipeline st
 of the layers, plus the output head; plus the embedding when pp = 1), cut into
 :class:`ClusterSegment` s -- compute, then the transfer that ends it -- the shape that
 :mod:`cost_model.strand_plan` plans over. Deterministic; seconds from the formulas below.
+``stage_transfers(setting) -> (receive, send)``: the stage's own transfers of one micro-batch
+over the PP link (pp > 1), the receive of its input and the send of that input's gradient.
 
 One layer, one micro-batch, one TP rank (T = micro_batch_size * seq_len / cp tokens; Megatron-LM
 tensor + sequence parallelism, which the DHelix authors' launch scripts use: ``--sequence-parallel``)::
@@ -127,6 +129,27 @@ class ClusterSegment:
     all-reduce; only their sum waits)."""
 
 
+def _rank_tokens(setting: ClusterSetting) -> tuple[int, int]:
+    """T, this CP rank's tokens of a micro-batch, and the tokens its TP rank holds between TP
+    regions (T / tp under SP, where the norms and the stage boundary run on sequence shards)."""
+    p = setting.parallel
+    tokens = setting.micro_batch_size * setting.seq_len // p.cp
+    return tokens, tokens // p.tp if p.sequence_parallel and p.tp > 1 else tokens
+
+
+def stage_transfers(setting: ClusterSetting) -> tuple[ClusterSegment, ClusterSegment]:
+    """The last pipeline stage's transfers of one micro-batch over the PP link: the receive of
+    its input (the hidden states its TP rank holds) and the send of that input's gradient. The
+    receive is a transfer with no time or bytes of its own here: an emulated receive runs on the
+    inbound queue, and the bench's own T_comm and bytes are the outbound queue's."""
+    nbytes = _rank_tokens(setting)[1] * setting.model.hidden * setting.dtype_bytes
+    send = _collective("send", "stage input gradient", nbytes, 2, setting.pp_link)
+    return (
+        ClusterSegment(("receive",), 0.0, 0.0, "recv (stage input)"),
+        ClusterSegment(("send",), 0.0, send.seconds, send.label, send.wire_bytes),
+    )
+
+
 @dataclass(frozen=True)
 class _Transfer:
     label: str
@@ -197,8 +220,7 @@ class _StageBuilder:
         self.tp = p.tp
         self.sp = p.sequence_parallel and p.tp > 1
         self.per_projection = not self.sp and setting.projection_reduces == "per_projection"
-        self.tokens = setting.micro_batch_size * setting.seq_len // p.cp  # T: this CP rank's tokens
-        self.norm_tokens = self.tokens // p.tp if self.sp else self.tokens
+        self.tokens, self.norm_tokens = _rank_tokens(setting)
 
     def _mm(self, name: str, m: int, n: int, k: int, *, bwd_waits: bool = True) -> _Op:
         t = matmul_time_s(m, n, k, self.dev, self.eff, self.dtype)
